@@ -1,0 +1,435 @@
+"""qcomm's public codec: block quantization with fused error feedback, one uint8 wire format.
+
+Quick use::
+
+    from qcomm.compress import QuantSpec, quantize, dequantize, ErrorFeedback
+
+    spec = QuantSpec(bits=4, block_size=128, rounding="stochastic")
+    ef = ErrorFeedback()
+    packed = ef.quantize("grads", grad, spec, seed=step)   # v = grad + e; e <- v - D(Q(v))
+    send(packed.payload)                                   # uint8 [packed_nbytes(numel, spec)]
+    dequant_accumulate(received, out, spec)                # out += sum_k D(received[k])
+
+The byte layout, the rounding rules and the scale definitions are in
+:mod:`qcomm.kernels.wire_format`; the random stream of stochastic rounding is in
+:mod:`qcomm.kernels.counter_hash`. CUDA tensors run the fused Triton kernels
+(:mod:`qcomm.kernels.triton_codec`), CPU tensors run the bit-identical torch reference
+(:mod:`qcomm.kernels.reference`). ``QCOMM_BACKEND=reference|triton`` forces one (``triton`` on CPU
+tensors needs ``TRITON_INTERPRET=1``).
+
+Non-finite input never leaks: a block holding NaN or Inf gets a NaN scale inside the kernel (no
+extra pass over the data); :func:`quantize` then raises :class:`NonFiniteError`, returns no
+payload and leaves the error buffer exactly as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from qcomm.kernels import reference
+from qcomm.kernels.counter_hash import check_seed
+from qcomm.kernels.wire_format import (
+    INPUT_DTYPES,
+    QuantSpec,
+    codes_nbytes,
+    num_blocks,
+    packed_nbytes,
+    split_payload,
+)
+
+__all__ = [
+    "ErrorFeedback",
+    "NonFiniteError",
+    "Packed",
+    "QuantSpec",
+    "backend_name",
+    "codes_nbytes",
+    "dequant_accumulate",
+    "dequantize",
+    "num_blocks",
+    "packed_nbytes",
+    "quantize",
+]
+
+BACKENDS = ("reference", "triton")
+
+
+class NonFiniteError(FloatingPointError):
+    """Input to the codec holds NaN or Inf. Nothing was produced and no state was changed.
+
+    Attributes:
+        argument: the name of the offending argument (``"x"`` or ``"payloads"``).
+        blocks: indices of the offending blocks (for ``"payloads"``: flat over ``[K, nblocks]``).
+    """
+
+    def __init__(self, message: str, argument: str, blocks: list[int]):
+        super().__init__(message)
+        self.argument = argument
+        self.blocks = blocks
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One quantized message.
+
+    Attributes:
+        payload: uint8 ``[packed_nbytes(numel, spec)]``, codes then scales; what goes on the wire.
+        numel: number of values encoded.
+        spec: the QuantSpec used.
+        shape: shape of the original tensor (dequantize restores it).
+        dtype: dtype of the original tensor (dequantize's default output dtype).
+    """
+
+    payload: torch.Tensor
+    numel: int
+    spec: QuantSpec
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        _check_payload_tensor(self.payload, "payload", self.numel, self.spec, ndim=1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.numel()
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """float32 ``[nblocks]`` view of the payload's scales."""
+        return split_payload(self.payload, self.numel, self.spec)[1]
+
+    @classmethod
+    def from_payload(cls, payload: torch.Tensor, numel: int, spec: QuantSpec,
+                     shape: Sequence[int] | None = None,
+                     dtype: torch.dtype = torch.float32) -> Packed:
+        """Wrap a received payload (uint8 ``[packed_nbytes(numel, spec)]``)."""
+        return cls(payload, numel, spec, torch.Size(shape if shape is not None else (numel,)),
+                   dtype)
+
+
+def backend_name(device: torch.device) -> str:
+    """The backend that runs codec calls on ``device``: ``"triton"`` or ``"reference"``."""
+    forced = os.environ.get("QCOMM_BACKEND", "").strip().lower()
+    if forced not in ("", "auto", *BACKENDS):
+        raise ValueError(f"QCOMM_BACKEND must be one of {('auto', *BACKENDS)}, got {forced!r}")
+    if forced == "reference":
+        return "reference"
+    if forced == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "QCOMM_BACKEND=triton on a CPU tensor needs TRITON_INTERPRET=1 "
+                "(Triton compiles for CUDA devices only)"
+            )
+        return "triton"
+    if device.type == "cuda" and _triton_available():
+        return "triton"
+    return "reference"
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _kernels(device: torch.device):
+    if backend_name(device) == "triton":
+        from qcomm.kernels import triton_codec
+
+        return triton_codec
+    return reference
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks: each names the argument and what is allowed
+
+
+def _check_spec(spec: object) -> QuantSpec:
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"spec must be a qcomm.compress.QuantSpec, got {type(spec).__name__}")
+    return spec
+
+
+def _check_float_tensor(t: object, name: str, dtypes: Sequence[torch.dtype]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {t.dtype}")
+    return t
+
+
+def _check_buffer(buf: object, name: str, like: torch.Tensor) -> torch.Tensor:
+    """An fp32 buffer with ``like``'s numel and device, contiguous (written in place)."""
+    buf = _check_float_tensor(buf, name, (torch.float32,))
+    if buf.numel() != like.numel():
+        raise ValueError(f"{name} must have numel {like.numel()} (like x), got {buf.numel()}")
+    if buf.device != like.device:
+        raise ValueError(f"{name} must be on {like.device} (like x), got {buf.device}")
+    if not buf.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (it is updated in place)")
+    return buf
+
+
+def _check_payload_tensor(p: object, name: str, numel: int, spec: QuantSpec,
+                          ndim: int) -> torch.Tensor:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{name} must be a uint8 torch.Tensor, got {type(p).__name__}")
+    if p.dtype != torch.uint8:
+        raise TypeError(f"{name} must have dtype uint8, got {p.dtype}")
+    want = packed_nbytes(numel, spec)
+    if p.dim() != ndim or p.shape[-1] != want:
+        shape = "[nbytes]" if ndim == 1 else "[K, nbytes]"
+        raise ValueError(
+            f"{name} must have shape {shape} with nbytes = packed_nbytes({numel}, spec) = "
+            f"{want}, got {tuple(p.shape)}"
+        )
+    if not p.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return p
+
+
+def _resolve_seed(seed: int | None, spec: QuantSpec) -> int:
+    if seed is None:
+        if spec.rounding == "nearest":
+            return 0
+        # Drawn from torch's default generator, so torch.manual_seed makes runs reproducible.
+        return int(torch.randint(0, 2**62, (1,)).item())
+    return check_seed(seed)
+
+
+def _raise_if_nonfinite(scales: torch.Tensor, argument: str, what: str) -> None:
+    """Raise NonFiniteError when any scale is NaN/Inf (one small read, one host sync)."""
+    if scales.numel() == 0:
+        return
+    finite = torch.isfinite(scales)
+    if bool(finite.all()):
+        return
+    blocks = (~finite).flatten().nonzero().flatten().tolist()
+    raise NonFiniteError(
+        f"{argument} {what} non-finite values (NaN or Inf) in {len(blocks)} block(s), "
+        f"first block {blocks[0]}; nothing was produced and no state was changed",
+        argument,
+        blocks,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# public functions
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec, *, error: torch.Tensor | None = None,
+             error_out: torch.Tensor | None = None, seed: int | None = None,
+             out: torch.Tensor | None = None) -> Packed:
+    """Quantize ``x`` into one payload, with optional fused error feedback.
+
+    With ``error``: ``v = x + error``; ``payload = Q(v)``; the residual ``v - D(payload)`` goes
+    to ``error_out`` if given (one pass over memory: reads x and error, writes payload and
+    error_out; this is what :class:`ErrorFeedback` does with two buffers it swaps), else back
+    into ``error`` in place. The in-place form writes the residual to a scratch buffer and copies
+    it into ``error`` only after the input was found finite: one more pass over the residual,
+    the price of leaving ``error`` untouched on :class:`NonFiniteError`.
+
+    Args:
+        x: float32/float16/bfloat16, any shape (flattened in row-major order), any numel.
+        spec: the QuantSpec.
+        error: float32 with ``x.numel()`` elements on x's device, or None.
+        error_out: float32 like ``error``, receives the new residual; must not overlap ``error``
+            (pass only ``error`` for in place). With ``error=None`` it receives ``x - D(payload)``.
+        seed: int in [0, 2**64) for stochastic rounding; None draws one from torch's default
+            generator. Same seed, same bytes on every backend. Ignored for nearest rounding.
+        out: uint8 ``[packed_nbytes(x.numel(), spec)]`` on x's device to write the payload into.
+
+    Returns:
+        Packed with ``payload`` uint8 ``[packed_nbytes(x.numel(), spec)]``.
+
+    Raises:
+        NonFiniteError: ``x + error`` holds NaN/Inf. ``error`` is unchanged, no Packed is
+            returned, and ``out`` (if given) holds NaN scales and must not be sent.
+        TypeError, ValueError: a bad argument (named in the message).
+    """
+    x = _check_float_tensor(x, "x", INPUT_DTYPES)
+    spec = _check_spec(spec)
+    if error is not None:
+        error = _check_buffer(error, "error", x)
+    if error_out is not None:
+        error_out = _check_buffer(error_out, "error_out", x)
+        if error is not None and error_out.numel() and error_out.data_ptr() == error.data_ptr():
+            raise ValueError("error_out must not be error itself; pass only error for in place")
+    n = x.numel()
+    nbytes = packed_nbytes(n, spec)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    else:
+        out = _check_payload_tensor(out, "out", n, spec, ndim=1)
+        if out.device != x.device:
+            raise ValueError(f"out must be on {x.device} (like x), got {out.device}")
+    seed = _resolve_seed(seed, spec)
+
+    flat = x.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    residual_out = error_out
+    if error is not None and error_out is None:
+        residual_out = torch.empty_like(error)  # scratch: error stays intact until we know
+    _kernels(x.device).quantize_into(
+        flat, spec, out,
+        error.view(-1) if error is not None else None,
+        residual_out.view(-1) if residual_out is not None else None,
+        seed,
+    )
+    _raise_if_nonfinite(split_payload(out, n, spec)[1], "x", "(plus error) has")
+    if error is not None and error_out is None:
+        error.copy_(residual_out)
+    return Packed(out, n, spec, x.shape, x.dtype)
+
+
+def dequantize(packed: Packed, *, out: torch.Tensor | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Decode a Packed message.
+
+    Args:
+        packed: a Packed (see :meth:`Packed.from_payload` for received bytes).
+        out: float32/float16/bfloat16 with ``packed.numel`` elements on the payload's device,
+            contiguous; written in place and returned.
+        dtype: output dtype when ``out`` is None; default ``packed.dtype``.
+
+    Returns:
+        Tensor of shape ``packed.shape`` (or ``out``'s shape) with the decoded values.
+    """
+    if not isinstance(packed, Packed):
+        raise TypeError(f"packed must be a qcomm.compress.Packed, got {type(packed).__name__}")
+    device = packed.payload.device
+    if out is None:
+        dtype = packed.dtype if dtype is None else dtype
+        if dtype not in INPUT_DTYPES:
+            raise TypeError(f"dtype must be one of {INPUT_DTYPES}, got {dtype}")
+        out = torch.empty(packed.shape, dtype=dtype, device=device)
+    else:
+        _check_float_tensor(out, "out", INPUT_DTYPES)
+        if out.numel() != packed.numel or out.device != device or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous tensor of {packed.numel} elements on {device}, got "
+                f"{out.numel()} elements on {out.device}"
+            )
+    _kernels(device).dequantize_into(packed.payload, packed.spec, out.view(-1))
+    return out
+
+
+def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpec,
+                       weights: Sequence[float] | torch.Tensor | None = None) -> torch.Tensor:
+    """``out += sum_k weights[k] * D(payloads[k])`` in one pass, without decoding each payload
+    into its own tensor.
+
+    Args:
+        payloads: uint8 ``[K, packed_nbytes(out.numel(), spec)]`` (or ``[nbytes]`` for K = 1),
+            on out's device: K peers' messages.
+        out: float32, any shape, contiguous; updated in place and returned.
+        spec: the QuantSpec the payloads were made with.
+        weights: K finite floats (sequence or float32 tensor), or None for all ones.
+
+    Raises:
+        NonFiniteError: a payload carries a non-finite scale; ``out`` is unchanged.
+    """
+    spec = _check_spec(spec)
+    out = _check_float_tensor(out, "out", (torch.float32,))
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous (it is updated in place)")
+    if isinstance(payloads, torch.Tensor) and payloads.dim() == 1:
+        payloads = payloads.unsqueeze(0)
+    payloads = _check_payload_tensor(payloads, "payloads", out.numel(), spec, ndim=2)
+    if payloads.device != out.device:
+        raise ValueError(f"payloads must be on {out.device} (like out), got {payloads.device}")
+    k = payloads.shape[0]
+    w = None
+    if weights is not None:
+        w = torch.as_tensor(weights, dtype=torch.float32).to(out.device).reshape(-1)
+        if w.numel() != k:
+            raise ValueError(f"weights must have K = {k} entries (one per payload), "
+                             f"got {w.numel()}")
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError(f"weights must be finite, got {w.tolist()}")
+    _raise_if_nonfinite(split_payload(payloads, out.numel(), spec)[1], "payloads", "carry")
+    if k:
+        _kernels(out.device).dequant_accumulate_into(payloads, spec, out.view(-1), w)
+    return out
+
+
+class ErrorFeedback:
+    """Error-feedback residuals, one per key (a parameter name, a bucket index, a shard).
+
+    Buffers are created lazily on first use with the tensor's numel and device. Each key holds a
+    current residual and a spare of the same size: :meth:`quantize` reads the current one and
+    writes the new residual into the spare (one pass over memory, no scratch copy), then swaps
+    them, so a :class:`NonFiniteError` leaves the residual exactly as it was.
+    """
+
+    def __init__(self) -> None:
+        self._residuals: dict[str | int, torch.Tensor] = {}
+        self._spares: dict[str | int, torch.Tensor] = {}
+
+    def __contains__(self, key: str | int) -> bool:
+        return key in self._residuals
+
+    def keys(self) -> list[str | int]:
+        return list(self._residuals)
+
+    def residual(self, key: str | int) -> torch.Tensor | None:
+        """The current float32 residual for ``key`` (flat), or None before first use."""
+        return self._residuals.get(key)
+
+    def quantize(self, key: str | int, x: torch.Tensor, spec: QuantSpec, *,
+                 seed: int | None = None, out: torch.Tensor | None = None) -> Packed:
+        """Quantize ``x`` with the residual stored under ``key`` and update it.
+
+        Same arguments and errors as :func:`quantize`. Raises ValueError if ``key`` already
+        holds a residual of another numel or device.
+        """
+        if not isinstance(key, (str, int)) or isinstance(key, bool):
+            raise TypeError(f"key must be a str or int, got {key!r}")
+        x = _check_float_tensor(x, "x", INPUT_DTYPES)
+        res = self._residuals.get(key)
+        if res is None:
+            res = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+        elif res.numel() != x.numel() or res.device != x.device:
+            raise ValueError(
+                f"key {key!r} holds a residual of {res.numel()} elements on {res.device}; "
+                f"x has {x.numel()} on {x.device} (use another key or reset({key!r}))"
+            )
+        spare = self._spares.get(key)
+        if spare is None:
+            spare = torch.empty_like(res)
+        packed = quantize(x, spec, error=res, error_out=spare, seed=seed, out=out)
+        self._residuals[key], self._spares[key] = spare, res
+        return packed
+
+    def reset(self, key: str | int | None = None) -> None:
+        """Forget the residual of ``key`` (all keys when None)."""
+        if key is None:
+            self._residuals.clear()
+            self._spares.clear()
+        else:
+            self._residuals.pop(key, None)
+            self._spares.pop(key, None)
+
+    def state_dict(self) -> dict[str, dict[str | int, torch.Tensor]]:
+        """``{"residuals": {key: float32 tensor}}`` (references, like torch's state_dicts)."""
+        return {"residuals": dict(self._residuals)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load residuals saved by :meth:`state_dict` (copied; devices kept as saved)."""
+        if not isinstance(state, dict) or not isinstance(state.get("residuals"), dict):
+            raise ValueError("state must be a dict {'residuals': {key: tensor}} from state_dict()")
+        loaded: dict[str | int, torch.Tensor] = {}
+        for key, t in state["residuals"].items():
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1:
+                raise ValueError(f"residual {key!r} must be a 1-D float32 tensor")
+            loaded[key] = t.detach().clone()
+        self._residuals = loaded
+        self._spares = {}

@@ -1,0 +1,124 @@
+"""The qcomm wire format: one spec, one byte layout, shared by every backend.
+
+A message quantizes ``numel`` float values with a :class:`QuantSpec` into ONE contiguous
+``uint8`` payload whose length is a pure function of ``(numel, spec)``, so peers need no header.
+
+Byte layout of a payload (``nblocks = ceil(numel / block_size)``)::
+
+    [0, codes_nbytes)                    packed codes, element i at bit (i * bits) of the stream:
+                                         byte (i * bits) // 8, bit offset (i * bits) % 8; the
+                                         low bits of a byte hold the lower element index. Codes
+                                         of padding elements (i >= numel) and alignment bytes
+                                         are 0.
+    [codes_nbytes, codes_nbytes + 4 * nblocks)
+                                         one float32 scale per block, little-endian.
+
+``codes_nbytes = 4 * ceil(numel * bits / 32)``: the codes are padded to a multiple of 4 bytes so
+the scales are 4-byte aligned (a float32 view of them is legal on every device).
+
+Codes (``L = 2 ** (bits - 1) - 1``):
+
+* ``bits >= 2``: symmetric per-block absmax. ``scale`` is ``absmax / L`` rounded to nearest, then
+  raised by one ulp if ``scale * L < absmax`` (only possible when ``scale`` is subnormal), so that
+  ``|v / scale| <= L`` always. The level ``q = round(v / scale)`` in ``[-L, L]`` is stored as the
+  unsigned code ``q + L`` in ``[0, 2L]``; ``D(code) = (code - L) * scale``. A block of zeros has
+  ``scale = 0`` and decodes to zeros.
+* ``bits == 1``: ``scale`` is the block's mean absolute value, summed pairwise in float64 in a
+  fixed tree order (so every backend gets the same bits) and divided by the number of real
+  elements of the block; code 1 means ``+scale`` (``v >= 0``), code 0 means ``-scale``.
+
+A block whose input holds NaN or +-Inf gets a NaN scale: that is how the caller finds non-finite
+input without another pass over the data.
+
+Stochastic rounding uses ``q = floor(t) + (r < t - floor(t))`` with ``t = v / scale`` and ``r`` in
+``[0, 1)`` drawn from :mod:`qcomm.kernels.counter_hash` of ``(seed, element index)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+SUPPORTED_BITS = (1, 2, 4, 8)
+MIN_BLOCK_SIZE = 32
+MAX_BLOCK_SIZE = 4096
+ROUNDING_MODES = ("nearest", "stochastic")
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SCALE_NBYTES = 4
+
+Rounding = Literal["nearest", "stochastic"]
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a tensor is quantized: code width, block size and rounding mode.
+
+    Args:
+        bits: code width, one of 1, 2, 4, 8.
+        block_size: elements per scale, a power of two in [32, 4096].
+        rounding: ``"nearest"`` (deterministic) or ``"stochastic"`` (unbiased, seeded).
+    """
+
+    bits: int = 4
+    block_size: int = 128
+    rounding: Rounding = "nearest"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
+            raise TypeError(f"bits must be an int in {SUPPORTED_BITS}, got {self.bits!r}")
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
+        bs = self.block_size
+        if isinstance(bs, bool) or not isinstance(bs, int):
+            raise TypeError(f"block_size must be an int power of two, got {bs!r}")
+        if not (MIN_BLOCK_SIZE <= bs <= MAX_BLOCK_SIZE) or bs & (bs - 1):
+            raise ValueError(
+                f"block_size must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
+                f"got {bs}"
+            )
+        if self.rounding not in ROUNDING_MODES:
+            raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {self.rounding!r}")
+
+    @property
+    def max_level(self) -> int:
+        """L = 2**(bits-1) - 1, the largest |level| (0 for 1-bit, whose levels are +-scale)."""
+        return (1 << (self.bits - 1)) - 1
+
+    @property
+    def codes_per_byte(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def bits_per_value(self) -> float:
+        """Average wire bits per element at full blocks (codes plus the block's scale)."""
+        return self.bits + 8 * SCALE_NBYTES / self.block_size
+
+
+def num_blocks(numel: int, spec: QuantSpec) -> int:
+    """Number of scale blocks, ceil(numel / block_size)."""
+    return -(-numel // spec.block_size)
+
+
+def codes_nbytes(numel: int, spec: QuantSpec) -> int:
+    """Bytes of the packed-codes section, padded to a multiple of 4 (scale alignment)."""
+    return 4 * (-(-numel * spec.bits // 32))
+
+
+def packed_nbytes(numel: int, spec: QuantSpec) -> int:
+    """Exact payload length in bytes for ``numel`` values under ``spec`` (0 for numel 0)."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    return codes_nbytes(numel, spec) + SCALE_NBYTES * num_blocks(numel, spec)
+
+
+def split_payload(
+    payload: torch.Tensor, numel: int, spec: QuantSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a payload (uint8 ``[..., nbytes]``) as (codes uint8 ``[..., codes_nbytes]``,
+    scales float32 ``[..., nblocks]``). No copy."""
+    cn = codes_nbytes(numel, spec)
+    codes = payload[..., :cn]
+    scales = payload[..., cn:].view(torch.float32)
+    return codes, scales

@@ -1,0 +1,50 @@
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from qcomm.testing.multiprocess import WorldError, run_world
+
+
+def _sum_ranks(rank: int, world_size: int, n: int) -> float:
+    t = torch.full((n,), float(rank))
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+def _rank1_raises(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise RuntimeError("boom on purpose")
+
+
+def _rank0_hangs(rank: int, world_size: int) -> None:
+    if rank == 0:
+        time.sleep(60)
+
+
+def _rank1_exits(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os._exit(3)
+
+
+def test_run_world_returns_per_rank_values():
+    assert run_world(_sum_ranks, 3, args=(4,), timeout_s=60) == [3.0, 3.0, 3.0]
+
+
+def test_run_world_reports_a_rank_exception():
+    with pytest.raises(WorldError, match="boom on purpose"):
+        run_world(_rank1_raises, 2, timeout_s=60)
+
+
+def test_run_world_reports_a_dead_rank():
+    with pytest.raises(WorldError, match="rank 1 died with exit code 3"):
+        run_world(_rank1_exits, 2, timeout_s=60)
+
+
+def test_run_world_times_out_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(WorldError, match="did not finish within 5 s"):
+        run_world(_rank0_hangs, 2, timeout_s=5)
+    assert time.monotonic() - start < 30
