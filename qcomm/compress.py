@@ -62,7 +62,7 @@ class NonFiniteError(FloatingPointError):
     """Input to the codec holds NaN or Inf. Nothing was produced and no state was changed.
 
     Attributes:
-        argument: the name of the offending argument (``"x"`` or ``"payloads"``).
+        argument: the name of the offending argument (``"x"``, ``"packed"`` or ``"payloads"``).
         blocks: indices of the offending blocks (for ``"payloads"``: flat over ``[K, nblocks]``).
     """
 
@@ -195,6 +195,14 @@ def _check_payload_tensor(p: object, name: str, numel: int, spec: QuantSpec,
     return p
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two contiguous tensors intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _resolve_seed(seed: int | None, spec: QuantSpec) -> int:
     if seed is None:
         if spec.rounding == "nearest":
@@ -260,8 +268,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, error: torch.Tensor | None = N
         error = _check_buffer(error, "error", x)
     if error_out is not None:
         error_out = _check_buffer(error_out, "error_out", x)
-        if error is not None and error_out.numel() and error_out.data_ptr() == error.data_ptr():
-            raise ValueError("error_out must not be error itself; pass only error for in place")
+        if error is not None and _overlap(error, error_out):
+            raise ValueError("error_out must not overlap error; pass only error for in place")
     n = x.numel()
     nbytes = packed_nbytes(n, spec)
     if out is None:
@@ -302,6 +310,9 @@ def dequantize(packed: Packed, *, out: torch.Tensor | None = None,
 
     Returns:
         Tensor of shape ``packed.shape`` (or ``out``'s shape) with the decoded values.
+
+    Raises:
+        NonFiniteError: the payload carries a non-finite scale; ``out`` is unchanged.
     """
     if not isinstance(packed, Packed):
         raise TypeError(f"packed must be a qcomm.compress.Packed, got {type(packed).__name__}")
@@ -318,6 +329,7 @@ def dequantize(packed: Packed, *, out: torch.Tensor | None = None,
                 f"out must be a contiguous tensor of {packed.numel} elements on {device}, got "
                 f"{out.numel()} elements on {out.device}"
             )
+    _raise_if_nonfinite(packed.scales, "packed", "carries")
     _kernels(device).dequantize_into(packed.payload, packed.spec, out.view(-1))
     return out
 

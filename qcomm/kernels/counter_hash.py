@@ -19,6 +19,8 @@ computes it once per program (a program never straddles a 2**32 boundary).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 MIX_MUL_1 = 0x7FEB352D
@@ -60,8 +62,13 @@ def stream_key(seed: int, hi: int) -> int:
 
 
 def check_seed(seed: int) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    """``seed`` as a Python int in [0, 2**64); numpy and torch integer scalars are accepted."""
+    if isinstance(seed, bool):
         raise TypeError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    try:
+        seed = operator.index(seed)
+    except TypeError:
+        raise TypeError(f"seed must be an int in [0, 2**64), got {seed!r}") from None
     if not 0 <= seed <= SEED_MAX:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
     return seed

@@ -51,10 +51,14 @@ def block_scales(vb: torch.Tensor, n: int, spec: QuantSpec) -> torch.Tensor:
     levels = float(spec.max_level)
     absmax = vb.abs().amax(dim=1)
     scale = absmax / levels
-    # Round the scale up by one ulp where rounding made scale * L < absmax (subnormal scales):
-    # this keeps |v / scale| <= L, so the nearest level is never clamped.
+    # Round the scale up by one ulp where rounding made scale * L < absmax (mostly subnormal
+    # scales, whose relative rounding error is large): the top level then reaches absmax.
     bumped = (scale.view(torch.int32) + 1).view(torch.float32)
-    return torch.where(scale * levels < absmax, bumped, scale)
+    scale = torch.where(scale * levels < absmax, bumped, scale)
+    # ...and down by one ulp where L * scale overflows (absmax == FLT_MAX at L = 127, the only
+    # such float32): decoding the top level must stay finite. Levels are clamped to [-L, L].
+    lowered = (scale.view(torch.int32) - 1).view(torch.float32)
+    return torch.where(torch.isinf(scale * levels) & torch.isfinite(absmax), lowered, scale)
 
 
 def _levels(vb: torch.Tensor, scale: torch.Tensor, start: int, spec: QuantSpec,
@@ -63,10 +67,14 @@ def _levels(vb: torch.Tensor, scale: torch.Tensor, start: int, spec: QuantSpec,
     s = scale[:, None]
     t = torch.where(s == 0, torch.zeros_like(vb), vb / s)
     if spec.rounding == "nearest":
-        return (t + ROUND_MAGIC) - ROUND_MAGIC
-    fl = torch.floor(t)
-    r = uniform(seed, start, vb.numel(), vb.device).view_as(vb)
-    return fl + (r < (t - fl)).to(torch.float32)
+        q = (t + ROUND_MAGIC) - ROUND_MAGIC
+    else:
+        fl = torch.floor(t)
+        r = uniform(seed, start, vb.numel(), vb.device).view_as(vb)
+        q = fl + (r < (t - fl)).to(torch.float32)
+    # fl(v / scale) can exceed L by an ulp (double rounding of scale and t): clamp, so a
+    # code never leaves [0, 2L] and the residual is computed from the level actually sent.
+    return q.clamp(-float(spec.max_level), float(spec.max_level))
 
 
 def _pack(codes: torch.Tensor, spec: QuantSpec, nbytes: int) -> torch.Tensor:

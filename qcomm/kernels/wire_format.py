@@ -19,10 +19,12 @@ the scales are 4-byte aligned (a float32 view of them is legal on every device).
 Codes (``L = 2 ** (bits - 1) - 1``):
 
 * ``bits >= 2``: symmetric per-block absmax. ``scale`` is ``absmax / L`` rounded to nearest, then
-  raised by one ulp if ``scale * L < absmax`` (only possible when ``scale`` is subnormal), so that
-  ``|v / scale| <= L`` always. The level ``q = round(v / scale)`` in ``[-L, L]`` is stored as the
-  unsigned code ``q + L`` in ``[0, 2L]``; ``D(code) = (code - L) * scale``. A block of zeros has
-  ``scale = 0`` and decodes to zeros.
+  raised by one ulp if ``fl(scale * L) < absmax`` (so the top level reaches absmax; this matters
+  for subnormal scales, whose rounding error is large), then lowered by one ulp if
+  ``fl(scale * L)`` overflows (absmax == FLT_MAX at 8 bits, the only such float32). The level
+  ``q = round(v / scale)``, clamped to ``[-L, L]`` (``fl(v / scale)`` can exceed L by an ulp), is
+  stored as the unsigned code ``q + L`` in ``[0, 2L]``; ``D(code) = (code - L) * scale``. A block
+  of zeros has ``scale = 0`` and decodes to zeros.
 * ``bits == 1``: ``scale`` is the block's mean absolute value, summed pairwise in float64 in a
   fixed tree order (so every backend gets the same bits) and divided by the number of real
   elements of the block; code 1 means ``+scale`` (``v >= 0``), code 0 means ``-scale``.
@@ -59,6 +61,9 @@ class QuantSpec:
         bits: code width, one of 1, 2, 4, 8.
         block_size: elements per scale, a power of two in [32, 4096].
         rounding: ``"nearest"`` (deterministic) or ``"stochastic"`` (unbiased, seeded).
+            1-bit codes are ``sign(v) * mean|v|`` under either mode: deterministic and biased
+            per message (error feedback removes the bias over steps); ``rounding`` only
+            matters for ``bits >= 2``.
     """
 
     bits: int = 4
@@ -120,5 +125,7 @@ def split_payload(
     scales float32 ``[..., nblocks]``). No copy."""
     cn = codes_nbytes(numel, spec)
     codes = payload[..., :cn]
+    if numel == 0:  # a float32 view of an empty uint8 slice fails for some strides
+        return codes, payload.new_empty((*payload.shape[:-1], 0), dtype=torch.float32)
     scales = payload[..., cn:].view(torch.float32)
     return codes, scales

@@ -1,0 +1,295 @@
+"""Every bad input to qcomm.compress raises as documented, naming the argument; non-finite
+input raises NonFiniteError and leaves all state bit for bit unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from qcomm.compress import (
+    ErrorFeedback,
+    NonFiniteError,
+    Packed,
+    QuantSpec,
+    backend_name,
+    dequant_accumulate,
+    dequantize,
+    packed_nbytes,
+    quantize,
+)
+from qcomm.testing.strategies import adversarial_tensors, lengths, quant_specs
+
+SPEC = QuantSpec(4, 32)
+FMAX = torch.finfo(torch.float32).max
+
+
+@pytest.fixture(autouse=True)
+def _reference_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("QCOMM_BACKEND", raising=False)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern of a float32 tensor (so NaN payloads and -0.0 compare exactly)."""
+    return t.clone().view(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# QuantSpec
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "name"), [
+    ({"bits": 0}, ValueError, "bits"),
+    ({"bits": 3}, ValueError, "bits"),
+    ({"bits": 16}, ValueError, "bits"),
+    ({"bits": True}, TypeError, "bits"),
+    ({"bits": 2.0}, TypeError, "bits"),
+    ({"block_size": 16}, ValueError, "block_size"),
+    ({"block_size": 48}, ValueError, "block_size"),
+    ({"block_size": 8192}, ValueError, "block_size"),
+    ({"block_size": True}, TypeError, "block_size"),
+    ({"block_size": 64.0}, TypeError, "block_size"),
+    ({"rounding": "up"}, ValueError, "rounding"),
+    ({"rounding": None}, ValueError, "rounding"),
+], ids=str)
+def test_bad_spec(kwargs: dict, exc: type, name: str) -> None:
+    with pytest.raises(exc, match=name):
+        QuantSpec(**kwargs)
+
+
+def test_spec_must_be_quantspec() -> None:
+    with pytest.raises(TypeError, match="spec"):
+        quantize(torch.zeros(4), {"bits": 4})
+    with pytest.raises(TypeError, match="spec"):
+        dequant_accumulate(torch.zeros(1, 4, dtype=torch.uint8), torch.zeros(4), "4bit")
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize arguments
+
+
+@pytest.mark.parametrize("x", [
+    torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.bool),
+    torch.zeros(4, dtype=torch.complex64), torch.zeros(4, dtype=torch.float64), [1.0, 2.0],
+], ids=lambda x: str(getattr(x, "dtype", type(x).__name__)))
+def test_bad_x(x: object) -> None:
+    with pytest.raises(TypeError, match="x must"):
+        quantize(x, SPEC)
+    with pytest.raises(TypeError, match="x must"):
+        ErrorFeedback().quantize("k", x, SPEC)
+
+
+def _meta(n: int) -> torch.Tensor:
+    return torch.empty(n, device="meta")
+
+
+@pytest.mark.parametrize("name", ["error", "error_out"])
+@pytest.mark.parametrize(("buf", "exc"), [
+    (torch.zeros(9), ValueError),                      # wrong numel
+    (torch.zeros(10, dtype=torch.float16), TypeError),  # wrong dtype
+    (torch.zeros(10, dtype=torch.float64), TypeError),
+    (_meta(10), ValueError),                           # wrong device
+    (torch.zeros(20)[::2], ValueError),                # non-contiguous
+    ("zeros", TypeError),                              # not a tensor
+], ids=["numel", "fp16", "fp64", "meta", "strided", "str"])
+def test_bad_error_buffers(name: str, buf: object, exc: type) -> None:
+    with pytest.raises(exc, match=name):
+        quantize(torch.zeros(10), SPEC, **{name: buf})
+
+
+def test_error_out_aliasing_error() -> None:
+    e = torch.zeros(10)
+    with pytest.raises(ValueError, match="error_out"):
+        quantize(torch.zeros(10), SPEC, error=e, error_out=e)
+    with pytest.raises(ValueError, match="error_out"):
+        quantize(torch.zeros(10), SPEC, error=e, error_out=e.view(2, 5))
+
+
+def test_error_out_partial_overlap() -> None:
+    """error_out overlapping error by all but one element: a fused kernel would race."""
+    buf = torch.zeros(11)
+    with pytest.raises(ValueError, match="error_out"):
+        quantize(torch.zeros(10), SPEC, error=buf[:10], error_out=buf[1:])
+
+
+@pytest.mark.parametrize(("out", "exc"), [
+    (torch.zeros(packed_nbytes(10, SPEC) + 1, dtype=torch.uint8), ValueError),
+    (torch.zeros(packed_nbytes(10, SPEC) - 1, dtype=torch.uint8), ValueError),
+    (torch.zeros(packed_nbytes(10, SPEC), dtype=torch.int8), TypeError),
+    (torch.zeros(packed_nbytes(10, SPEC)), TypeError),
+    (torch.zeros(1, packed_nbytes(10, SPEC), dtype=torch.uint8), ValueError),
+    (torch.zeros(2 * packed_nbytes(10, SPEC), dtype=torch.uint8)[::2], ValueError),
+    (torch.empty(packed_nbytes(10, SPEC), dtype=torch.uint8, device="meta"), ValueError),
+], ids=["long", "short", "int8", "float", "2d", "strided", "meta"])
+def test_bad_out(out: torch.Tensor, exc: type) -> None:
+    with pytest.raises(exc, match="out"):
+        quantize(torch.zeros(10), SPEC, out=out)
+
+
+@pytest.mark.parametrize(("seed", "exc"), [
+    (-1, ValueError), (2**64, ValueError), (2**70, ValueError),
+    (1.0, TypeError), (True, TypeError), ("3", TypeError),
+], ids=str)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_bad_seed(seed: object, exc: type, rounding: str) -> None:
+    """Checked in both modes: a bad seed is a bug in the caller even where it is unused."""
+    with pytest.raises(exc, match="seed"):
+        quantize(torch.zeros(10), QuantSpec(4, 32, rounding), seed=seed)
+
+
+def test_seed_extremes_accepted() -> None:
+    spec = QuantSpec(4, 32, "stochastic")
+    for seed in (0, 2**64 - 1):
+        quantize(torch.randn(40), spec, seed=seed)
+
+
+@pytest.mark.parametrize("value", ["cuda", "bogus", "1"])
+def test_bad_backend_env(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("QCOMM_BACKEND", value)
+    with pytest.raises(ValueError, match="QCOMM_BACKEND"):
+        quantize(torch.zeros(10), SPEC)
+    with pytest.raises(ValueError, match="QCOMM_BACKEND"):
+        backend_name(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("value", ["", "auto", "reference", " Reference "])
+def test_good_backend_env(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("QCOMM_BACKEND", value)
+    assert backend_name(torch.device("cpu")) == "reference"
+
+
+def test_triton_backend_on_cpu_needs_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QCOMM_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        backend_name(torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# dequantize / dequant_accumulate arguments
+
+
+def test_bad_dequantize_args() -> None:
+    p = quantize(torch.randn(10), SPEC)
+    with pytest.raises(TypeError, match="packed"):
+        dequantize(p.payload)
+    with pytest.raises(TypeError, match="dtype"):
+        dequantize(p, dtype=torch.float64)
+    with pytest.raises(ValueError, match="out"):
+        dequantize(p, out=torch.zeros(11))
+    with pytest.raises(ValueError, match="out"):
+        dequantize(p, out=torch.zeros(20)[::2])
+    with pytest.raises(TypeError, match="out"):
+        dequantize(p, out=torch.zeros(10, dtype=torch.float64))
+    with pytest.raises(ValueError, match="payload"):
+        Packed.from_payload(p.payload[:-1], 10, SPEC)
+    with pytest.raises(TypeError, match="payload"):
+        Packed.from_payload(p.payload.to(torch.int8), 10, SPEC)
+
+
+def test_bad_dequant_accumulate_args() -> None:
+    n = 10
+    nbytes = packed_nbytes(n, SPEC)
+    good = torch.zeros(2, nbytes, dtype=torch.uint8)
+    out = torch.zeros(n)
+    with pytest.raises(ValueError, match="payloads"):
+        dequant_accumulate(torch.zeros(2, nbytes + 1, dtype=torch.uint8), out, SPEC)
+    with pytest.raises(TypeError, match="payloads"):
+        dequant_accumulate(good.to(torch.int16), out, SPEC)
+    with pytest.raises(ValueError, match="payloads"):
+        dequant_accumulate(good.unsqueeze(0), out, SPEC)
+    with pytest.raises(TypeError, match="payloads"):
+        dequant_accumulate(good.tolist(), out, SPEC)
+    with pytest.raises(ValueError, match="payloads"):
+        dequant_accumulate(torch.zeros(nbytes, 2, dtype=torch.uint8).t(), out, SPEC)
+    with pytest.raises(ValueError, match="payloads"):
+        dequant_accumulate(good.to("meta"), out, SPEC)
+    with pytest.raises(TypeError, match="out"):
+        dequant_accumulate(good, out.to(torch.float16), SPEC)
+    with pytest.raises(ValueError, match="out"):
+        dequant_accumulate(good, torch.zeros(2 * n)[::2], SPEC)
+    for w in ([1.0], [1.0, 2.0, 3.0], torch.ones(3)):
+        with pytest.raises(ValueError, match="weights"):
+            dequant_accumulate(good, out, SPEC, weights=w)
+    for w in ([1.0, float("nan")], [float("inf"), 1.0], torch.tensor([1.0, -float("inf")])):
+        with pytest.raises(ValueError, match="weights"):
+            dequant_accumulate(good, out, SPEC, weights=w)
+    assert torch.equal(out, torch.zeros(n))  # nothing was touched by the failed calls
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite input: NonFiniteError, state unchanged
+
+
+@given(data=st.data())
+def test_nonfinite_x_leaves_error_unchanged(data: st.DataObject) -> None:
+    """x holding NaN/Inf raises NonFiniteError(argument 'x') with the error buffer bitwise
+    unchanged: in place, with error_out, and in ErrorFeedback (residual unchanged)."""
+    spec = data.draw(quant_specs(), label="spec")
+    n = data.draw(lengths(spec.block_size).filter(bool), label="n")
+    x = data.draw(adversarial_tensors(n, block_size=spec.block_size, allow_nonfinite=True))
+    x[data.draw(st.integers(0, n - 1))] = data.draw(st.sampled_from(
+        [float("nan"), float("inf"), -float("inf")]))
+    e = data.draw(adversarial_tensors(n, dtype=torch.float32, block_size=spec.block_size))
+    before = _bits(e)
+    with pytest.raises(NonFiniteError) as info:
+        quantize(x, spec, error=e, seed=1)
+    assert info.value.argument == "x" and info.value.blocks
+    assert torch.equal(_bits(e), before)
+    with pytest.raises(NonFiniteError):
+        quantize(x, spec, error=e, error_out=torch.empty(n), seed=1)
+    assert torch.equal(_bits(e), before)
+
+    ef = ErrorFeedback()
+    ok = torch.randn(x.shape)
+    ef.quantize("k", ok, spec, seed=0)
+    res = _bits(ef.residual("k"))
+    with pytest.raises(NonFiniteError):
+        ef.quantize("k", x, spec, seed=1)
+    assert torch.equal(_bits(ef.residual("k")), res)
+    # and it keeps working afterwards from the same residual
+    expected = quantize(ok, spec, error=ef.residual("k").clone(), seed=2).payload
+    assert torch.equal(ef.quantize("k", ok, spec, seed=2).payload, expected)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_overflowing_sum_raises(bits: int) -> None:
+    """Finite x whose x + error overflows float32 to inf: NonFiniteError, error unchanged,
+    the offending block named."""
+    spec = QuantSpec(bits, 32)
+    x = torch.zeros(100)
+    x[70] = FMAX
+    e = torch.zeros(100)
+    e[70] = FMAX / 2
+    before = _bits(e)
+    with pytest.raises(NonFiniteError) as info:
+        quantize(x, spec, error=e)
+    assert info.value.blocks == [2]
+    assert torch.equal(_bits(e), before)
+    with pytest.raises(NonFiniteError):
+        quantize(x, spec, error=e, error_out=torch.zeros(100))
+    assert torch.equal(_bits(e), before)
+    ef = ErrorFeedback()
+    ef.load_state_dict({"residuals": {"k": e}})
+    with pytest.raises(NonFiniteError):
+        ef.quantize("k", x, spec)
+    assert torch.equal(_bits(ef.residual("k")), before)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("k_bad", [0, 2])
+def test_nonfinite_payload_scale(bad: float, k_bad: int) -> None:
+    """A payload carrying a NaN/Inf scale: NonFiniteError(argument 'payloads'), out unchanged
+    even where earlier payloads were fine (checked before anything is accumulated)."""
+    n = 70
+    payloads = torch.stack([quantize(torch.randn(n), SPEC).payload for _ in range(3)])
+    scales = payloads[k_bad, -4 * 3:].view(torch.float32)
+    scales[1] = bad
+    out = torch.randn(n)
+    before = _bits(out)
+    with pytest.raises(NonFiniteError) as info:
+        dequant_accumulate(payloads, out, SPEC, weights=[1.0, 2.0, 3.0])
+    assert info.value.argument == "payloads"
+    assert info.value.blocks == [k_bad * 3 + 1]
+    assert torch.equal(_bits(out), before)
