@@ -1,0 +1,202 @@
+"""Hierarchical quantized allreduce: full precision inside nodes, the codec between them.
+
+Per flat bucket of ``n`` elements, with ``L`` ranks per node and ``N`` nodes:
+
+1. intra-node reduce-scatter: the bucket, zero-padded to ``L * s`` elements, is cut into ``L``
+   shards of ``s``; local rank i gets the node's mean of shard i (summed in float32, in
+   local-rank order, divided by L);
+2. rail allreduce of that shard, across the N nodes (the ranks with local rank i):
+   with a spec, quantize ``shard mean + residual`` (error feedback, one residual per shard)
+   into one payload, all-gather the N payloads, ``dequant_accumulate(weights = 1/N)``;
+   without a spec, reduce-scatter + all-gather at full precision;
+3. intra-node all-gather of the L shards, and the bucket is copied back into the tensors.
+
+Shards are equal, and with a spec block-aligned (``s`` a multiple of ``spec.block_size``), so
+the codec's blocks of a shard are blocks of the bucket and every payload has the same length.
+Without a spec ``s`` is a multiple of ``N`` (equal sub-shards on the rail).
+
+Every rank ends with bit-identical values (each element is reduced once, by fixed owners, in a
+fixed order, then copied). Each node's ``N`` NICs (one per rail) carry ``1/L`` of the inter-node
+traffic each. Bytes are counted per level as in :mod:`qcomm.collectives.intra`:
+reduce-scatter and all-gather of ``c`` bytes per chunk over ``P`` ranks each send
+``(P - 1) * c`` per rank. Per rank and bucket, with element size ``e``:
+``intra = 2 * (L - 1) * s * e`` (L > 1), ``inter = (N - 1) * packed_nbytes(s, spec)`` with a
+spec, ``2 * (N - 1) * (s / N) * e`` without (N > 1).
+
+Accuracy. Without a spec: the exact mean up to float32 rounding of the sums. With a spec,
+nearest rounding and bits >= 2, element j of node k's decoded shard differs from ``v_k = mean_k
++ residual_k`` by at most ``scale_k / 2`` (``scale_k`` = the block's absmax / (2**(bits-1)-1),
+stored in node k's payload) and error feedback carries that difference into the next call, so
+``result = exact mean + (1/N) sum_k (residual_k before - residual_k after)``: the running sum of
+results tracks the running sum of exact means within ``(1/N) sum_k |residual_k|``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from qcomm.collectives.buckets import Bucket, check_tensors, layout_key, pack, plan_buckets, unpack
+from qcomm.collectives.handles import Handle, Last
+from qcomm.collectives.intra import (
+    CODEC_DTYPES,
+    FULL_DTYPES,
+    acc_dtype,
+    check_common_args,
+    check_key,
+    decode_mean,
+    derive_seed,
+    load_allreduce_state,
+    quantize_or_poison,
+    start_all_gather,
+    start_reduce_scatter,
+)
+from qcomm.collectives.stats import CommStats
+from qcomm.collectives.topology import Topology
+from qcomm.compress import ErrorFeedback, QuantSpec, packed_nbytes
+
+__all__ = ["HierarchicalAllreduce", "shard_numel"]
+
+
+def shard_numel(numel: int, procs_per_node: int, num_nodes: int,
+                spec: QuantSpec | None) -> int:
+    """Elements per local rank's shard of a bucket of ``numel`` elements: the bucket is padded
+    to ``procs_per_node * shard_numel`` with shards a multiple of the codec's block size (with a
+    spec and several nodes) or of ``num_nodes`` (without a spec)."""
+    if num_nodes == 1:
+        align = 1  # no rail step: shards need only be equal
+    elif spec is not None:
+        align = spec.block_size
+    else:
+        align = num_nodes
+    unit = procs_per_node * align
+    return -(-numel // unit) * align
+
+
+class HierarchicalAllreduce:
+    """Average tensors over all ranks: intra-node reduce-scatter, rail allreduce of each shard
+    through the codec, intra-node all-gather. The synchronous baseline, and the engine of the
+    DDP comm hook.
+
+    Args:
+        topology: the job's :class:`Topology` (intra groups and rails).
+        spec: a QuantSpec for the inter-node step, or None for full precision everywhere.
+            With a single node nothing crosses a slow link and the spec is not applied.
+        bucket_mb: bucket size in MiB (2**20 bytes) of the input dtype; > 0.
+        stats: where bytes sent are counted (``"intra"`` and ``"inter"``); new if None.
+        seed: base seed of stochastic rounding (mixed with rank, call count and bucket).
+
+    Nothing is communicated in the constructor; groups and buffers are created on first use.
+    """
+
+    def __init__(self, topology: Topology, *, spec: QuantSpec | None = None,
+                 bucket_mb: float = 25.0, stats: CommStats | None = None,
+                 seed: int = 0) -> None:
+        self._bucket_bytes, self.stats = check_common_args(topology, bucket_mb, spec, stats, seed)
+        self.topology = topology
+        self.spec = spec
+        self.bucket_mb = bucket_mb
+        self.seed = seed
+        self.error_feedback = ErrorFeedback()
+        self._calls = 0
+
+    def mean_(self, tensors: Sequence[torch.Tensor], *, async_op: bool = False,
+              key: str | int | None = None) -> Handle:
+        """Replace every tensor by its mean over all ranks.
+
+        Args:
+            tensors: float32/float16/bfloat16 (float64 too without a spec), any shapes incl.
+                empty, contiguous, all on one device; the same shapes and dtypes, in the same
+                order, on every rank. Sums are accumulated in float32; the wire carries the
+                input dtype at full precision and payloads with a spec.
+            async_op: False blocks; True returns a Handle at once. The first stage is launched
+                here, later stages and the decode run in ``Handle.wait()``, which writes the
+                tensors last: they must not be modified or read as results until then.
+            key: names the error-feedback state of these tensors; None derives it from the
+                shapes, dtypes and bucket size. Distinct tensor lists of the same layout (e.g.
+                DDP buckets) need distinct keys.
+
+        Returns:
+            A Handle (already completed when ``async_op`` is False).
+        """
+        tensors = check_tensors(tensors, CODEC_DTYPES if self.spec is not None else FULL_DTYPES)
+        check_key(key)
+        topo = self.topology
+        topo.check_world()
+        if topo.world_size == 1:
+            return Handle.completed("hierarchical allreduce")
+        intra, rail = topo.intra_group, topo.rail_group
+        plan = plan_buckets(tensors, self._bucket_bytes)
+        call = self._calls
+        self._calls += 1
+        if key is None:
+            key = layout_key(tensors, self._bucket_bytes)
+        pipelines = [
+            self._pipeline(b, tensors, intra, rail, f"{key}/{i}",
+                           derive_seed(self.seed, topo.rank, call, i))
+            for i, b in enumerate(plan)
+        ]
+        handle = Handle(pipelines, "hierarchical allreduce", list(range(topo.world_size)))
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _pipeline(self, bucket: Bucket, tensors: list[torch.Tensor], intra: Any, rail: Any,
+                  key: str, seed: int):
+        L, N = self.topology.procs_per_node, self.topology.num_nodes
+        spec = self.spec
+        device, dtype = tensors[0].device, bucket.dtype
+        acc = acc_dtype(dtype)
+        s = shard_numel(bucket.numel, L, N, spec)
+        buf = torch.zeros(L * s, dtype=dtype, device=device)
+        pack(bucket, tensors, buf)
+
+        # 1. intra-node reduce-scatter: my shard of the node's mean, in acc dtype.
+        if L > 1:
+            work, shard_sum = start_reduce_scatter(buf, intra, L, self.stats, "intra")
+            yield work
+            shard = shard_sum().div_(L)
+        else:
+            shard = buf.to(acc)
+
+        # 2. rail: average my shard over the nodes.
+        error = None
+        if N > 1 and spec is not None:
+            nbytes = packed_nbytes(s, spec)
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            error = quantize_or_poison(self.error_feedback, key, shard, spec, seed, payload)
+            gathered = torch.empty(N, nbytes, dtype=torch.uint8, device=device)
+            work = start_all_gather(gathered.view(-1), payload, rail, N, self.stats, "inter")
+            yield work if L > 1 else Last(work)
+            shard = torch.zeros(s, dtype=torch.float32, device=device)
+            error = decode_mean(gathered, shard, spec) or error
+        elif N > 1:
+            # Full precision: reduce-scatter + all-gather over the rail in the input dtype (the
+            # node means are rounded to it once: the slow link carries what the user gave).
+            work, sub_sum = start_reduce_scatter(shard.to(dtype), rail, N, self.stats, "inter")
+            yield work
+            sub = sub_sum().div_(N).to(dtype)
+            shard = torch.empty(s, dtype=dtype, device=device)
+            work = start_all_gather(shard, sub, rail, N, self.stats, "inter")
+            yield work if L > 1 else Last(work)
+
+        # 3. intra-node all-gather of the shards.
+        if L > 1:
+            out = torch.empty_like(buf)
+            yield Last(start_all_gather(out, shard.to(dtype), intra, L, self.stats, "intra"))
+        else:
+            out = shard
+        unpack(bucket, out, tensors)
+        if error is not None:
+            raise error
+
+    def state_dict(self) -> dict:
+        """``{"error_feedback": {"residuals": {key: float32 [shard]}}, "calls": int}``: this
+        rank's residuals (references) and the call count that seeds stochastic rounding."""
+        return {"error_feedback": self.error_feedback.state_dict(), "calls": self._calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load what :meth:`state_dict` returned (residuals copied)."""
+        load_allreduce_state(self, state)

@@ -1,0 +1,322 @@
+"""Synchronous averaging inside a node (fast links), full precision or through the codec.
+
+Full precision, per flat bucket of ``n`` elements over the node's ``L`` ranks: pad to ``L * s``
+elements, reduce-scatter (rank ``i`` sums chunk ``i`` of every rank, in float32, divides by L),
+all-gather the ``L`` averaged chunks. Every rank ends with bit-identical values: each chunk is
+summed once, by its owner, in local-rank order, and the all-gather copies it.
+
+With a codec ``spec``: every rank quantizes its whole bucket with error feedback (one residual
+per bucket), the ``L`` payloads (uint8, equal length: a pure function of ``(n, spec)``) are
+all-gathered, and every rank decodes the same payloads in the same order with
+``dequant_accumulate(weights = 1/L)``: again bit-identical on every rank.
+
+Which collectives (and why): Gloo's reduce-scatter (torch >= 2.3, ``reduce_scatter_tensor``) is
+an all-reduce of the whole buffer followed by a copy of one chunk, so it moves twice the bytes of
+a real reduce-scatter. On Gloo we therefore reduce-scatter with ``all_to_all_single`` (rank i
+sends chunk j to rank j; (L-1) chunks out per rank) and sum the received chunks locally; on
+NCCL (CUDA tensors under a ``cuda:nccl`` backend) we use NCCL's native ``reduce_scatter_tensor``.
+The all-gather is ``all_gather_into_tensor`` (``all_gather_single`` in torch >= 2.13).
+
+Bytes counted (:class:`~qcomm.collectives.stats.CommStats`, level ``"intra"``), per rank, as
+the ring/pairwise algorithms of Gloo and NCCL move them: a reduce-scatter of ``P`` chunks of
+``c`` bytes sends ``(P - 1) * c`` (Gloo all-to-all: one chunk to each peer; NCCL ring: P - 1
+steps of one chunk); an all-gather of ``c`` bytes per rank sends ``(P - 1) * c`` (Gloo and NCCL
+ring: each rank forwards P - 1 chunks). Padding elements count (they cross the wire). One
+message per peer step: ``P - 1`` messages per collective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qcomm.collectives.buckets import (
+    MIB,
+    Bucket,
+    check_tensors,
+    layout_key,
+    pack,
+    plan_buckets,
+    unpack,
+)
+from qcomm.collectives.handles import Handle, Last
+from qcomm.collectives.stats import CommStats
+from qcomm.collectives.topology import Topology
+from qcomm.compress import (
+    ErrorFeedback,
+    NonFiniteError,
+    QuantSpec,
+    dequant_accumulate,
+    packed_nbytes,
+)
+
+__all__ = ["IntraNodeAllreduce"]
+
+CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Full precision also averages float64 (Gloo and NCCL sum it natively; the codec does not).
+FULL_DTYPES = (*CODEC_DTYPES, torch.float64)
+
+# torch 2.13 renames the flat collectives (same signatures) and warns on the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_MASK64 = (1 << 64) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks shared with hierarchical.py
+
+
+def check_common_args(topology: object, bucket_mb: object, spec: object, stats: object,
+                      seed: object) -> tuple[int, CommStats]:
+    """Validate constructor arguments; returns (bucket capacity in bytes, stats)."""
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a qcomm.collectives.topology.Topology, "
+                        f"got {type(topology).__name__}")
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
+        raise TypeError(f"bucket_mb must be a number > 0 (MiB), got {bucket_mb!r}")
+    if not math.isfinite(bucket_mb) or bucket_mb <= 0:
+        raise ValueError(f"bucket_mb must be a finite number > 0 (MiB), got {bucket_mb}")
+    if spec is not None and not isinstance(spec, QuantSpec):
+        raise TypeError(f"spec must be a qcomm.compress.QuantSpec or None, "
+                        f"got {type(spec).__name__}")
+    if stats is not None and not isinstance(stats, CommStats):
+        raise TypeError(f"stats must be a qcomm.collectives.stats.CommStats or None, "
+                        f"got {type(stats).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MASK64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    return max(1, int(bucket_mb * MIB)), (stats if stats is not None else CommStats())
+
+
+def check_key(key: object) -> None:
+    if key is not None and (isinstance(key, bool) or not isinstance(key, (str, int))):
+        raise TypeError(f"key must be a str, an int or None, got {key!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# low-level steps shared with hierarchical.py
+
+
+def derive_seed(base: int, *parts: int) -> int:
+    """A 64-bit seed from ``base`` and a few ints (splitmix64 chain): distinct streams per rank,
+    call and bucket, so ranks' stochastic roundings are independent."""
+
+    def mix(z: int) -> int:
+        z = (z + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return z ^ (z >> 31)
+
+    x = mix(base & _MASK64)
+    for p in parts:
+        x = mix(x ^ mix(p & _MASK64))
+    return x
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype sums are accumulated in: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _native_reduce_scatter(group: Any, device: torch.device) -> bool:
+    return device.type == "cuda" and "cuda:nccl" in dist.get_backend_config(group)
+
+
+def start_reduce_scatter(buf: torch.Tensor, group: Any, size: int, stats: CommStats,
+                         level: str) -> tuple[Any, Any]:
+    """Start summing ``buf`` (flat ``[size * c]``, wire dtype) over ``group``: rank i gets the
+    sum of everyone's chunk i. Returns (work, result) where ``result()``, called after the work
+    completed, gives that sum as a new ``[c]`` tensor in :func:`acc_dtype`."""
+    c = buf.numel() // size
+    stats.record(level, (size - 1) * c * buf.element_size(), size - 1)
+    acc = acc_dtype(buf.dtype)
+    if _native_reduce_scatter(group, buf.device):
+        out = torch.empty(c, dtype=buf.dtype, device=buf.device)
+        work = _reduce_scatter_flat(out, buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return work, lambda: out.to(acc)
+    # Gloo: its reduce-scatter would all-reduce the whole buffer; all-to-all moves (size-1)/size
+    # of it, and the sum of the received chunks (by source rank, in acc dtype) is done here.
+    recv = torch.empty_like(buf)
+    work = dist.all_to_all_single(recv, buf, group=group, async_op=True)
+    return work, lambda: recv.view(size, c).sum(dim=0, dtype=acc)
+
+
+def start_all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, size: int,
+                     stats: CommStats, level: str) -> Any:
+    """Start ``out = cat(every member's shard)`` (flat, by group rank). Returns the work."""
+    stats.record(level, (size - 1) * shard.numel() * shard.element_size(), size - 1)
+    return _all_gather_flat(out, shard, group=group, async_op=True)
+
+
+def quantize_or_poison(ef: ErrorFeedback, key: str, x: torch.Tensor, spec: QuantSpec, seed: int,
+                       out: torch.Tensor) -> NonFiniteError | None:
+    """Quantize ``x`` with error feedback into ``out``. On non-finite input return the error
+    instead of raising: ``out`` then holds NaN scales and is sent anyway, so every peer's
+    decode raises too and all ranks finish the same collectives (no rank is left hanging); the
+    residual is unchanged (ErrorFeedback guarantees it)."""
+    try:
+        ef.quantize(key, x, spec, seed=seed, out=out)
+    except NonFiniteError as e:
+        return e
+    return None
+
+
+def decode_mean(payloads: torch.Tensor, out: torch.Tensor,
+                spec: QuantSpec) -> NonFiniteError | None:
+    """``out += mean_k D(payloads[k])``; on a non-finite payload fill ``out`` with NaN and return
+    the error (raised by the handle once every collective finished)."""
+    k = payloads.shape[0]
+    try:
+        dequant_accumulate(payloads, out, spec, weights=[1.0 / k] * k)
+    except NonFiniteError as e:
+        out.fill_(float("nan"))
+        return e
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class IntraNodeAllreduce:
+    """Average a list of tensors over the ranks of this node, in place, through flat buckets.
+
+    Args:
+        topology: the job's :class:`Topology` (its intra-node group is used).
+        bucket_mb: bucket size in MiB (2**20 bytes) of the input dtype; > 0.
+        spec: None for full precision, or a QuantSpec to exchange quantized payloads with error
+            feedback (one residual per bucket and key).
+        stats: where bytes sent are counted (level ``"intra"``); a new CommStats if None.
+        seed: base seed of stochastic rounding (mixed with rank, call count and bucket).
+
+    Nothing is communicated in the constructor; buffers and process groups are created on the
+    first call, which every rank of the job must make (group creation is collective).
+    """
+
+    def __init__(self, topology: Topology, *, bucket_mb: float = 25.0,
+                 spec: QuantSpec | None = None, stats: CommStats | None = None,
+                 seed: int = 0) -> None:
+        self._bucket_bytes, self.stats = check_common_args(topology, bucket_mb, spec, stats, seed)
+        self.topology = topology
+        self.bucket_mb = bucket_mb
+        self.spec = spec
+        self.seed = seed
+        self.error_feedback = ErrorFeedback()
+        self._calls = 0
+
+    def mean_(self, tensors: Sequence[torch.Tensor], *, async_op: bool = False,
+              key: str | int | None = None) -> Handle:
+        """Replace every tensor by its mean over the node's ranks.
+
+        Args:
+            tensors: float32/float16/bfloat16 (float64 too without a spec), any shapes incl.
+                empty, contiguous, all on one device; the same shapes and dtypes, in the same
+                order, on every rank of the node. Sums are accumulated in float32.
+            async_op: False blocks until done; True returns at once with a Handle whose
+                ``wait()`` finishes the operation and only then writes the tensors. Until
+                then the tensors must not be modified or read as results.
+            key: names the error-feedback state of these tensors (with a spec); None derives
+                it from the shapes, dtypes and bucket size. Give distinct keys to distinct
+                tensor lists of the same layout (e.g. DDP buckets).
+
+        Returns:
+            A Handle (already completed when ``async_op`` is False).
+        """
+        tensors = check_tensors(tensors, CODEC_DTYPES if self.spec is not None else FULL_DTYPES)
+        check_key(key)
+        topo = self.topology
+        topo.check_world()
+        L = topo.procs_per_node
+        if L == 1:
+            # Alone on the node: the mean is the tensor itself (no codec: nothing is sent).
+            return Handle.completed("intra-node allreduce")
+        group = topo.intra_group
+        plan = plan_buckets(tensors, self._bucket_bytes)
+        call = self._calls
+        self._calls += 1
+        if key is None:
+            key = layout_key(tensors, self._bucket_bytes)
+        pipelines = [
+            self._full_pipeline(b, tensors, group, L) if self.spec is None
+            else self._codec_pipeline(b, tensors, group, L, f"{key}/{i}",
+                                      derive_seed(self.seed, topo.rank, call, i))
+            for i, b in enumerate(plan)
+        ]
+        handle = Handle(pipelines, "intra-node allreduce", topo.node_ranks)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _full_pipeline(self, bucket: Bucket, tensors: list[torch.Tensor], group: Any, L: int):
+        c = -(-bucket.numel // L)
+        buf = torch.zeros(L * c, dtype=bucket.dtype, device=tensors[0].device)
+        pack(bucket, tensors, buf)
+        work, chunk_sum = start_reduce_scatter(buf, group, L, self.stats, "intra")
+        yield work
+        mine = chunk_sum().div_(L).to(bucket.dtype)
+        out = torch.empty_like(buf)
+        yield Last(start_all_gather(out, mine, group, L, self.stats, "intra"))
+        unpack(bucket, out, tensors)
+
+    def _codec_pipeline(self, bucket: Bucket, tensors: list[torch.Tensor], group: Any, L: int,
+                        key: str, seed: int):
+        device = tensors[0].device
+        x = pack(bucket, tensors, torch.empty(bucket.numel, dtype=bucket.dtype, device=device))
+        nbytes = packed_nbytes(bucket.numel, self.spec)
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        error = quantize_or_poison(self.error_feedback, key, x, self.spec, seed, payload)
+        gathered = torch.empty(L, nbytes, dtype=torch.uint8, device=device)
+        yield Last(start_all_gather(gathered.view(-1), payload, group, L, self.stats, "intra"))
+        mean = torch.zeros(bucket.numel, dtype=torch.float32, device=device)
+        error = decode_mean(gathered, mean, self.spec) or error
+        unpack(bucket, mean, tensors)
+        if error is not None:
+            raise error
+
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+        """``out = cat(shard of local rank 0, shard of local rank 1, ...)``, blocking.
+
+        Args:
+            out: flat ``[procs_per_node * shard.numel()]``, shard's dtype and device, contiguous.
+            shard: any shape (flattened), the same numel and dtype on every rank of the node,
+                contiguous.
+        """
+        if not isinstance(shard, torch.Tensor) or not isinstance(out, torch.Tensor):
+            raise TypeError("out and shard must be torch.Tensor")
+        L = self.topology.procs_per_node
+        if out.dim() != 1 or out.numel() != L * shard.numel():
+            raise ValueError(f"out must be 1-D with procs_per_node * shard.numel() = "
+                             f"{L * shard.numel()} elements, got shape {tuple(out.shape)}")
+        if out.dtype != shard.dtype or out.device != shard.device:
+            raise ValueError(f"out must have shard's dtype and device ({shard.dtype} on "
+                             f"{shard.device}), got {out.dtype} on {out.device}")
+        if not out.is_contiguous() or not shard.is_contiguous():
+            raise ValueError("out and shard must be contiguous")
+        self.topology.check_world()
+        if L == 1:
+            out.copy_(shard.view(-1))
+            return
+        start_all_gather(out, shard.view(-1), self.topology.intra_group, L, self.stats,
+                         "intra").wait()
+
+    def state_dict(self) -> dict:
+        """``{"error_feedback": ..., "calls": int}``: residuals (references) and the call count
+        that seeds stochastic rounding."""
+        return {"error_feedback": self.error_feedback.state_dict(), "calls": self._calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_allreduce_state(self, state)
+
+
+def load_allreduce_state(obj: Any, state: dict) -> None:
+    if not isinstance(state, dict) or "error_feedback" not in state or "calls" not in state:
+        raise ValueError("state must be a dict from state_dict() with keys "
+                         "'error_feedback' and 'calls'")
+    calls = state["calls"]
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+        raise ValueError(f"state['calls'] must be an int >= 0, got {calls!r}")
+    obj.error_feedback.load_state_dict(state["error_feedback"])
+    obj._calls = calls
