@@ -48,3 +48,13 @@ def test_run_world_times_out_instead_of_hanging():
     with pytest.raises(WorldError, match="did not finish within 5 s"):
         run_world(_rank0_hangs, 2, timeout_s=5)
     assert time.monotonic() - start < 30
+
+
+def _returns_tensor(rank: int, world_size: int) -> torch.Tensor:
+    return torch.full((3,), float(rank))
+
+
+def test_run_world_returns_tensors_by_value():
+    """Tensors come back by value even though the children have exited."""
+    out = run_world(_returns_tensor, 2, timeout_s=60)
+    assert [t.tolist() for t in out] == [[0.0] * 3, [1.0] * 3]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -54,7 +55,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        # Plain pickle, not the queue's: torch.multiprocessing would send tensors as
+        # shared-memory handles the parent fetches from this process, which may have exited.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # report everything, including SystemExit from a test helper
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -68,7 +71,8 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes over Gloo.
 
     Args:
-        fn: module-level function; its return value must be picklable.
+        fn: module-level function; its return value must be picklable (tensors are fine: they
+            are pickled by value).
         world_size: number of processes.
         args: extra positional arguments (picklable).
         timeout_s: wall-clock limit for the whole world; past it every process is killed.
@@ -111,8 +115,10 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
                 try:
                     while True:
                         rank, ok, value = results.get(timeout=0.5)
-                        (values.__setitem__(rank, value) if ok
-                         else failures.append(f"rank {rank}:\n{value}"))
+                        if ok:
+                            values[rank] = pickle.loads(value)
+                        else:
+                            failures.append(f"rank {rank}:\n{value}")
                 except queue.Empty:
                     pass
                 dead = [r for r in dead if r not in values]
@@ -122,7 +128,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
                 failures.append(f"ranks {missing} did not finish within {timeout_s:.0f} s")
             continue
         if ok:
-            values[rank] = value
+            values[rank] = pickle.loads(value)
         else:
             failures.append(f"rank {rank}:\n{value}")
     for p in procs:

@@ -1,0 +1,411 @@
+"""Asynchronous CHOCO gossip with compressed messages (Koloskova et al. 2019), bounded staleness.
+
+Per member i (a node's shard on one rail), in fp32 buffers the size of the shard:
+
+* ``hat_own``: i's *fresh* public copy x_hat_i, holding every round i started. The next message
+  is ``q = Q(x - hat_own)`` and ``hat_own += D(q)`` at once, so the quantization error is carried
+  to the next round: this IS error feedback (the residual ``x - hat_own`` is never lost), and no
+  :class:`~qcomm.compress.ErrorFeedback` is stacked on top (it would count the error twice).
+* ``hat_pub``: x_hat_i as the neighbours know it, holding exactly the rounds ``<= t - staleness``
+  at step t. It is built from the *decoded payload*, the same values the neighbours decode.
+* ``mix_acc``: ``m_i = sum_j w_ij hat_pub_j`` (j in N(i) and j = i), kept as one weighted
+  accumulator: applying a round adds ``w_ii D(q_i) + sum_j w_ij D(q_j)`` with one
+  ``dequant_accumulate`` over the K + 1 payloads. Since rows of W sum to 1,
+  ``sum_j w_ij (hat_pub_j - hat_pub_i) = m_i - hat_pub_i``, so the mixing step
+  ``x += gamma * (m_i - hat_pub_i)`` needs 3 buffers whatever the degree, not one per neighbour.
+  Average preservation: ``sum_i (m_i - hat_pub_i) = sum_j (sum_i w_ij - 1) hat_pub_j = 0`` because
+  the *columns* of W sum to 1 too (W doubly stochastic), and because every member's public copies
+  hold the same rounds. In fp32 it holds up to rounding: about ``1e-7 * |x| * rounds``.
+
+Step t (``t = rounds_started``) of :meth:`CompressedGossip.step`:
+
+1. start round t: ``q = Q(x - hat_own)`` (stochastic-rounding seed a hash of
+   ``(seed, t, member)``), ``hat_own += D(q)``, non-blocking exchange of q with the neighbours
+   (receives posted before sends);
+2. apply round ``t - staleness``, waiting for it if needed (:class:`PeerTimeoutError` past
+   ``timeout_s``): ``hat_pub += D(q_i)``, ``mix_acc += sum_j w_ij D(q_j)``;
+3. mix: ``x += gamma * (mix_acc - hat_pub)``.
+
+With staleness 0 this is synchronous CHOCO-SGD exactly (compress after the local update, mix after
+the exchange). With staleness tau, round t has the caller's next tau compute phases to travel.
+Round t - tau is applied at step t exactly, never earlier even if it has arrived: "applied no later
+than t + tau" allows it, and it makes runs reproducible bit for bit (the same numbers in the
+in-process simulator, over Gloo, and after a checkpoint restore).
+
+Why two copies (DESIGN.md, "Asynchronous CHOCO"): compressing against a delayed x_hat_i counts the
+same difference twice and diverges; mixing with an own copy fresher than the neighbours' breaks
+the antisymmetry of the mixing term and with it average preservation.
+
+Default gamma (:func:`default_gamma`), measured with the in-process simulator
+(:mod:`.simulate`, same code path as over Gloo): zero updates, x_i ~ N(0, 1) i.i.d., 4096 floats
+per member, blocks of 128, stochastic rounding, uniform weights. Rounds for the consensus
+distance to reach 1e-3 of its start (``-`` : not within 3000 rounds / diverged):
+
+    python -m qcomm.collectives.gossip.tune_gamma --bits 8 4 2 1   (the gamma grid)
+
+    default gamma and rounds to 1e-3 (ring of 4 / exponential of 8 / ring of 8):
+    bits  staleness 0               staleness 1               staleness 2
+    8     0.5   17 /  15 /  62      0.3   23 /  20 /  99      0.2   32 /  28 / 147
+    4     0.4   22 /  20 /  78      0.3   23 /  20 /  99      0.2   32 /  29 / 147
+    2     0.05 231 / 478 / 642      0.05 193 / 175 / 636      0.04 237 / 215 / 792
+    1     0.1  492 / 464 / 434      0.05 574 / 488 / 628      0.05 550 / 485 / 624
+
+    where the grid (ring of 4) stops converging:
+    8 bits: staleness 0 converges up to gamma 1.0; staleness 1 diverges at 0.8 (0.6: 44 rounds,
+            slowing); staleness 2 diverges at 0.5 (0.4: 77 rounds). 4 bits: as 8 bits where
+            measured (staleness 0: up to 1.0).
+    2 bits: staleness 0: 0.1 does not reach 1e-3 in 600 rounds, 0.15 diverges (exponential of
+            8: 0.1 diverges); staleness 1: 0.1 converges (120), 0.3 diverges.
+    1 bit:  rounds hardly depend on gamma in 0.05 .. 0.3 (454 .. 526 on the ring of 4 at
+            staleness 0): the sign code, not the step, limits the rate.
+
+2 bits is far worse than DESIGN.md's simulation suggested (there: gamma <= 0.3 converges): the
+codec's 2-bit code is ternary absmax {-1, 0, 1} * max|v| with stochastic rounding, whose variance
+is about |v| * max|v|, larger than |v|^2. Prefer 4 bits. Gamma is validated to (0, 1] only;
+larger values within it are not refused, since divergence depends on the graph and the data
+(the table is evidence, not proof).
+
+Progress while the caller computes: non-blocking ``isend``/``irecv`` (Gloo's own I/O threads move
+the bytes), chosen over a communication thread by measurement:
+
+    python -m qcomm.collectives.gossip.bench_progress --steps 12
+    (3 procs, 1M floats, 4 bits, staleness 1, a 20 ms sleep as the compute phase; ms per step /
+    of it blocked in the round's wait; torch 2.13 CPU, 2 cores shared with other jobs)
+
+    compute-only        22.1 /   0.0
+    nonblocking       1215.1 /   0.05
+    thread            1393.4 / 432.9
+    nonblocking again  687.6 /  86.3    (same mode, rerun: the CPU was shared, so noisy)
+
+On this machine a step is dominated by the CPU reference codec (quantize + decode of 1M floats),
+so total step times vary 2x between identical runs. What is not noise: with non-blocking ops the
+round has arrived by the time it is applied (waits of 0.05-86 ms), with the thread it had not
+(433 ms): the worker thread competes for the GIL and the cores with the caller's codec work, and
+it serializes rounds. Non-blocking ops also need no second process group (new_group is
+collective) and keep the run deterministic. Re-measure on real nodes with the GPU codec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from qcomm.collectives.errors import PeerTimeoutError
+from qcomm.collectives.stats import CommStats
+from qcomm.compress import QuantSpec, dequant_accumulate, packed_nbytes, quantize
+from qcomm.kernels.counter_hash import check_seed
+
+from .graphs import check_graph, neighbours
+from .mixing import check_mixing, mixing_matrix
+from .transport import GlooTransport, RoundHandle, Transport
+
+__all__ = ["CompressedGossip", "PeerTimeoutError", "consensus_distance", "default_gamma"]
+
+# (bits, staleness) -> default gamma; staleness > 2 uses the staleness-2 entry scaled down.
+_DEFAULT_GAMMA: dict[tuple[int, int], float] = {
+    (8, 0): 0.5, (8, 1): 0.3, (8, 2): 0.2,
+    (4, 0): 0.4, (4, 1): 0.3, (4, 2): 0.2,
+    (2, 0): 0.05, (2, 1): 0.05, (2, 2): 0.04,
+    (1, 0): 0.1, (1, 1): 0.05, (1, 2): 0.05,
+}
+
+
+def default_gamma(bits: int, staleness: int) -> float:
+    """The default consensus step size for ``bits``-bit messages applied ``staleness`` rounds
+    late (table in the module docstring; about half the largest gamma that converged in the
+    measurement, so that a graph or data set a little harsher than the measured ones still
+    converges)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be one of (1, 2, 4, 8), got {bits!r}")
+    if staleness <= 2:
+        return _DEFAULT_GAMMA[(bits, staleness)]
+    # Beyond the measured range: shrink like 1 / staleness (the delay-stability rule of thumb).
+    return _DEFAULT_GAMMA[(bits, 2)] * 2.0 / staleness
+
+
+def round_seed(seed: int, round: int, member: int) -> int:
+    """The stochastic-rounding seed of ``member``'s message of ``round``: a 64-bit hash of
+    ``(seed, round, member)`` (distinct streams for every message, reproducible runs)."""
+    h = hashlib.blake2b(f"qcomm-gossip:{seed}:{round}:{member}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass
+class _Round:
+    """A round in flight: row 0 of ``payloads`` is our own message, rows 1.. the neighbours'."""
+
+    round: int
+    payloads: torch.Tensor  # uint8 [K + 1, nbytes]
+    handle: RoundHandle | None  # None: already received (restored from a state_dict)
+
+
+def _check_group(group_ranks: object, group: dist.ProcessGroup | None) -> tuple[list[int], int]:
+    """Validate ``group_ranks`` against ``group``; return (ranks, my member index)."""
+    if not isinstance(group_ranks, (list, tuple)) or not group_ranks or not all(
+            isinstance(r, int) and not isinstance(r, bool) for r in group_ranks):
+        raise ValueError(f"group_ranks must be a non-empty list of global ranks, got "
+                         f"{group_ranks!r}")
+    ranks = list(group_ranks)
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"group_ranks must not repeat a rank, got {ranks}")
+    if not dist.is_initialized():
+        raise RuntimeError("CompressedGossip needs torch.distributed to be initialized")
+    size = dist.get_world_size(group)
+    actual = [dist.get_global_rank(group, k) for k in range(size)] if group is not None \
+        else list(range(size))
+    if ranks != actual:
+        which = "the default group" if group is None else "group"
+        raise ValueError(f"group_ranks must list the global ranks of {which} in group order, "
+                         f"{actual}; got {ranks}")
+    return ranks, dist.get_rank(group)
+
+
+class CompressedGossip:
+    """Compressed, asynchronous CHOCO gossip of one fp32 vector per member.
+
+    Args:
+        group_ranks: global ranks of the gossiping members (a rail), in node order.
+        group: their process group; None = the default group (then ``group_ranks`` must be all
+            ranks, in order).
+        numel: number of floats each member gossips (its shard), >= 1.
+        graph: ``"ring"`` (default), ``"exponential"`` or ``"complete"`` (:mod:`.graphs`).
+        mixing: ``"uniform"`` or ``"metropolis"`` (:mod:`.mixing`; equal on these graphs).
+        spec: the codec's QuantSpec for every message.
+        gamma: consensus step size in (0, 1]; None = :func:`default_gamma` (bits, staleness).
+        staleness: tau >= 0: round t is applied at step t + tau; 0 = synchronous.
+        timeout_s: how long to wait for a round before :class:`PeerTimeoutError`.
+        stats: counts the bytes this member sends, level ``"inter"``; None = a private one
+            (``self.stats``).
+        seed: base seed of stochastic rounding, int in [0, 2**64).
+        transport: internal/testing: an in-process :class:`~.transport.Transport`; then
+            ``group_ranks`` is ``list(range(n))``, ``group`` is None and not used.
+
+    Buffers (fp32 ``[numel]`` x 3, plus ``staleness + 1`` rounds of uint8
+    ``[degree + 1, packed_nbytes(numel, spec)]``) are created on the first :meth:`step`, on x's
+    device. The constructor runs no collective and no blocking call.
+    """
+
+    def __init__(self, group_ranks: list[int], group: dist.ProcessGroup | None, numel: int, *,
+                 graph: str = "ring", mixing: str = "uniform",
+                 spec: QuantSpec = QuantSpec(4, 128, "stochastic"),  # noqa: B008 (frozen)
+                 gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
+                 stats: CommStats | None = None, seed: int = 0,
+                 transport: Transport | None = None) -> None:
+        # hyperparameters (checked, then fixed)
+        self.graph = check_graph(graph)
+        self.mixing = check_mixing(mixing)
+        if not isinstance(spec, QuantSpec):
+            raise TypeError(f"spec must be a qcomm.compress.QuantSpec, got {type(spec).__name__}")
+        self.spec = spec
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+            raise ValueError(f"numel must be an int >= 1, got {numel!r}")
+        self.numel = numel
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"staleness must be an int >= 0, got {staleness!r}")
+        self.staleness = staleness
+        if gamma is None:
+            gamma = default_gamma(spec.bits, staleness)
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (
+                0.0 < gamma <= 1.0):
+            raise ValueError(f"gamma must be a float in (0, 1], got {gamma!r}")
+        self.gamma = float(gamma)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+                timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.seed = check_seed(seed)
+        self.stats = stats if stats is not None else CommStats()
+
+        if transport is not None:
+            if group is not None:
+                raise ValueError("group must be None when a transport is given")
+            if list(group_ranks) != list(range(transport.size)):
+                raise ValueError(f"group_ranks must be list(range({transport.size})) with an "
+                                 f"in-process transport, got {group_ranks!r}")
+            self.group_ranks, self.member = list(group_ranks), transport.member
+        else:
+            self.group_ranks, self.member = _check_group(group_ranks, group)
+        self.group = group
+        n = len(self.group_ranks)
+        self.size = n
+        self.peers = neighbours(self.graph, self.member, n)
+        w = mixing_matrix(self.graph, n, self.mixing).to(torch.float32)
+        # Row 0 is our own payload, then the neighbours in `peers` order.
+        self._weights = torch.stack([w[self.member, self.member]] +
+                                    [w[self.member, p] for p in self.peers])
+        if transport is None:
+            transport = GlooTransport(self.group_ranks, group, self.member, self.peers,
+                                      self.stats, level="inter")
+        elif transport.peers != self.peers:
+            raise ValueError(f"transport.peers {transport.peers} != the graph's {self.peers}")
+        self.transport = transport
+        self.nbytes = packed_nbytes(numel, spec)
+
+        # internal state (buffers lazily, on x's device)
+        self.rounds_started = 0
+        self.rounds_applied = 0
+        self._hat_own: torch.Tensor | None = None
+        self._hat_pub: torch.Tensor | None = None
+        self._mix_acc: torch.Tensor | None = None
+        self._scratch: torch.Tensor | None = None
+        self._in_flight: deque[_Round] = deque()
+        self._closed = False
+
+    # -----------------------------------------------------------------------------------------
+    # the step
+
+    def step(self, x: torch.Tensor) -> None:
+        """One gossip round on ``x`` (float32 ``[numel]``, contiguous, updated in place).
+
+        Starts round t, applies round ``t - staleness`` (waiting for it), mixes. ``x`` is read and
+        written only inside this call, never after it returns.
+
+        Raises:
+            PeerTimeoutError: round ``t - staleness`` did not arrive within ``timeout_s``.
+            TypeError, ValueError: ``x`` of the wrong dtype, numel, device or layout.
+        """
+        self._begin(x)
+        self._finish(x)
+
+    def _check_x(self, x: object) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError("CompressedGossip is closed")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != torch.float32:
+            raise TypeError(f"x must have dtype float32, got {x.dtype}")
+        if x.numel() != self.numel:
+            raise ValueError(f"x must have numel {self.numel}, got {x.numel()}")
+        if not x.is_contiguous():
+            raise ValueError("x must be contiguous (it is updated in place)")
+        if self._hat_own is not None and x.device != self._hat_own.device:
+            raise ValueError(f"x must be on {self._hat_own.device} (where the gossip state "
+                             f"lives), got {x.device}")
+        return x.view(-1)
+
+    def _ensure_buffers(self, like: torch.Tensor) -> None:
+        if self._hat_own is None:
+            z = lambda: torch.zeros(self.numel, dtype=torch.float32, device=like.device)
+            self._hat_own, self._hat_pub, self._mix_acc, self._scratch = z(), z(), z(), z()
+
+    def _begin(self, x: torch.Tensor) -> None:
+        """Phase 1 of a step: compress ``x - hat_own`` and start its exchange."""
+        x = self._check_x(x)
+        t = self.rounds_started
+        if self.size == 1:  # a lone member: nothing to agree with, nothing sent
+            self.rounds_started += 1
+            return
+        self._ensure_buffers(x)
+        torch.sub(x, self._hat_own, out=self._scratch)
+        payloads = torch.empty(len(self.peers) + 1, self.nbytes, dtype=torch.uint8,
+                               device=x.device)
+        quantize(self._scratch, self.spec, seed=round_seed(self.seed, t, self.member),
+                 out=payloads[0])
+        dequant_accumulate(payloads[0], self._hat_own, self.spec)
+        handle = self.transport.exchange(t, payloads[0], payloads[1:])
+        self._in_flight.append(_Round(t, payloads, handle))
+        self.rounds_started += 1
+
+    def _finish(self, x: torch.Tensor) -> None:
+        """Phase 2 of a step: apply round ``t - staleness``, then mix into ``x``."""
+        x = x.view(-1)
+        if self.size == 1:
+            return
+        due = self.rounds_started - 1 - self.staleness
+        while self._in_flight and self._in_flight[0].round <= due:
+            self._apply(self._in_flight.popleft())
+        if self.rounds_applied:
+            torch.sub(self._mix_acc, self._hat_pub, out=self._scratch)
+            x.add_(self._scratch, alpha=self.gamma)
+
+    def _apply(self, r: _Round) -> None:
+        if r.handle is not None:
+            r.handle.wait(self.timeout_s)
+        dequant_accumulate(r.payloads[0], self._hat_pub, self.spec)
+        dequant_accumulate(r.payloads, self._mix_acc, self.spec, self._weights)
+        self.rounds_applied = r.round + 1
+
+    def flush(self) -> None:
+        """Wait for and apply every round in flight to the public copies (no mixing: x is not
+        touched). Call it on every member at the same step, or the public copies differ."""
+        while self._in_flight:
+            self._apply(self._in_flight.popleft())
+
+    # -----------------------------------------------------------------------------------------
+    # checkpoints
+
+    def _config(self) -> dict:
+        return {"numel": self.numel, "size": self.size, "member": self.member,
+                "graph": self.graph, "mixing": self.mixing, "staleness": self.staleness,
+                "spec": (self.spec.bits, self.spec.block_size, self.spec.rounding)}
+
+    def state_dict(self) -> dict:
+        """Internal state, rounds in flight included (waits until their payloads have arrived,
+        without applying them). Tensors are references, like torch's state_dicts.
+
+        Returns:
+            ``{"config": {...}, "gamma", "seed", "rounds_started", "rounds_applied",
+            "hat_own" | "hat_pub" | "mix_acc": float32 [numel] or None before the first step,
+            "in_flight": [(round, uint8 [degree + 1, nbytes])]}``.
+        """
+        for r in self._in_flight:
+            if r.handle is not None:
+                r.handle.wait(self.timeout_s)
+                r.handle = None
+        return {"config": self._config(), "gamma": self.gamma, "seed": self.seed,
+                "rounds_started": self.rounds_started, "rounds_applied": self.rounds_applied,
+                "hat_own": self._hat_own, "hat_pub": self._hat_pub, "mix_acc": self._mix_acc,
+                "in_flight": [(r.round, r.payloads) for r in self._in_flight]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load :meth:`state_dict` output (tensors copied, onto the device they were saved on).
+        The configuration (numel, members, graph, mixing, staleness, spec) must match; gamma and
+        seed are taken from ``state``. Call before :meth:`step` with no round in flight."""
+        if not isinstance(state, dict) or "config" not in state:
+            raise ValueError("state must be a dict from CompressedGossip.state_dict()")
+        if state["config"] != self._config():
+            raise ValueError(f"state was saved with config {state['config']}, this gossip has "
+                             f"{self._config()}")
+        if self._in_flight and any(r.handle is not None for r in self._in_flight):
+            raise RuntimeError("load_state_dict with rounds of this instance in flight")
+        copy = lambda t: None if t is None else t.detach().clone()
+        self.gamma = float(state["gamma"])
+        self.seed = check_seed(state["seed"])
+        self.rounds_started = int(state["rounds_started"])
+        self.rounds_applied = int(state["rounds_applied"])
+        self._hat_own, self._hat_pub = copy(state["hat_own"]), copy(state["hat_pub"])
+        self._mix_acc = copy(state["mix_acc"])
+        self._scratch = None if self._hat_own is None else torch.empty_like(self._hat_own)
+        self._in_flight = deque(_Round(int(r), copy(p), None) for r, p in state["in_flight"])
+
+    def close(self) -> None:
+        """Forget rounds in flight and release the transport. Never blocks, also after a
+        :class:`PeerTimeoutError` (the group is unusable then; destroy it)."""
+        self._in_flight.clear()
+        self.transport.close()
+        self._closed = True
+
+
+def consensus_distance(x: torch.Tensor, group: dist.ProcessGroup | None) -> float:
+    """``sqrt(mean_i ||x_i - mean_j x_j||^2)`` over the members of ``group``; collective.
+
+    Args:
+        x: this member's float tensor (any shape; same numel on every member).
+        group: the process group (None: the default group).
+
+    Computed in float64 (two all-reduces) so that distances far below ``|x|`` are still exact
+    enough to test convergence to 1e-3 and beyond.
+    """
+    v = x.detach().reshape(-1).to(torch.float64)
+    n = dist.get_world_size(group)
+    mean = v.clone()
+    dist.all_reduce(mean, group=group)
+    mean /= n
+    sq = torch.sum((v - mean) ** 2).reshape(1)
+    dist.all_reduce(sq, group=group)
+    return math.sqrt(float(sq) / n)

@@ -1,0 +1,67 @@
+"""Gossip topologies: who exchanges with whom among ``n`` nodes.
+
+Every graph here is *undirected* (j is a neighbour of i iff i is one of j) and *circulant* (node
+i's neighbours are ``i + o mod n`` for one set of offsets ``o``), hence regular: every node has the
+same degree. Undirected is what CHOCO's symmetric mixing matrix needs; regular makes uniform
+weights doubly stochastic (:mod:`.mixing`).
+
+=============  =========================================  ============================
+graph          neighbours of node i                       degree
+=============  =========================================  ============================
+ring           i - 1, i + 1 (mod n)                       2 (1 for n = 2, 0 for n = 1)
+exponential    i +- 2**k (mod n) for 2**k < n             about 2 log2(n) - 1
+complete       every other node                           n - 1
+=============  =========================================  ============================
+
+The exponential graph is the static exponential graph of Assran et al. 2019 (SGP) and Ying et al.
+2021 made undirected (both directions of every hop) so that the weights can be symmetric: its
+diameter is about log2(n) for about twice the ring's messages per round.
+"""
+
+from __future__ import annotations
+
+GRAPHS = ("ring", "exponential", "complete")
+
+
+def check_graph(graph: object) -> str:
+    """Return ``graph`` if it names a known graph, else raise ValueError naming the argument."""
+    if not isinstance(graph, str) or graph not in GRAPHS:
+        raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
+    return graph
+
+
+def _check_n(n: object) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n (number of nodes) must be an int >= 1, got {n!r}")
+    return n
+
+
+def offsets(graph: str, n: int) -> list[int]:
+    """The circulant offsets of ``graph`` on ``n`` nodes: sorted, in ``[1, n)``, no duplicates."""
+    check_graph(graph)
+    _check_n(n)
+    if graph == "ring":
+        raw = {1, n - 1}
+    elif graph == "complete":
+        raw = set(range(1, n))
+    else:  # exponential: every power-of-two hop, both directions
+        raw = set()
+        hop = 1
+        while hop < n:
+            raw |= {hop, n - hop}
+            hop *= 2
+    return sorted(o % n for o in raw if o % n)
+
+
+def neighbours(graph: str, node: int, n: int) -> list[int]:
+    """Neighbours of ``node`` (0-based, < n) in ``graph`` over ``n`` nodes, ascending, without
+    ``node`` itself. ``n = 1`` has none; ``n = 2`` has one for every graph."""
+    _check_n(n)
+    if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < n:
+        raise ValueError(f"node must be an int in [0, {n}), got {node!r}")
+    return sorted({(node + o) % n for o in offsets(graph, n)})
+
+
+def adjacency(graph: str, n: int) -> list[list[int]]:
+    """``adjacency(graph, n)[i] == neighbours(graph, i, n)`` for every node i."""
+    return [neighbours(graph, i, n) for i in range(_check_n(n))]

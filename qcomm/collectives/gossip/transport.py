@@ -1,0 +1,257 @@
+"""Moving one payload per round between gossip neighbours.
+
+A transport knows the members of the gossip group (indices ``0 .. n-1``, node order) and this
+member's neighbours. :meth:`Transport.exchange` starts one round: it posts one receive per
+neighbour, *then* sends this member's payload to every neighbour (receives first: over Gloo/TCP a
+message that finds its receive already posted lands in place instead of in an unexpected-message
+buffer), and returns a :class:`RoundHandle` without waiting. ``handle.wait(timeout_s)`` finishes
+the round or raises :class:`~qcomm.collectives.errors.PeerTimeoutError` naming the peers that did
+not answer.
+
+Two transports:
+
+* :class:`GlooTransport`: ``torch.distributed`` ``isend``/``irecv`` on the given process group
+  (non-blocking point-to-point: Gloo moves the bytes on its own I/O threads while the caller
+  computes, so no communication thread of ours is needed; measured in :mod:`.choco`). The tag of a
+  message is its round number modulo ``TAG_MODULUS``, so the ``staleness + 1`` rounds in flight
+  between a pair never match each other's receives. Bytes sent are counted in
+  :class:`~qcomm.collectives.stats.CommStats` at the transport's level (``"inter"``: gossip runs
+  between nodes).
+* :class:`MemoryTransport`: all members live in one process and share a :class:`MemoryHub`; used by
+  the simulator (:mod:`.simulate`) and fast unit tests. Same bytes, same counts, no sockets.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from abc import ABC, abstractmethod
+
+import torch
+import torch.distributed as dist
+
+from qcomm.collectives.errors import PeerTimeoutError
+from qcomm.collectives.stats import CommStats
+
+TAG_MODULUS = 1 << 20
+
+
+class RoundHandle(ABC):
+    """One round's exchange in flight."""
+
+    round: int
+
+    @abstractmethod
+    def wait(self, timeout_s: float) -> None:
+        """Block until every receive and send of the round is done; after this the receive
+        buffers hold the neighbours' payloads and the send buffer may be reused.
+
+        Raises:
+            PeerTimeoutError: some peer did not answer within ``timeout_s`` (or its connection
+                broke); the transport is unusable afterwards.
+        """
+
+    @abstractmethod
+    def is_completed(self) -> bool:
+        """True when :meth:`wait` would return at once."""
+
+
+class Transport(ABC):
+    """Exchanges one payload per round with a fixed set of neighbours.
+
+    Attributes:
+        member: this member's index in the group (0-based, node order).
+        size: number of members.
+        peers: neighbour member indices; row k of ``recv`` in :meth:`exchange` receives from
+            ``peers[k]``.
+        peer_ranks: the peers' global ranks (for error messages).
+    """
+
+    member: int
+    size: int
+    peers: list[int]
+    peer_ranks: list[int]
+
+    @abstractmethod
+    def exchange(self, round: int, payload: torch.Tensor, recv: torch.Tensor) -> RoundHandle:
+        """Start round ``round``: receive ``peers[k]``'s payload into ``recv[k]``, send ``payload``
+        to every peer. Non-blocking.
+
+        Args:
+            round: round number, >= 0, increasing by one per call.
+            payload: uint8 ``[nbytes]``, contiguous; not modified until the handle completes.
+            recv: uint8 ``[len(peers), nbytes]``, contiguous; not read until the handle completes.
+        """
+
+    def close(self) -> None:  # noqa: B027 (optional hook; the default has nothing to free)
+        """Drop references to rounds in flight; never blocks (also after a timeout)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed point-to-point
+
+
+class _GlooRound(RoundHandle):
+    def __init__(self, round: int, works: list[tuple[int, str, dist.Work]], owner: GlooTransport):
+        self.round = round
+        self._works = works  # (peer global rank, "recv" | "send", work)
+        self._owner = owner
+        self._done = False
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for _, _, w in self._works)
+
+    def wait(self, timeout_s: float) -> None:
+        if self._done:
+            return
+        if self._owner.failed is not None:
+            raise PeerTimeoutError(
+                f"gossip round {self.round}: transport unusable since {self._owner.failed}",
+                timeout_s)
+        deadline = time.monotonic() + timeout_s
+        missing: list[int] = []
+        first: BaseException | None = None
+        for peer, _kind, work in self._works:
+            # Gloo honours Work.wait(timeout) on point-to-point ops (checked: a receive whose
+            # sender never sends raises after the timeout, to the millisecond). Past the
+            # deadline each remaining op still gets 1 ms, to name every silent peer.
+            left = max(deadline - time.monotonic(), 1e-3)
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=left))
+            except RuntimeError as e:  # Gloo: timeout, or connection closed by a dead peer
+                if peer not in missing:
+                    missing.append(peer)
+                first = first or e
+        if missing:
+            what = f"gossip round {self.round} (rank {self._owner.rank})"
+            if time.monotonic() < deadline:  # failed early: Gloo saw the connection break
+                what += " [connection to a peer lost]"
+            self._owner.failed = what
+            raise PeerTimeoutError(what, timeout_s, sorted(missing)) from first
+        self._works = []
+        self._done = True
+
+
+class GlooTransport(Transport):
+    """Non-blocking point-to-point exchange over a ``torch.distributed`` process group.
+
+    Args:
+        group_ranks: global ranks of the members, in member order.
+        group: their process group (None: the default group, then ``group_ranks`` must be
+            ``range(world_size)``).
+        member: this process's member index.
+        peers: neighbour member indices.
+        stats: byte counter, or None.
+        level: the stats level the bytes are counted under.
+    """
+
+    def __init__(self, group_ranks: list[int], group: dist.ProcessGroup | None, member: int,
+                 peers: list[int], stats: CommStats | None = None, level: str = "inter"):
+        self.group_ranks = list(group_ranks)
+        self.group = group
+        self.member = member
+        self.size = len(group_ranks)
+        self.rank = self.group_ranks[member]
+        self.peers = list(peers)
+        self.peer_ranks = [self.group_ranks[p] for p in peers]
+        self.stats = stats
+        self.level = level
+        self.failed: str | None = None
+
+    def exchange(self, round: int, payload: torch.Tensor, recv: torch.Tensor) -> RoundHandle:
+        if self.failed is not None:
+            raise PeerTimeoutError(
+                f"gossip round {round}: transport unusable since {self.failed}", 0.0)
+        tag = round % TAG_MODULUS
+        works: list[tuple[int, str, dist.Work]] = []
+        # group_src/group_dst are member indices in `group`: no global-rank translation needed
+        # (and none can go wrong when group is a sub-group).
+        for k, p in enumerate(self.peers):
+            works.append((self.peer_ranks[k], "recv",
+                          dist.irecv(recv[k], group=self.group, tag=tag, group_src=p)))
+        for k, p in enumerate(self.peers):
+            works.append((self.peer_ranks[k], "send",
+                          dist.isend(payload, group=self.group, tag=tag, group_dst=p)))
+        if self.stats is not None and self.peers:
+            self.stats.record(self.level, payload.numel() * len(self.peers),
+                              messages=len(self.peers))
+        return _GlooRound(round, works, self)
+
+    def close(self) -> None:
+        # Gloo has no way to cancel a posted receive; dropping the handles is all that is safe.
+        # destroy_process_group afterwards returns at once even with receives pending (checked).
+        self.failed = self.failed or "close()"
+
+
+# ---------------------------------------------------------------------------------------------
+# in-process
+
+
+class MemoryHub:
+    """Mailboxes shared by the :class:`MemoryTransport` s of one simulated group."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._boxes: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+
+    def post(self, round: int, src: int, payload: torch.Tensor, readers: int) -> None:
+        if readers:
+            self._boxes[(round, src)] = (payload.clone(), readers)
+
+    def has(self, round: int, src: int) -> bool:
+        return (round, src) in self._boxes
+
+    def take(self, round: int, src: int, out: torch.Tensor) -> None:
+        payload, readers = self._boxes[(round, src)]
+        out.copy_(payload)
+        if readers == 1:
+            del self._boxes[(round, src)]
+        else:
+            self._boxes[(round, src)] = (payload, readers - 1)
+
+
+class _MemoryRound(RoundHandle):
+    def __init__(self, round: int, owner: MemoryTransport, recv: torch.Tensor):
+        self.round = round
+        self._owner = owner
+        self._recv = recv
+        self._done = False
+
+    def is_completed(self) -> bool:
+        hub = self._owner.hub
+        return self._done or all(hub.has(self.round, p) for p in self._owner.peers)
+
+    def wait(self, timeout_s: float) -> None:
+        if self._done:
+            return
+        o = self._owner
+        # Single-threaded: a payload that is not posted yet never will be while we wait.
+        missing = [o.peer_ranks[k] for k, p in enumerate(o.peers) if not o.hub.has(self.round, p)]
+        if missing:
+            raise PeerTimeoutError(f"gossip round {self.round} (member {o.member})", timeout_s,
+                                   missing)
+        for k, p in enumerate(o.peers):
+            o.hub.take(self.round, p, self._recv[k])
+        self._done = True
+
+
+class MemoryTransport(Transport):
+    """In-process transport: member ``member`` of ``hub``'s group, exchanging with ``peers``."""
+
+    def __init__(self, hub: MemoryHub, member: int, peers: list[int],
+                 stats: CommStats | None = None, level: str = "inter"):
+        self.hub = hub
+        self.member = member
+        self.size = hub.size
+        self.peers = list(peers)
+        self.peer_ranks = list(peers)
+        self.stats = stats
+        self.level = level
+
+    def exchange(self, round: int, payload: torch.Tensor, recv: torch.Tensor) -> RoundHandle:
+        # Graphs are undirected: whoever we receive from also reads our payload.
+        self.hub.post(round, self.member, payload, readers=len(self.peers))
+        if self.stats is not None and self.peers:
+            self.stats.record(self.level, payload.numel() * len(self.peers),
+                              messages=len(self.peers))
+        return _MemoryRound(round, self, recv)
