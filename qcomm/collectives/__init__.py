@@ -1,0 +1,30 @@
+"""Collectives over torch.distributed process groups (Gloo for CPU tensors, NCCL for CUDA).
+
+- :class:`Topology`: who is on which node; intra-node groups and inter-node rails.
+- :class:`IntraNodeAllreduce`: synchronous bucketed mean inside a node (full precision or codec).
+- :class:`HierarchicalAllreduce`: intra reduce-scatter -> quantized rail allreduce -> intra
+  all-gather; the synchronous baseline and the engine of :mod:`qcomm.hooks`.
+- :mod:`qcomm.collectives.gossip`: asynchronous compressed (CHOCO) gossip between nodes.
+- :class:`CommStats`: bytes sent per level; :class:`PeerTimeoutError`: a peer stopped answering.
+"""
+
+from qcomm.collectives.errors import PeerTimeoutError
+from qcomm.collectives.gossip import CompressedGossip, consensus_distance, default_gamma
+from qcomm.collectives.handles import Handle
+from qcomm.collectives.hierarchical import HierarchicalAllreduce, shard_numel
+from qcomm.collectives.intra import IntraNodeAllreduce
+from qcomm.collectives.stats import CommStats
+from qcomm.collectives.topology import Topology
+
+__all__ = [
+    "CommStats",
+    "CompressedGossip",
+    "Handle",
+    "HierarchicalAllreduce",
+    "IntraNodeAllreduce",
+    "PeerTimeoutError",
+    "Topology",
+    "consensus_distance",
+    "default_gamma",
+    "shard_numel",
+]
