@@ -1,6 +1,6 @@
 """ASSGD versus synchronous fp32 SGD on MNIST-1D, 2 emulated nodes x 2 processes over Gloo.
 
-    python examples/train_mnist1d.py [--epochs 30] [--bits 4] [--lr 0.05] [--batch-size 32]
+    python examples/train_mnist1d.py [--epochs 60] [--bits 4] [--lr 0.2] [--batch-size 32]
 
 Starts 4 local processes (ranks 0-1 are node 0, ranks 2-3 node 1), generates MNIST-1D locally
 (``mnist1d.data.make_dataset``; nothing is downloaded), and trains the same small 1-D CNN twice,
@@ -9,9 +9,9 @@ from the same seed, with the same data order, epochs and hyperparameters:
 * ASSGD: gradients averaged inside each node in fp32, local SGD step, then asynchronous CHOCO
   gossip of ``--bits``-bit parameter differences between the nodes (sharded over the two local
   ranks, so each "NIC" carries half);
-* synchronous fp32 SGD: a hierarchical fp32 allreduce of the gradients (intra-node average, rail
-  allreduce of each local rank's shard between nodes, intra-node all-gather), then
-  ``torch.optim.SGD``.
+* synchronous fp32 SGD: ``HierarchicalAllreduce`` of the gradients at full precision
+  (intra-node reduce-scatter, rail allreduce of each local rank's shard between nodes,
+  intra-node all-gather), then ``torch.optim.SGD``.
 
 Prints the final test accuracy (ASSGD: of the exact global average of the nodes' parameters,
 and of node 0's own parameters) and the bytes that crossed between nodes, summed over ranks.
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mnist1d_model import ConvNet, accuracy, make_mnist1d
 
-from qcomm.collectives.intra import IntraNodeAllreduce
+from qcomm.collectives.hierarchical import HierarchicalAllreduce
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.sgd import ASSGD
@@ -44,42 +44,15 @@ from qcomm.testing.multiprocess import run_world
 class Config:
     nodes: int = 2
     procs_per_node: int = 2
-    epochs: int = 30
+    epochs: int = 60
     batch_size: int = 32          # per rank
-    lr: float = 0.05
+    lr: float = 0.2
     momentum: float = 0.9
     weight_decay: float = 0.0
     bits: int = 4
     staleness: int = 1
     seed: int = 0
     num_samples: int = 5000
-
-
-class SyncFP32Mean:
-    """Hierarchical fp32 gradient mean for the baseline: intra-node mean (IntraNodeAllreduce),
-    rail allreduce of this local rank's shard between nodes, intra-node all-gather. Inter-node
-    bytes are counted as a ring allreduce moves them: 2 (n - 1) / n of the shard per rank."""
-
-    def __init__(self, topo: Topology, stats: CommStats) -> None:
-        self.topo, self.stats = topo, stats
-        self.intra = IntraNodeAllreduce(topo, stats=stats)
-
-    def mean_(self, grads: list[torch.Tensor]) -> None:
-        topo = self.topo
-        self.intra.mean_(grads)
-        n, L = topo.num_nodes, topo.procs_per_node
-        sizes = [g.numel() for g in grads]
-        total = sum(sizes)
-        shard = -(-total // L)
-        flat = torch.zeros(shard * L)
-        torch.cat([g.reshape(-1) for g in grads], out=flat[:total])
-        mine = flat[topo.local_rank * shard:(topo.local_rank + 1) * shard].clone()
-        dist.all_reduce(mine, group=topo.rail_group)
-        mine.div_(n)
-        self.stats.record("inter", 2 * (n - 1) * mine.numel() * 4 // n, 2 * (n - 1))
-        self.intra.all_gather_into(flat, mine)
-        for g, piece in zip(grads, torch.split(flat[:total], sizes), strict=True):
-            g.copy_(piece.view_as(g))
 
 
 def _batches(n: int, epoch: int, cfg: Config, rank: int, world: int) -> list[torch.Tensor]:
@@ -101,7 +74,7 @@ def _train(method: str, rank: int, world: int, cfg: Config, data: dict) -> dict:
         averager = None
     else:
         opt = torch.optim.SGD(model.parameters(), **hp)
-        averager = SyncFP32Mean(Topology(cfg.procs_per_node), stats)
+        averager = HierarchicalAllreduce(Topology(cfg.procs_per_node), spec=None, stats=stats)
     steps_per_epoch = len(_batches(len(data["y"]), 0, cfg, rank, world))
     sched = torch.optim.lr_scheduler.OneCycleLR(
         opt, max_lr=cfg.lr, total_steps=cfg.epochs * steps_per_epoch, pct_start=0.15)

@@ -1,0 +1,103 @@
+"""One checkpoint file per rank: the model, ASSGD's state (momentum, gossip buffers, rounds in
+flight) and torch's RNG state, so that a run resumed at step k continues bit for bit.
+
+Layout: ``directory/rank00000.pt``, ``directory/rank00001.pt``, ... Each rank writes and reads
+only its own file (no collective); files are written atomically (temp file, then rename).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qcomm.sgd.assgd import ASSGD, STATE_KEY, WORLD_CHANGE_MODES
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def checkpoint_path(directory: str | os.PathLike, rank: int) -> Path:
+    """The file of ``rank`` under ``directory``."""
+    return Path(directory) / f"rank{rank:05d}.pt"
+
+
+def save_checkpoint(directory: str | os.PathLike, optimizer: ASSGD,
+                    model: torch.nn.Module | None = None, *, extra: Any = None) -> Path:
+    """Write this rank's checkpoint file and return its path.
+
+    Args:
+        directory: created if missing; shared by all ranks.
+        optimizer: the ASSGD (its :meth:`~ASSGD.state_dict` is saved).
+        model: saved with ``state_dict()`` when given (asynchronous gossip leaves every node
+            with its own parameters, so each rank saves its own copy).
+        extra: any picklable object (epoch, data-loader position, ...), returned by
+            :func:`load_checkpoint`.
+    """
+    if not isinstance(optimizer, ASSGD):
+        raise TypeError(f"optimizer must be a qcomm.sgd.ASSGD, got {type(optimizer).__name__}")
+    rank, _ = _rank_world()
+    path = checkpoint_path(directory, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "optimizer": optimizer.state_dict(),
+        "model": model.state_dict() if model is not None else None,
+        "rng": torch.get_rng_state(),
+        "extra": extra,
+    }
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(directory: str | os.PathLike, optimizer: ASSGD,
+                    model: torch.nn.Module | None = None, *,
+                    on_world_size_change: str = "error", restore_rng: bool = True) -> Any:
+    """Load this rank's checkpoint file into ``optimizer`` (and ``model``); return ``extra``.
+
+    With a changed world size and ``on_world_size_change="reinit"``, rank r reads the file of
+    saved rank ``r % saved_world_size`` and the gossip state starts afresh (see
+    :meth:`ASSGD.load_state_dict`). With ``"error"`` (default) a ValueError names both sizes.
+    Nothing is loaded when an error is raised.
+    """
+    if on_world_size_change not in WORLD_CHANGE_MODES:
+        raise ValueError(f"on_world_size_change must be one of {WORLD_CHANGE_MODES}, "
+                         f"got {on_world_size_change!r}")
+    rank, world = _rank_world()
+    path = checkpoint_path(directory, rank)
+    saved_world = _saved_world_size(directory, path)
+    if saved_world != world and on_world_size_change == "reinit":
+        path = checkpoint_path(directory, rank % saved_world)
+    elif not path.exists():
+        raise ValueError(
+            f"checkpoint was saved with world size {saved_world} but this run has world size "
+            f"{world}: no file {path.name} in {directory} (pass on_world_size_change='reinit')"
+        )
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    # The optimizer checks the geometry first and raises before anything is changed.
+    optimizer.load_state_dict(payload["optimizer"], on_world_size_change=on_world_size_change)
+    if model is not None:
+        if payload["model"] is None:
+            raise ValueError(f"{path} holds no model state (it was saved with model=None)")
+        model.load_state_dict(payload["model"])
+    if restore_rng:
+        torch.set_rng_state(payload["rng"])
+    return payload["extra"]
+
+
+def _saved_world_size(directory: str | os.PathLike, path: Path) -> int:
+    """The world size a checkpoint directory was saved with (from this rank's file, else the
+    lowest rank's file present)."""
+    candidates = [path] if path.exists() else sorted(Path(directory).glob("rank*.pt"))
+    if not candidates:
+        raise FileNotFoundError(f"no checkpoint files rank*.pt in {directory}")
+    state = torch.load(candidates[0], map_location="cpu", weights_only=False)["optimizer"]
+    q = state.get(STATE_KEY)
+    return int(q["world_size"]) if q is not None else 1

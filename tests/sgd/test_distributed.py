@@ -1,0 +1,235 @@
+"""ASSGD over Gloo: one node equals DDP, 2x2 convergence to a known optimum, checkpoint resume bit
+for bit, non-finite gradients, world-size mismatch. Each world runs several checks to keep the
+number of process spawns (seconds each) small."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from qcomm.compress import QuantSpec, packed_nbytes
+from qcomm.sgd import ASSGD, NonFiniteGradientError, load_checkpoint, save_checkpoint
+from qcomm.testing.multiprocess import run_world
+
+TIMEOUT_S = 120
+
+
+def _mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
+
+
+def _loss(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = _batch(rank, step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+# ---------------------------------------------------------------------------------------------
+# one node (2 ranks): ASSGD is synchronous data-parallel SGD, i.e. DDP + torch.optim.SGD
+
+
+def _one_node_body(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    kw = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    ddp = DDP(_mlp(0))
+    ref = torch.optim.SGD(ddp.parameters(), **kw)
+    ours = _mlp(0)
+    opt = ASSGD(ours.parameters(), **kw, procs_per_node=world)
+    for step in range(15):
+        for model, o in ((ddp, ref), (ours, opt)):
+            o.zero_grad()
+            _loss(model, rank, step).backward()
+            o.step()
+    diffs = [(a - b).abs().max().item()
+             for a, b in zip(ddp.module.parameters(), ours.parameters(), strict=True)]
+    same_everywhere = [p.detach().clone().numpy() for p in ours.parameters()]
+    st = opt.stats()
+    # Non-finite gradient on rank 1 only: every rank of the node raises, nothing changes.
+    before = [p.detach().clone() for p in ours.parameters()]
+    opt.zero_grad()
+    _loss(ours, rank, 99).backward()
+    if rank == 1:
+        next(iter(ours.parameters())).grad[0, 0] = float("inf")
+    raised = False
+    try:
+        opt.step()
+    except NonFiniteGradientError:
+        raised = True
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, ours.parameters(), strict=True))
+    return {"diffs": diffs, "params": same_everywhere, "bytes": st["bytes_sent"],
+            "raised": raised, "unchanged": unchanged}
+
+
+def test_one_node_equals_ddp_and_nonfinite_raises_on_every_rank() -> None:
+    res = run_world(_one_node_body, 2, timeout_s=TIMEOUT_S)
+    for r in res:
+        # (a + b) / 2 (ours) and a / 2 + b / 2 (DDP) are the same float for 2 ranks.
+        assert max(r["diffs"]) == 0.0, r["diffs"]
+        assert r["bytes"]["inter"] == 0 and r["bytes"]["intra"] > 0
+        assert r["raised"] and r["unchanged"]
+    assert all((a == b).all() for a, b in zip(res[0]["params"], res[1]["params"], strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# 2 nodes x 2 ranks: least squares whose nodes disagree; the optimum is known in closed form
+
+
+DIM, ROWS = 24, 12
+
+
+def _problem(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7 + rank)
+    a = torch.randn(ROWS, DIM, generator=g, dtype=torch.float64)
+    # Different targets per rank (and per node): no rank's own optimum is the global one.
+    b = a @ torch.ones(DIM, dtype=torch.float64) + (rank + 1) * torch.randn(
+        ROWS, generator=g, dtype=torch.float64)
+    return a, b
+
+
+def _optimum(world: int) -> torch.Tensor:
+    ata = sum(_problem(r)[0].T @ _problem(r)[0] for r in range(world))
+    atb = sum(_problem(r)[0].T @ _problem(r)[1] for r in range(world))
+    return torch.linalg.solve(ata, atb)
+
+
+def _node_optimum(node: int, ppn: int) -> torch.Tensor:
+    ranks = range(node * ppn, (node + 1) * ppn)
+    ata = sum(_problem(r)[0].T @ _problem(r)[0] for r in ranks)
+    atb = sum(_problem(r)[0].T @ _problem(r)[1] for r in ranks)
+    return torch.linalg.solve(ata, atb)
+
+
+def _convergence_body(rank: int, world: int, steps: int) -> dict:
+    a, b = (t.float() for t in _problem(rank))
+    w = torch.nn.Parameter(torch.zeros(DIM))
+    opt = ASSGD([w], lr=0.02, momentum=0.5, bits=4, procs_per_node=2, staleness=1, seed=3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    for _ in range(steps):
+        opt.zero_grad()
+        (0.5 * ((a @ w - b) ** 2).sum()).backward()
+        opt.step()
+        sched.step()
+    st = opt.stats(consensus=True)
+    own = w.detach().clone()
+    opt.average_parameters()
+    # numpy: tensors returned through the result queue would be shared by file descriptor.
+    return {"own": own.numpy(), "avg": w.detach().clone().numpy(), "stats": st}
+
+
+def test_two_by_two_converges_to_the_known_optimum() -> None:
+    steps = 400
+    res = run_world(_convergence_body, 4, args=(steps,), timeout_s=TIMEOUT_S)
+    opt = _optimum(4).float()
+    scale = opt.norm().item()
+    node_gap = (_node_optimum(0, 2).float() - opt).norm().item() / scale
+    for r in res:
+        err = (torch.from_numpy(r["avg"]) - opt).norm().item() / scale
+        own_err = (torch.from_numpy(r["own"]) - opt).norm().item() / scale
+        # Each node alone would stop at its own optimum, node_gap away: gossip closes 100x of it.
+        assert node_gap > 0.05, node_gap
+        assert err < node_gap / 100, (err, node_gap)
+        assert own_err < node_gap / 30, (own_err, node_gap)
+        st = r["stats"]
+        assert st["consensus_distance"] < 1e-3 * scale
+        assert st["steps"] == st["gossip_rounds"] == steps and st["staleness"] == 1
+        # Ring of 2 nodes: one neighbour; the shard of 24 floats pads to one 128-float block.
+        per_round = packed_nbytes(128, QuantSpec(4, 128, "stochastic"))
+        assert st["bytes_sent"]["inter"] == steps * per_round
+    # average_parameters: every rank holds the same bytes.
+    assert all((res[0]["avg"] == r["avg"]).all() for r in res)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2 x 2: checkpoint at step k and resume == uninterrupted; skip a NaN step == never taking it
+
+
+def _train(model: torch.nn.Module, opt: ASSGD, rank: int, steps: range,
+           nan_at: int | None = None, omit: int | None = None) -> None:
+    for step in steps:
+        if step == omit:
+            continue
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        if step == nan_at and rank == 1:
+            next(iter(model.parameters())).grad[1, 1] = float("nan")
+        opt.step()
+
+
+def _resume_body(rank: int, world: int, directory: str) -> dict:
+    kw = dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3, bits=4,
+              procs_per_node=2, staleness=2, seed=11)
+    full = _mlp(0)
+    opt = ASSGD(full.parameters(), **kw)
+    _train(full, opt, rank, range(0, 7))
+    dist.barrier()
+    save_checkpoint(directory, opt, full, extra={"step": 7})
+    _train(full, opt, rank, range(7, 14))
+    opt.close()
+
+    resumed = _mlp(123)
+    opt2 = ASSGD(resumed.parameters(), **kw)
+    extra = load_checkpoint(directory, opt2, resumed)
+    _train(resumed, opt2, rank, range(7, 14))
+    opt2.close()
+    resumed_equal = all(torch.equal(a, b) for a, b in
+                        zip(full.parameters(), resumed.parameters(), strict=True))
+    momentum_equal = all(
+        torch.equal(opt.state[a]["momentum_buffer"], opt2.state[b]["momentum_buffer"])
+        for a, b in zip(full.parameters(), resumed.parameters(), strict=True))
+
+    # on_nonfinite="skip": a NaN on rank 1 (node 0) skips the step on all 4 ranks.
+    skip_kw = {**kw, "on_nonfinite": "skip"}
+    skipped = _mlp(0)
+    opt3 = ASSGD(skipped.parameters(), **skip_kw)
+    _train(skipped, opt3, rank, range(10), nan_at=4)
+    omitted = _mlp(0)
+    opt4 = ASSGD(omitted.parameters(), **skip_kw)
+    _train(omitted, opt4, rank, range(10), omit=4)
+    skip_equal = all(torch.equal(a, b) for a, b in
+                     zip(skipped.parameters(), omitted.parameters(), strict=True))
+    st3, st4 = opt3.stats(), opt4.stats()
+    opt3.close()
+    opt4.close()
+    return {"resumed_equal": resumed_equal, "momentum_equal": momentum_equal, "extra": extra,
+            "skip_equal": skip_equal, "skipped": st3["skipped_steps"],
+            "rounds": (st3["gossip_rounds"], st4["gossip_rounds"]),
+            "moved": not torch.equal(next(iter(full.parameters())),
+                                     next(iter(_mlp(0).parameters())))}
+
+
+def test_checkpoint_resume_bit_exact_nonfinite_skip_and_world_size_mismatch(tmp_path) -> None:
+    res = run_world(_resume_body, 4, args=(str(tmp_path),), timeout_s=TIMEOUT_S)
+    for r in res:
+        assert r["moved"]
+        assert r["resumed_equal"] and r["momentum_equal"] and r["extra"] == {"step": 7}
+        assert r["skip_equal"] and r["skipped"] == 1 and r["rounds"] == (9, 9)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r:05d}.pt" for r in range(4)]
+
+    # This process has no process group: world size 1 against the checkpoint's 4.
+    model = _mlp(5)
+    opt = ASSGD(model.parameters(), lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3,
+                procs_per_node=2, staleness=2, seed=11)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"world size 4 .*world size 1"):
+        load_checkpoint(tmp_path, opt, model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not opt.state
+    # reinit: momentum and parameters of saved rank 0 kept, the gossip state restarts (warned).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_checkpoint(tmp_path, opt, model, on_world_size_change="reinit")
+    assert any("re-initialized" in str(w.message) for w in caught)
+    assert all("momentum_buffer" in opt.state[p] for p in model.parameters())
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    opt.zero_grad()
+    _loss(model, 0, 0).backward()
+    opt.step()  # trains on, single process
