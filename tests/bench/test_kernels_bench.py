@@ -1,0 +1,125 @@
+"""Smoke tests of ``bench/kernels.py``: the script runs, checks its outputs, and its JSON holds
+every row it claims. Timings are not judged here (this machine is shared and has no GPU)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "kernels.py"
+ROW_FIELDS = {"op", "bits", "numel", "size", "impl", "backend", "bytes", "status", "verified",
+              "median_s", "times_s", "gbps", "copy_gbps", "ratio_copy", "vs_eager",
+              "vs_compiled", "compile_s", "error"}
+
+
+def _load_bench():
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    return importlib.import_module("bench.kernels")
+
+
+def test_quick_run_writes_complete_json(tmp_path: Path) -> None:
+    out = tmp_path / "kernels.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "QCOMM_BACKEND": "reference"}
+    # Small and 1 thread: other test processes share this machine's cores.
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--threads", "1",
+           "--repeat", "1", "--warmup", "0", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "# environment" in proc.stdout and "torch:" in proc.stdout
+    assert "copy GB/s" in proc.stdout  # the table
+
+    data = json.loads(out.read_text())
+    assert data["complete"] is True and data["exit_code"] == 0
+    cfg = data["config"]
+    assert cfg["sizes"] == [64 << 10] and cfg["bits"] == [1, 2, 4, 8]
+    assert cfg["impls"] == ["qcomm", "kernel", "reference", "eager"]
+    assert set(data["env"]) >= {"torch", "triton", "cpu_count", "device", "env"}
+    assert [c["numel"] for c in data["copy"]] == cfg["sizes"]
+    assert all(c["gbps"] > 0 for c in data["copy"])
+
+    rows = data["rows"]
+    want = {(op, b, n, impl) for op in cfg["ops"] for b in cfg["bits"] for n in cfg["sizes"]
+            for impl in cfg["impls"]}
+    assert {(r["op"], r["bits"], r["numel"], r["impl"]) for r in rows} == want
+    assert len(rows) == len(want)
+    for r in rows:
+        assert set(r) >= ROW_FIELDS, r
+        if r["impl"] == "reference":  # the CPU backend is the reference: not run twice
+            assert r["status"] == "skipped"
+            continue
+        assert r["status"] == "ok" and r["verified"] is True, r
+        assert r["gbps"] == pytest.approx(r["bytes"] / r["median_s"] / 1e9)
+        assert r["ratio_copy"] == pytest.approx(r["gbps"] / r["copy_gbps"])
+        assert r["vs_eager"] is not None and r["vs_compiled"] is None
+    nbytes = {(r["op"], r["bits"]): r["bytes"] for r in rows}
+    n = 64 << 10
+    assert nbytes[("quantize", 4)] == 12 * n + n // 2 + 4 * (n // 128)
+    assert nbytes[("accumulate", 8)] == 4 * (n + 4 * (n // 128)) + 8 * n
+
+
+def test_broken_kernel_and_failed_compile_are_reported(tmp_path: Path, monkeypatch,
+                                                        capsys) -> None:
+    """A kernel whose bytes are wrong is an error (exit 1); a torch.compile failure is
+    reported in its rows without ending the run."""
+    bench = _load_bench()
+    from qcomm.kernels import reference
+
+    def broken_quantize_into(x, spec, payload, error_in, error_out, seed):
+        reference.quantize_into(x, spec, payload, error_in, error_out, seed)
+        payload[0] ^= 1
+
+    class Broken:
+        quantize_into = staticmethod(broken_quantize_into)
+        dequantize_into = staticmethod(reference.dequantize_into)
+        dequant_accumulate_into = staticmethod(reference.dequant_accumulate_into)
+
+    def failing_compile(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(bench.compress, "_kernels", lambda device: Broken)
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    # Leave torch._dynamo's global config alone for the other tests in this process.
+    monkeypatch.setattr(bench, "configure_dynamo", lambda: None)
+    out = tmp_path / "k.json"
+    rc = bench.main(["--device", "cpu", "--sizes", "4K", "--bits", "2", "--ops", "quantize",
+                     "--impls", "kernel,eager,compiled", "--repeat", "1", "--warmup", "0",
+                     "--json", str(out)])
+    capsys.readouterr()
+    assert rc == 1
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["kernel"]["status"] == "error" and "payload differs" in rows["kernel"]["error"]
+    assert rows["eager"]["status"] == "ok"
+    assert rows["compiled"]["status"] == "compile_error"
+    assert "no compiler here" in rows["compiled"]["error"]
+
+
+def test_targets_pass_and_fail() -> None:
+    bench = _load_bench()
+    n = 64 << 20
+
+    def row(impl: str, ratio: float, vs_eager: float) -> dict:
+        return {"op": "quantize", "bits": 4, "numel": n, "impl": impl, "status": "ok",
+                "ratio_copy": ratio, "vs_eager": vs_eager}
+
+    good = bench.check_targets([row("kernel", 0.9, 5.0), row("qcomm", 0.5, 1.0)])
+    assert [t["passed"] for t in good] == [True, True]
+    bad = bench.check_targets([row("kernel", 0.8, 2.0)])
+    assert [t["passed"] for t in bad] == [False, False]
+    assert bench.check_targets([])[0]["passed"] is False  # nothing at >= 64M: not a pass
+
+
+@pytest.mark.parametrize("text,value", [("64K", 65536), ("1M", 1 << 20), ("3000", 3000)])
+def test_parse_size(text: str, value: int) -> None:
+    from bench.common import format_size, parse_size
+
+    assert parse_size(text) == value
+    assert parse_size(format_size(value)) == value
