@@ -104,8 +104,14 @@ def decode_values(codes: torch.Tensor, scales: torch.Tensor, n: int,
         q = (codes * 2 - 1).to(torch.float32)
     else:
         q = (codes - spec.max_level).to(torch.float32)
-    block_of = torch.arange(n, device=codes.device) // spec.block_size
-    return q * scales[..., block_of]
+    # One float32 product per element, level times its block's scale: broadcast over the
+    # blocked view rather than gathering a scale per element (no int64 index tensor).
+    nb = scales.shape[-1]
+    pad = nb * spec.block_size - n
+    if pad:
+        q = torch.nn.functional.pad(q, (0, pad))
+    blocked = q.view(*q.shape[:-1], nb, spec.block_size) * scales.unsqueeze(-1)
+    return blocked.flatten(-2)[..., :n]
 
 
 def quantize_into(x: torch.Tensor, spec: QuantSpec, payload: torch.Tensor,
@@ -131,7 +137,6 @@ def quantize_into(x: torch.Tensor, spec: QuantSpec, payload: torch.Tensor,
     vb = _blocks(v, spec)
     finite = torch.isfinite(vb).all(dim=1)
     scale = block_scales(vb, n, spec)
-    valid = (torch.arange(vb.numel(), device=v.device) < n).view_as(vb) & finite[:, None]
     if spec.bits == 1:
         positive = vb >= 0
         codes = positive.to(torch.uint8)
@@ -140,7 +145,10 @@ def quantize_into(x: torch.Tensor, spec: QuantSpec, payload: torch.Tensor,
         q = _levels(vb, scale, 0, spec, seed)
         codes = (q + spec.max_level).to(torch.uint8)
         decoded = q * scale[:, None]
-    codes = torch.where(valid, codes, torch.zeros_like(codes))
+    # Padding elements and non-finite blocks encode as 0 (the codes tensor is our own).
+    codes.view(-1)[n:] = 0
+    if not bool(finite.all()):
+        codes[~finite] = 0
     scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
 
     out_codes, out_scales = split_payload(payload, n, spec)
