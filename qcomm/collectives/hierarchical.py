@@ -43,19 +43,16 @@ from qcomm.collectives.handles import Handle, Last
 from qcomm.collectives.intra import (
     CODEC_DTYPES,
     FULL_DTYPES,
+    BucketedMean,
     acc_dtype,
-    check_common_args,
     check_key,
     decode_mean,
     derive_seed,
-    load_allreduce_state,
     quantize_or_poison,
     start_all_gather,
     start_reduce_scatter,
 )
-from qcomm.collectives.stats import CommStats
-from qcomm.collectives.topology import Topology
-from qcomm.compress import ErrorFeedback, QuantSpec, packed_nbytes
+from qcomm.compress import QuantSpec, packed_nbytes
 
 __all__ = ["HierarchicalAllreduce", "shard_numel"]
 
@@ -75,7 +72,7 @@ def shard_numel(numel: int, procs_per_node: int, num_nodes: int,
     return -(-numel // unit) * align
 
 
-class HierarchicalAllreduce:
+class HierarchicalAllreduce(BucketedMean):
     """Average tensors over all ranks: intra-node reduce-scatter, rail allreduce of each shard
     through the codec, intra-node all-gather. The synchronous baseline, and the engine of the
     DDP comm hook.
@@ -90,17 +87,6 @@ class HierarchicalAllreduce:
 
     Nothing is communicated in the constructor; groups and buffers are created on first use.
     """
-
-    def __init__(self, topology: Topology, *, spec: QuantSpec | None = None,
-                 bucket_mb: float = 25.0, stats: CommStats | None = None,
-                 seed: int = 0) -> None:
-        self._bucket_bytes, self.stats = check_common_args(topology, bucket_mb, spec, stats, seed)
-        self.topology = topology
-        self.spec = spec
-        self.bucket_mb = bucket_mb
-        self.seed = seed
-        self.error_feedback = ErrorFeedback()
-        self._calls = 0
 
     def mean_(self, tensors: Sequence[torch.Tensor], *, async_op: bool = False,
               key: str | int | None = None) -> Handle:
@@ -191,12 +177,3 @@ class HierarchicalAllreduce:
         unpack(bucket, out, tensors)
         if error is not None:
             raise error
-
-    def state_dict(self) -> dict:
-        """``{"error_feedback": {"residuals": {key: float32 [shard]}}, "calls": int}``: this
-        rank's residuals (references) and the call count that seeds stochastic rounding."""
-        return {"error_feedback": self.error_feedback.state_dict(), "calls": self._calls}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Load what :meth:`state_dict` returned (residuals copied)."""
-        load_allreduce_state(self, state)

@@ -54,7 +54,7 @@ from qcomm.compress import (
     packed_nbytes,
 )
 
-__all__ = ["IntraNodeAllreduce"]
+__all__ = ["BucketedMean", "IntraNodeAllreduce"]
 
 CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Full precision also averages float64 (Gloo and NCCL sum it natively; the codec does not).
@@ -181,7 +181,40 @@ def decode_mean(payloads: torch.Tensor, out: torch.Tensor,
 # ---------------------------------------------------------------------------------------------
 
 
-class IntraNodeAllreduce:
+class BucketedMean:
+    """What the bucketed averaging collectives share: validated settings, error-feedback
+    residuals (one per bucket and key, with a spec) and the call count that seeds stochastic
+    rounding. Subclasses implement ``mean_``."""
+
+    def __init__(self, topology: Topology, *, bucket_mb: float = 25.0,
+                 spec: QuantSpec | None = None, stats: CommStats | None = None,
+                 seed: int = 0) -> None:
+        self._bucket_bytes, self.stats = check_common_args(topology, bucket_mb, spec, stats, seed)
+        self.topology = topology
+        self.bucket_mb = bucket_mb
+        self.spec = spec
+        self.seed = seed
+        self.error_feedback = ErrorFeedback()
+        self._calls = 0
+
+    def state_dict(self) -> dict:
+        """``{"error_feedback": {"residuals": {key: float32 tensor}}, "calls": int}``: this
+        rank's residuals (references) and the call count that seeds stochastic rounding."""
+        return {"error_feedback": self.error_feedback.state_dict(), "calls": self._calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load what :meth:`state_dict` returned (residuals copied)."""
+        if not isinstance(state, dict) or "error_feedback" not in state or "calls" not in state:
+            raise ValueError("state must be a dict from state_dict() with keys "
+                             "'error_feedback' and 'calls'")
+        calls = state["calls"]
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+            raise ValueError(f"state['calls'] must be an int >= 0, got {calls!r}")
+        self.error_feedback.load_state_dict(state["error_feedback"])
+        self._calls = calls
+
+
+class IntraNodeAllreduce(BucketedMean):
     """Average a list of tensors over the ranks of this node, in place, through flat buckets.
 
     Args:
@@ -195,17 +228,6 @@ class IntraNodeAllreduce:
     Nothing is communicated in the constructor; buffers and process groups are created on the
     first call, which every rank of the job must make (group creation is collective).
     """
-
-    def __init__(self, topology: Topology, *, bucket_mb: float = 25.0,
-                 spec: QuantSpec | None = None, stats: CommStats | None = None,
-                 seed: int = 0) -> None:
-        self._bucket_bytes, self.stats = check_common_args(topology, bucket_mb, spec, stats, seed)
-        self.topology = topology
-        self.bucket_mb = bucket_mb
-        self.spec = spec
-        self.seed = seed
-        self.error_feedback = ErrorFeedback()
-        self._calls = 0
 
     def mean_(self, tensors: Sequence[torch.Tensor], *, async_op: bool = False,
               key: str | int | None = None) -> Handle:
@@ -301,22 +323,3 @@ class IntraNodeAllreduce:
             return
         start_all_gather(out, shard.view(-1), self.topology.intra_group, L, self.stats,
                          "intra").wait()
-
-    def state_dict(self) -> dict:
-        """``{"error_feedback": ..., "calls": int}``: residuals (references) and the call count
-        that seeds stochastic rounding."""
-        return {"error_feedback": self.error_feedback.state_dict(), "calls": self._calls}
-
-    def load_state_dict(self, state: dict) -> None:
-        load_allreduce_state(self, state)
-
-
-def load_allreduce_state(obj: Any, state: dict) -> None:
-    if not isinstance(state, dict) or "error_feedback" not in state or "calls" not in state:
-        raise ValueError("state must be a dict from state_dict() with keys "
-                         "'error_feedback' and 'calls'")
-    calls = state["calls"]
-    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
-        raise ValueError(f"state['calls'] must be an int >= 0, got {calls!r}")
-    obj.error_feedback.load_state_dict(state["error_feedback"])
-    obj._calls = calls
