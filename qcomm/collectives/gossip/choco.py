@@ -68,7 +68,7 @@ larger values within it are not refused, since divergence depends on the graph a
 Progress while the caller computes: non-blocking ``isend``/``irecv`` (Gloo's own I/O threads move
 the bytes), chosen over a communication thread by measurement:
 
-    python -m qcomm.collectives.gossip.bench_progress --steps 12
+    python bench/gossip_progress.py --steps 12
     (3 procs, 1M floats, 4 bits, staleness 1, a 20 ms sleep as the compute phase; ms per step /
     of it blocked in the round's wait; torch 2.13 CPU, 2 cores shared with other jobs)
 

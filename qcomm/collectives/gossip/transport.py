@@ -143,10 +143,13 @@ class GlooTransport(Transport):
         peers: neighbour member indices.
         stats: byte counter, or None.
         level: the stats level the bytes are counted under.
+        recv_first: post the receives before the sends (default, measured faster in
+            ``bench/gossip_transport.py``); False posts the sends first (benchmark only).
     """
 
     def __init__(self, group_ranks: list[int], group: dist.ProcessGroup | None, member: int,
-                 peers: list[int], stats: CommStats | None = None, level: str = "inter"):
+                 peers: list[int], stats: CommStats | None = None, level: str = "inter",
+                 recv_first: bool = True):
         self.group_ranks = list(group_ranks)
         self.group = group
         self.member = member
@@ -156,6 +159,7 @@ class GlooTransport(Transport):
         self.peer_ranks = [self.group_ranks[p] for p in peers]
         self.stats = stats
         self.level = level
+        self.recv_first = recv_first
         self.failed: str | None = None
 
     def exchange(self, round: int, payload: torch.Tensor, recv: torch.Tensor) -> RoundHandle:
@@ -166,12 +170,22 @@ class GlooTransport(Transport):
         works: list[tuple[int, str, dist.Work]] = []
         # group_src/group_dst are member indices in `group`: no global-rank translation needed
         # (and none can go wrong when group is a sub-group).
-        for k, p in enumerate(self.peers):
-            works.append((self.peer_ranks[k], "recv",
-                          dist.irecv(recv[k], group=self.group, tag=tag, group_src=p)))
-        for k, p in enumerate(self.peers):
-            works.append((self.peer_ranks[k], "send",
-                          dist.isend(payload, group=self.group, tag=tag, group_dst=p)))
+        def post_recvs() -> None:
+            for k, p in enumerate(self.peers):
+                works.append((self.peer_ranks[k], "recv",
+                              dist.irecv(recv[k], group=self.group, tag=tag, group_src=p)))
+
+        def post_sends() -> None:
+            for k, p in enumerate(self.peers):
+                works.append((self.peer_ranks[k], "send",
+                              dist.isend(payload, group=self.group, tag=tag, group_dst=p)))
+
+        if self.recv_first:
+            post_recvs()
+            post_sends()
+        else:
+            post_sends()
+            post_recvs()
         if self.stats is not None and self.peers:
             self.stats.record(self.level, payload.numel() * len(self.peers),
                               messages=len(self.peers))

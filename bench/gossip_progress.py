@@ -1,7 +1,7 @@
 """Which makes gossip progress better while the caller computes: Gloo non-blocking point-to-point
 ops posted from the caller's thread, or a communication thread on its own process group?
 
-    python -m qcomm.collectives.gossip.bench_progress [--procs 3] [--numel 1000000]
+    python bench/gossip_progress.py [--procs 3] [--numel 1000000]
         [--compute-ms 20] [--steps 30] [--staleness 1]
 
 Each of ``procs`` local processes (one per node, Gloo over loopback) runs ``steps`` gossip steps
@@ -23,10 +23,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives.gossip.choco import CompressedGossip
+from qcomm.collectives.gossip.transport import GlooTransport, RoundHandle, Transport
 from qcomm.compress import QuantSpec
-
-from .choco import CompressedGossip
-from .transport import GlooTransport, RoundHandle, Transport
 
 
 class _FutureRound(RoundHandle):

@@ -1,0 +1,316 @@
+#!/usr/bin/env bash
+# An emulated multi-node cluster on one Linux machine: node k is the network namespace
+# qcb<ID>n<k>, joined to the others through one bridge (qcb<ID>br) in the root namespace. Each
+# node's link is shaped with tc tbf to RATE in both directions (the namespace end shapes what the
+# node sends, the bridge-side end what it receives), like a switch port. Ranks of one node share
+# the namespace and talk over loopback, unshaped (the "NVLink" of this cluster).
+#
+# Inside every namespace the veth end is called qceth0 and holds 10.77.0.<k+1>/24, so one
+# GLOO_SOCKET_IFNAME=qceth0 fits every node. Without it Gloo picks the address of the hostname,
+# which here resolves to loopback, and inter-node connections fail. Traffic between ranks of the
+# same node still goes over lo: Linux routes packets for a local address through lo whatever
+# interface holds it.
+#
+# The namespaces have no route out and the bridge has no address: nothing here can reach the
+# host's network. The kernel has tbf/htb but no netem, so bandwidth is shaped, latency is not.
+#
+# Usage (root only):
+#   netns.sh up     --id ID --nodes N --rate RATE [--burst 256kb] [--owner PID]
+#   netns.sh launch --id ID --nodes N --procs P [--timeout S] [--port PORT] [--logdir DIR] \
+#                   -- SCRIPT [ARGS...]          # one torchrun per node, in its namespace
+#   netns.sh counters --id ID --nodes N          # "k tx_bytes rx_bytes" of each node's qceth0
+#   netns.sh down   --id ID
+#   netns.sh clean                               # remove clusters whose owner process is gone
+#   netns.sh run    --nodes N --procs P --rate RATE [--timeout S] -- SCRIPT [ARGS...]
+#                   # up + launch + down (down also on failure or Ctrl-C)
+set -euo pipefail
+
+readonly IFACE=qceth0
+readonly SUBNET=10.77.0
+readonly STATE_DIR=/run/qcomm-netns
+readonly MIN_BURST_BYTES=262144 # tbf: a burst below MTU+14 drops every packet; keep it >= 256kb
+
+die() {
+    echo "netns.sh: $*" >&2
+    exit 2
+}
+
+require_root() {
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "netns.sh: needs root (it creates network namespaces, veth pairs, a bridge and tc" \
+            "qdiscs); run it as root or with sudo" >&2
+        exit 1
+    fi
+}
+
+ns_name() { echo "qcb${1}n${2}"; }
+br_name() { echo "qcb${1}br"; }
+host_veth() { echo "qcb${1}h${2}"; }
+
+# Bytes for a tc size such as 256kb, 1mb, 300000 (tc's units: kb = 1024 bytes, k/kbit = bits).
+size_bytes() {
+    local v=$1 num unit
+    num=${v%%[a-zA-Z]*}
+    unit=${v#"$num"}
+    case "$unit" in
+    "" | b) echo "$num" ;;
+    kb | k) echo $((num * 1024)) ;;
+    mb | m) echo $((num * 1024 * 1024)) ;;
+    *) die "cannot read size '$v' (use e.g. 256kb, 1mb or bytes)" ;;
+    esac
+}
+
+check_id() {
+    [[ "$1" =~ ^[a-z0-9]{1,6}$ ]] || die "--id must be 1-6 characters [a-z0-9] (interface names" \
+        "are limited to 15 characters), got '$1'"
+}
+
+cmd_up() {
+    local id="" nodes="" rate="" burst=256kb owner=$PPID
+    while [ $# -gt 0 ]; do
+        case "$1" in
+        --id) id=$2; shift 2 ;;
+        --nodes) nodes=$2; shift 2 ;;
+        --rate) rate=$2; shift 2 ;;
+        --burst) burst=$2; shift 2 ;;
+        --owner) owner=$2; shift 2 ;;
+        *) die "up: unknown argument '$1'" ;;
+        esac
+    done
+    check_id "$id"
+    [[ "$nodes" =~ ^[0-9]+$ ]] && [ "$nodes" -ge 1 ] && [ "$nodes" -le 32 ] ||
+        die "--nodes must be an integer in [1, 32], got '$nodes'"
+    [[ "$rate" =~ ^[0-9]+(bit|kbit|mbit|gbit)$ ]] || die "--rate must look like 100mbit or 1gbit, got '$rate'"
+    [ "$(size_bytes "$burst")" -ge $MIN_BURST_BYTES ] ||
+        die "--burst must be >= 256kb (a burst under MTU+14 silently drops every packet), got '$burst'"
+    [ -e "/run/netns/$(ns_name "$id" 0)" ] && die "a cluster with id '$id' exists already"
+
+    # The owner file comes first, so `clean` of a concurrent run never mistakes a cluster being
+    # built for an orphan.
+    mkdir -p "$STATE_DIR"
+    echo "$owner" >"$STATE_DIR/$id.owner"
+    echo "$nodes" >"$STATE_DIR/$id.nodes"
+
+    local br k ns hv
+    br=$(br_name "$id")
+    ip link add name "$br" type bridge
+    echo 1 >"/proc/sys/net/ipv6/conf/$br/disable_ipv6" # no router solicitations in the counters
+    ip link set "$br" up
+    for ((k = 0; k < nodes; k++)); do
+        ns=$(ns_name "$id" "$k")
+        hv=$(host_veth "$id" "$k")
+        ip netns add "$ns"
+        ip link add "$hv" type veth peer name "qcb${id}p${k}"
+        ip link set "qcb${id}p${k}" netns "$ns"
+        ip -n "$ns" link set "qcb${id}p${k}" name "$IFACE"
+        ip netns exec "$ns" sysctl -qw "net.ipv6.conf.$IFACE.disable_ipv6=1"
+        ip -n "$ns" addr add "$SUBNET.$((k + 1))/24" dev "$IFACE"
+        ip -n "$ns" link set lo up
+        ip -n "$ns" link set "$IFACE" up
+        echo 1 >"/proc/sys/net/ipv6/conf/$hv/disable_ipv6"
+        ip link set "$hv" master "$br"
+        ip link set "$hv" up
+        # latency bounds the queue (rate * latency bytes); 100 ms holds a few TCP windows.
+        ip netns exec "$ns" tc qdisc replace dev "$IFACE" root tbf rate "$rate" burst "$burst" latency 100ms
+        tc qdisc replace dev "$hv" root tbf rate "$rate" burst "$burst" latency 100ms
+    done
+}
+
+cmd_down() {
+    local id=""
+    while [ $# -gt 0 ]; do
+        case "$1" in
+        --id) id=$2; shift 2 ;;
+        *) die "down: unknown argument '$1'" ;;
+        esac
+    done
+    check_id "$id"
+    local ns k
+    # Namespaces: every qcb<id>n<k> there is, not only the ones the state file names, so a
+    # half-built cluster goes too. Deleting a namespace deletes its veth end and the peer with it.
+    for ns in $(ip netns list | awk '{print $1}' | grep -E "^qcb${id}n[0-9]+$" || true); do
+        # Stop anything still running in the namespace (processes this cluster started).
+        for k in $(ip netns pids "$ns" 2>/dev/null || true); do
+            kill -TERM "$k" 2>/dev/null || true
+        done
+        ip netns del "$ns" 2>/dev/null || true
+    done
+    ip link del "$(br_name "$id")" 2>/dev/null || true
+    rm -f "$STATE_DIR/$id.owner" "$STATE_DIR/$id.nodes"
+}
+
+cmd_clean() {
+    local f id owner ns
+    mkdir -p "$STATE_DIR"
+    for f in "$STATE_DIR"/*.owner; do
+        [ -e "$f" ] || continue
+        id=$(basename "$f" .owner)
+        owner=$(cat "$f" 2>/dev/null || echo 0)
+        if ! kill -0 "$owner" 2>/dev/null; then
+            echo "netns.sh: removing stale cluster '$id' (owner $owner is gone)" >&2
+            cmd_down --id "$id"
+        fi
+    done
+    # Namespaces of our naming scheme without an owner file are left-overs of a crashed run.
+    for ns in $(ip netns list | awk '{print $1}' | grep -E '^qcb[a-z0-9]{1,6}n[0-9]+$' || true); do
+        id=${ns#qcb}
+        id=${id%n*}
+        if [ ! -e "$STATE_DIR/$id.owner" ]; then
+            echo "netns.sh: removing orphan cluster '$id'" >&2
+            cmd_down --id "$id"
+        fi
+    done
+}
+
+cmd_counters() {
+    local id="" nodes="" k ns
+    while [ $# -gt 0 ]; do
+        case "$1" in
+        --id) id=$2; shift 2 ;;
+        --nodes) nodes=$2; shift 2 ;;
+        *) die "counters: unknown argument '$1'" ;;
+        esac
+    done
+    check_id "$id"
+    for ((k = 0; k < nodes; k++)); do
+        ns=$(ns_name "$id" "$k")
+        echo "$k $(ip netns exec "$ns" cat "/sys/class/net/$IFACE/statistics/tx_bytes")" \
+            "$(ip netns exec "$ns" cat "/sys/class/net/$IFACE/statistics/rx_bytes")"
+    done
+}
+
+# One torchrun per node inside its namespace, each under `timeout`. Node 0's output goes to
+# stdout (the workload's progress lines; the caller keeps it), the others' to DIR/node<k>.log. The first node that
+# fails stops the others; the exit status is the first failure's (124: a timeout).
+cmd_launch() {
+    local id="" nodes="" procs="" tmo=600 port="" logdir=""
+    while [ $# -gt 0 ]; do
+        case "$1" in
+        --id) id=$2; shift 2 ;;
+        --nodes) nodes=$2; shift 2 ;;
+        --procs) procs=$2; shift 2 ;;
+        --timeout) tmo=$2; shift 2 ;;
+        --port) port=$2; shift 2 ;;
+        --logdir) logdir=$2; shift 2 ;;
+        --) shift; break ;;
+        *) die "launch: unknown argument '$1'" ;;
+        esac
+    done
+    check_id "$id"
+    [ $# -ge 1 ] || die "launch: give the training script after --"
+    [[ "$procs" =~ ^[0-9]+$ ]] && [ "$procs" -ge 1 ] || die "--procs must be a positive integer"
+    [ -n "$port" ] || port=$((20000 + RANDOM % 20000))
+    [ -n "$logdir" ] || logdir=$(mktemp -d /tmp/qcb-logs.XXXXXX)
+    mkdir -p "$logdir"
+    local torchrun=${TORCHRUN:-$(command -v torchrun || true)}
+    [ -n "$torchrun" ] || die "torchrun not found (activate the venv or set TORCHRUN)"
+
+    local -a pids=()
+    local k ns
+    for ((k = 0; k < nodes; k++)); do
+        ns=$(ns_name "$id" "$k")
+        [ -e "/run/netns/$ns" ] || die "launch: namespace $ns does not exist (run 'up' first)"
+        local -a cmd=(ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$IFACE" OMP_NUM_THREADS=1
+            QCB_IFACE="$IFACE" timeout --kill-after=15 "$tmo"
+            "$torchrun" --nnodes "$nodes" --node-rank "$k" --nproc-per-node "$procs"
+            --master-addr "$SUBNET.1" --master-port "$port" --max-restarts 0
+            --monitor-interval 0.5 "$@")
+        # `ip netns exec`, env and timeout each exec the next, so $! is timeout's pid and a TERM
+        # sent to it reaches torchrun, which passes it on to its workers.
+        if [ "$k" -eq 0 ]; then
+            "${cmd[@]}" &
+        else
+            "${cmd[@]}" >"$logdir/node$k.log" 2>&1 &
+        fi
+        pids+=($!)
+    done
+
+    # Stopped ourselves (the driver's timeout, Ctrl-C): stop the nodes too, not leave them be.
+    # shellcheck disable=SC2317  # reached through the trap
+    stop_nodes() {
+        local p
+        for p in "${pids[@]}"; do
+            kill -TERM "$p" 2>/dev/null || true
+        done
+        exit 143
+    }
+    trap stop_nodes TERM INT
+    # Wait for whichever node ends first; a failure stops the rest. `wait -n` must only be given
+    # pids still running, so finished ones leave the list.
+    local rc=0 done_pid status
+    local -a left
+    while [ "${#pids[@]}" -gt 0 ]; do
+        status=0
+        done_pid=""
+        wait -n -p done_pid "${pids[@]}" || status=$?
+        left=()
+        for k in "${pids[@]}"; do
+            [ "$k" = "$done_pid" ] || left+=("$k")
+        done
+        pids=("${left[@]}")
+        if [ "$status" -ne 0 ] && [ "$rc" -eq 0 ]; then
+            rc=$status
+            echo "netns.sh: a node exited with status $status; stopping the others" >&2
+            for k in "${pids[@]}"; do
+                kill -TERM "$k" 2>/dev/null || true
+            done
+        fi
+    done
+    if [ "$rc" -ne 0 ]; then
+        for ((k = 1; k < nodes; k++)); do
+            echo "---- node $k log tail ($logdir/node$k.log) ----" >&2
+            tail -n 25 "$logdir/node$k.log" >&2 || true
+        done
+    fi
+    trap - TERM INT
+    return "$rc"
+}
+
+cmd_run() {
+    local nodes="" procs="" rate="" tmo=600 burst=256kb
+    local -a rest=()
+    while [ $# -gt 0 ]; do
+        case "$1" in
+        --nodes) nodes=$2; shift 2 ;;
+        --procs) procs=$2; shift 2 ;;
+        --rate) rate=$2; shift 2 ;;
+        --burst) burst=$2; shift 2 ;;
+        --timeout) tmo=$2; shift 2 ;;
+        --) shift; rest=("$@"); break ;;
+        *) die "run: unknown argument '$1'" ;;
+        esac
+    done
+    local id
+    id=$(printf '%04x' $((RANDOM % 65536)))
+    cmd_clean
+    # shellcheck disable=SC2064  # expand $id now: the trap must remove this cluster
+    trap "cmd_down --id $id" EXIT
+    trap 'exit 130' INT
+    trap 'exit 143' TERM
+    cmd_up --id "$id" --nodes "$nodes" --rate "$rate" --burst "$burst" --owner $$
+    cmd_launch --id "$id" --nodes "$nodes" --procs "$procs" --timeout "$tmo" -- "${rest[@]}"
+}
+
+main() {
+    [ $# -ge 1 ] || die "usage: netns.sh up|launch|counters|down|clean|run ... (see the header)"
+    local sub=$1
+    shift
+    case "$sub" in
+    -h | --help | help)
+        sed -n '2,/^set -euo/p' "$0" | sed '$d'
+        exit 0
+        ;;
+    esac
+    require_root
+    case "$sub" in
+    up) cmd_up "$@" ;;
+    down) cmd_down "$@" ;;
+    clean) cmd_clean ;;
+    counters) cmd_counters "$@" ;;
+    launch) cmd_launch "$@" ;;
+    run) cmd_run "$@" ;;
+    *) die "unknown command '$sub' (up, launch, counters, down, clean, run)" ;;
+    esac
+}
+
+main "$@"
