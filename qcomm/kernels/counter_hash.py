@@ -2,8 +2,11 @@
 
 The Triton kernels compute the very same function with native uint32 arithmetic
 (:func:`qcomm.kernels.triton_codec`), so the same seed gives the same payload bytes on every
-device. Here uint32 arithmetic is emulated in int64 (torch has no full uint32 arithmetic on CPU);
-products are split into 16-bit halves so no intermediate leaves int64's range.
+device. Here uint32 arithmetic runs on int32 tensors holding the same 32 bits (torch has no full
+uint32 arithmetic on CPU): xor, add and multiply are identical bit for bit in two's complement
+(torch's int32 products wrap modulo 2**32, checked against numpy's uint32 in the tests); a
+logical right shift is an arithmetic shift with the sign-extended bits masked off. This is the
+stochastic-rounding hot spot of the CPU path, so it stays in 4-byte integers throughout.
 
 Definition (all arithmetic modulo 2**32)::
 
@@ -30,20 +33,23 @@ MASK32 = 0xFFFFFFFF
 SEED_MAX = (1 << 64) - 1
 
 
-def _mul32(h: torch.Tensor, const: int) -> torch.Tensor:
-    """(h * const) mod 2**32 for int64 h in [0, 2**32), without int64 overflow."""
-    lo = h * (const & 0xFFFF)
-    hi = ((h * (const >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & MASK32
+def _signed32(const: int) -> int:
+    """The int32 whose bits are the uint32 ``const``."""
+    return const - (1 << 32) if const >= 1 << 31 else const
+
+
+def _shr32(h: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of the uint32 held in int32 ``h``."""
+    return (h >> k) & ((1 << (32 - k)) - 1)
 
 
 def mix32(h: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int64 tensors holding uint32 values."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, MIX_MUL_1)
-    h = h ^ (h >> 15)
-    h = _mul32(h, MIX_MUL_2)
-    return h ^ (h >> 16)
+    """lowbias32 on int32 tensors holding uint32 bits (returns int32)."""
+    h = h ^ _shr32(h, 16)
+    h = h * _signed32(MIX_MUL_1)
+    h = h ^ _shr32(h, 15)
+    h = h * _signed32(MIX_MUL_2)
+    return h ^ _shr32(h, 16)
 
 
 def mix32_int(h: int) -> int:
@@ -76,14 +82,24 @@ def check_seed(seed: int) -> int:
 
 def uniform(seed: int, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """float32 ``[count]`` uniforms in [0, 1) for element indices ``start .. start+count-1``."""
-    idx = torch.arange(start, start + count, dtype=torch.int64, device=device)
-    lo = idx & MASK32
-    hi = idx >> 32
-    if count == 0 or int(hi[0]) == int(hi[-1]):
-        key = torch.tensor(stream_key(seed, int(hi[0]) if count else 0), dtype=torch.int64,
-                           device=device)
-    else:  # a range crossing a 2**32 boundary: one key per element (rare, correctness only)
-        keys = [stream_key(seed, int(h)) for h in range(int(hi[0]), int(hi[-1]) + 1)]
-        key = torch.tensor(keys, dtype=torch.int64, device=device)[hi - hi[0]]
-    h = mix32((mix32(lo ^ key) + key) & MASK32)
-    return (h >> 8).to(torch.float32) * (2.0**-24)
+    end = start + count
+    out = torch.empty(count, dtype=torch.float32, device=device)
+    pos = 0
+    while pos < count:  # one pass per 2**32-aligned span (one key each); almost always one
+        first = start + pos
+        hi = first >> 32
+        stop = min(end, (hi + 1) << 32)
+        lo = _lo_indices(first & MASK32, stop - first, device)
+        key = _signed32(stream_key(seed, hi))
+        h = mix32(mix32(lo ^ key) + key)
+        out[pos:pos + stop - first] = _shr32(h, 8).to(torch.float32) * (2.0**-24)
+        pos += stop - first
+    return out
+
+
+def _lo_indices(first: int, count: int, device: torch.device | str) -> torch.Tensor:
+    """int32 tensor of the uint32 values first .. first+count-1 (no wrap: a span never crosses
+    2**32)."""
+    if first + count <= 1 << 31:
+        return torch.arange(first, first + count, dtype=torch.int32, device=device)
+    return torch.arange(first, first + count, dtype=torch.int64, device=device).to(torch.int32)
