@@ -38,14 +38,11 @@ from typing import Any
 
 import torch
 
-from qcomm.collectives.buckets import Bucket, check_tensors, layout_key, pack, plan_buckets, unpack
+from qcomm.collectives.buckets import Bucket, layout_key, pack, plan_buckets, unpack
 from qcomm.collectives.handles import Handle, Last
 from qcomm.collectives.intra import (
-    CODEC_DTYPES,
-    FULL_DTYPES,
     BucketedMean,
     acc_dtype,
-    check_key,
     decode_mean,
     derive_seed,
     quantize_or_poison,
@@ -107,10 +104,8 @@ class HierarchicalAllreduce(BucketedMean):
         Returns:
             A Handle (already completed when ``async_op`` is False).
         """
-        tensors = check_tensors(tensors, CODEC_DTYPES if self.spec is not None else FULL_DTYPES)
-        check_key(key)
+        tensors = self._checked(tensors, key)
         topo = self.topology
-        topo.check_world()
         if topo.world_size == 1:
             return Handle.completed("hierarchical allreduce")
         intra, rail = topo.intra_group, topo.rail_group

@@ -197,6 +197,13 @@ class BucketedMean:
         self.error_feedback = ErrorFeedback()
         self._calls = 0
 
+    def _checked(self, tensors: Sequence[torch.Tensor], key: object) -> list[torch.Tensor]:
+        """Validate ``mean_``'s arguments and that the topology matches the job."""
+        tensors = check_tensors(tensors, CODEC_DTYPES if self.spec is not None else FULL_DTYPES)
+        check_key(key)
+        self.topology.check_world()
+        return tensors
+
     def state_dict(self) -> dict:
         """``{"error_feedback": {"residuals": {key: float32 tensor}}, "calls": int}``: this
         rank's residuals (references) and the call count that seeds stochastic rounding."""
@@ -247,10 +254,8 @@ class IntraNodeAllreduce(BucketedMean):
         Returns:
             A Handle (already completed when ``async_op`` is False).
         """
-        tensors = check_tensors(tensors, CODEC_DTYPES if self.spec is not None else FULL_DTYPES)
-        check_key(key)
+        tensors = self._checked(tensors, key)
         topo = self.topology
-        topo.check_world()
         L = topo.procs_per_node
         if L == 1:
             # Alone on the node: the mean is the tensor itself (no codec: nothing is sent).

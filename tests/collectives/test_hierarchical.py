@@ -35,6 +35,7 @@ from tests.collectives.test_intra import (
     all_gather_flat,
     as64,
     bitwise_same_across,
+    check_async,
     codec_error_bound,
     make_tensors,
     max_excess,
@@ -90,13 +91,7 @@ def _hier_body(rank: int, world_size: int, ppn: int) -> dict:
     report["fp_bytes"] = (st.bytes_sent, _expected_bytes(plan_buckets(ts, cap), L, N, None, 4))
 
     # 2. async: untouched until wait(), then bitwise the blocking result.
-    ts2 = make_tensors(rank, 1)
-    before = [t.clone() for t in ts2]
-    h = HierarchicalAllreduce(topo, bucket_mb=SMALL_BUCKET_MB).mean_(ts2, async_op=True)
-    report["async_untouched"] = all(torch.equal(x, y) for x, y in zip(ts2, before, strict=True))
-    h.wait(timeout_s=60)
-    report["async_equal"] = all(torch.equal(x, y) for x, y in zip(ts2, ts, strict=True))
-    report["async_completed"] = h.is_completed()
+    report.update(check_async(HierarchicalAllreduce(topo, bucket_mb=SMALL_BUCKET_MB), rank, ts))
 
     # 3. codec, one call from zero residuals.
     report["codec"] = {}
@@ -249,7 +244,7 @@ def test_hierarchical_allreduce(world, ppn):
         assert r["fp_identical"], where
         got, want = r["fp_bytes"]
         assert got == want, (where, got, want)
-        assert r["async_untouched"] and r["async_equal"] and r["async_completed"], where
+        assert r["async_untouched"] and r["async_equal_blocking"] and r["async_completed"], where
         for cfg, c in r["codec"].items():
             assert c["excess"] <= 0, (where, cfg, c)
             assert c["identical"], (where, cfg)

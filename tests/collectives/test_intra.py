@@ -40,6 +40,21 @@ SMALL_BUCKET_MB = 400 / MIB  # 100 float32 elements: several buckets, tensors sp
 BLOCK = 32
 
 
+def check_async(engine: object, rank: int, blocking: list[torch.Tensor]) -> dict[str, bool]:
+    """``engine.mean_(async_op=True)`` on call-1 tensors: untouched until ``wait()``, then
+    bitwise equal to ``blocking`` (what the blocking call gave), and completed."""
+    ts = make_tensors(rank, 1)
+    before = [t.clone() for t in ts]
+    h = engine.mean_(ts, async_op=True)
+    untouched = all(torch.equal(x, y) for x, y in zip(ts, before, strict=True))
+    h.wait(timeout_s=60)
+    return {
+        "async_untouched": untouched,
+        "async_equal_blocking": all(torch.equal(x, y) for x, y in zip(ts, blocking, strict=True)),
+        "async_completed": h.is_completed(),
+    }
+
+
 def make_tensors(rank: int, call: int, dtype: torch.dtype = torch.float32,
                  shapes: list[tuple[int, ...]] = SHAPES) -> list[torch.Tensor]:
     """Rank- and call-dependent data every process can recompute for every rank."""
@@ -178,13 +193,7 @@ def _intra_body(rank: int, world_size: int, ppn: int) -> dict:
     report["fp_messages"] = (stats.messages_sent["intra"], 2 * (L - 1) * len(plan))
 
     # 2. async: tensors untouched until wait(), then bitwise what the blocking call gave.
-    ts2 = make_tensors(rank, 1)
-    before = [t.clone() for t in ts2]
-    h = IntraNodeAllreduce(topo, bucket_mb=SMALL_BUCKET_MB).mean_(ts2, async_op=True)
-    report["async_untouched"] = all(torch.equal(x, y) for x, y in zip(ts2, before, strict=True))
-    h.wait(timeout_s=60)
-    report["async_equal_blocking"] = all(torch.equal(x, y) for x, y in zip(ts2, ts, strict=True))
-    report["async_completed"] = h.is_completed()
+    report.update(check_async(IntraNodeAllreduce(topo, bucket_mb=SMALL_BUCKET_MB), rank, ts))
 
     # 3. bfloat16 in, float32 sums: within one rounding to bfloat16 of the exact mean.
     tb = make_tensors(rank, 2, torch.bfloat16)
