@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from qcomm.collectives.buckets import Bucket, layout_key, pack, plan_buckets, unpack
+from qcomm.collectives.buckets import Bucket, pack, unpack
 from qcomm.collectives.handles import Handle, Last
 from qcomm.collectives.intra import (
     BucketedMean,
@@ -109,11 +109,7 @@ class HierarchicalAllreduce(BucketedMean):
         if topo.world_size == 1:
             return Handle.completed("hierarchical allreduce")
         intra, rail = topo.intra_group, topo.rail_group
-        plan = plan_buckets(tensors, self._bucket_bytes)
-        call = self._calls
-        self._calls += 1
-        if key is None:
-            key = layout_key(tensors, self._bucket_bytes)
+        plan, call, key = self._next_call(tensors, key)
         pipelines = [
             self._pipeline(b, tensors, intra, rail, f"{key}/{i}",
                            derive_seed(self.seed, topo.rank, call, i))

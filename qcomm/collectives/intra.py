@@ -204,6 +204,16 @@ class BucketedMean:
         self.topology.check_world()
         return tensors
 
+    def _next_call(self, tensors: list[torch.Tensor], key: str | int | None
+                   ) -> tuple[list[Bucket], int, str | int]:
+        """The bucket plan, this call's number (it seeds stochastic rounding) and the
+        error-feedback key (derived from the layout when None)."""
+        call = self._calls
+        self._calls += 1
+        if key is None:
+            key = layout_key(tensors, self._bucket_bytes)
+        return plan_buckets(tensors, self._bucket_bytes), call, key
+
     def state_dict(self) -> dict:
         """``{"error_feedback": {"residuals": {key: float32 tensor}}, "calls": int}``: this
         rank's residuals (references) and the call count that seeds stochastic rounding."""
@@ -261,11 +271,7 @@ class IntraNodeAllreduce(BucketedMean):
             # Alone on the node: the mean is the tensor itself (no codec: nothing is sent).
             return Handle.completed("intra-node allreduce")
         group = topo.intra_group
-        plan = plan_buckets(tensors, self._bucket_bytes)
-        call = self._calls
-        self._calls += 1
-        if key is None:
-            key = layout_key(tensors, self._bucket_bytes)
+        plan, call, key = self._next_call(tensors, key)
         pipelines = [
             self._full_pipeline(b, tensors, group, L) if self.spec is None
             else self._codec_pipeline(b, tensors, group, L, f"{key}/{i}",

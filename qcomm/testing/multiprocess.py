@@ -20,6 +20,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -100,8 +101,6 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     allow_exit = allow_exit or set()
     values: dict[int, Any] = {}
     failures: list[str] = []
-    import time
-
     deadline = time.monotonic() + timeout_s
     expected = set(range(world_size)) - allow_exit
     while expected - set(values) and not failures:

@@ -28,6 +28,7 @@ from qcomm.compress import QuantSpec, packed_nbytes
 from qcomm.testing.multiprocess import run_world
 from tests.collectives.test_intra import (
     BLOCK,
+    CODEC_CASES,
     SHAPES,
     SMALL_BUCKET_MB,
     U,
@@ -95,11 +96,7 @@ def _hier_body(rank: int, world_size: int, ppn: int) -> dict:
 
     # 3. codec, one call from zero residuals.
     report["codec"] = {}
-    for bits, rounding, bucket_mb, async_op in [
-        (8, "nearest", 1.0, False), (4, "nearest", SMALL_BUCKET_MB, True),
-        (2, "nearest", 1.0, True), (1, "nearest", SMALL_BUCKET_MB, False),
-        (4, "stochastic", SMALL_BUCKET_MB, False),
-    ]:
+    for bits, rounding, bucket_mb, async_op in CODEC_CASES:
         spec = QuantSpec(bits, BLOCK, rounding)
         call = 20 + bits
         st = CommStats()

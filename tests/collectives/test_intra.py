@@ -40,6 +40,14 @@ SMALL_BUCKET_MB = 400 / MIB  # 100 float32 elements: several buckets, tensors sp
 BLOCK = 32
 
 
+# (bits, rounding, bucket_mb, async_op): every width, one and several buckets, async and not.
+CODEC_CASES = [
+    (8, "nearest", 1.0, False), (4, "nearest", SMALL_BUCKET_MB, True),
+    (2, "nearest", 1.0, True), (1, "nearest", SMALL_BUCKET_MB, False),
+    (4, "stochastic", SMALL_BUCKET_MB, False),
+]
+
+
 def check_async(engine: object, rank: int, blocking: list[torch.Tensor]) -> dict[str, bool]:
     """``engine.mean_(async_op=True)`` on call-1 tensors: untouched until ``wait()``, then
     bitwise equal to ``blocking`` (what the blocking call gave), and completed."""
@@ -206,11 +214,7 @@ def _intra_body(rank: int, world_size: int, ppn: int) -> dict:
 
     # 4. codec, one call from a zero residual, single and several buckets, async and not.
     report["codec"] = {}
-    for bits, rounding, bucket_mb, async_op in [
-        (8, "nearest", 1.0, False), (4, "nearest", SMALL_BUCKET_MB, True),
-        (2, "nearest", 1.0, True), (1, "nearest", SMALL_BUCKET_MB, False),
-        (4, "stochastic", SMALL_BUCKET_MB, False),
-    ]:
+    for bits, rounding, bucket_mb, async_op in CODEC_CASES:
         spec = QuantSpec(bits, BLOCK, rounding)
         st = CommStats()
         call = 10 + bits
