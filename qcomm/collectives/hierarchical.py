@@ -40,8 +40,8 @@ import torch
 
 from qcomm.collectives.buckets import Bucket, pack, unpack
 from qcomm.collectives.handles import Handle, Last
-from qcomm.collectives.intra import (
-    BucketedMean,
+from qcomm.collectives.intra import BucketedMean
+from qcomm.collectives.primitives import (
     acc_dtype,
     decode_mean,
     derive_seed,

@@ -33,6 +33,15 @@ class CommStats:
         with self._lock:
             return {"bytes_sent": dict(self.bytes_sent), "messages_sent": dict(self.messages_sent)}
 
+    def load(self, snapshot: dict[str, dict[str, int]]) -> None:
+        """Set the counters to a :meth:`snapshot` (a resumed run continues counting)."""
+        if not isinstance(snapshot, dict) or set(snapshot) != {"bytes_sent", "messages_sent"}:
+            raise ValueError("snapshot must be a dict from CommStats.snapshot()")
+        with self._lock:
+            for level in LEVELS:
+                self.bytes_sent[level] = int(snapshot["bytes_sent"].get(level, 0))
+                self.messages_sent[level] = int(snapshot["messages_sent"].get(level, 0))
+
     def reset(self) -> None:
         with self._lock:
             for level in LEVELS:

@@ -32,11 +32,11 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives.memory import MemoryWorld
+from qcomm.collectives.primitives import all_gather_flat
+
 __all__ = ["Topology"]
 
-# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same signature);
-# older torch (>= 2.3 is supported) has only the former.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _as_int(value: object, name: str, minimum: int) -> int:
@@ -69,6 +69,9 @@ class Topology:
             ``LOCAL_WORLD_SIZE`` (torchrun), else 1. See the module docstring for the rules.
         rank: this process's global rank; default torch.distributed's, else ``RANK``.
         world_size: number of processes; default torch.distributed's, else ``WORLD_SIZE``.
+        world: an in-process :class:`~qcomm.collectives.memory.MemoryWorld` whose groups stand
+            in for process groups (ranks as threads; tests and simulations). Then ``rank`` and
+            ``world_size`` must be given, and torch.distributed is not used.
 
     Attributes:
         rank, world_size, procs_per_node, num_nodes, node, local_rank: ints.
@@ -81,9 +84,18 @@ class Topology:
     """
 
     def __init__(self, procs_per_node: int | None = None, *, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+                 world_size: int | None = None, world: MemoryWorld | None = None) -> None:
         env = os.environ
-        initialized = dist.is_available() and dist.is_initialized()
+        if world is not None:
+            if not isinstance(world, MemoryWorld):
+                raise TypeError(f"world must be a qcomm.collectives.memory.MemoryWorld or None, "
+                                f"got {type(world).__name__}")
+            if rank is None or world_size is None:
+                raise ValueError("rank and world_size must be given with world=")
+            if world_size != world.world_size:
+                raise ValueError(f"world_size={world_size!r} differs from the in-memory world's "
+                                 f"{world.world_size}")
+        initialized = world is None and dist.is_available() and dist.is_initialized()
         if world_size is None:
             world_size = dist.get_world_size() if initialized else _env_int(env, "WORLD_SIZE", 1)
             if world_size is None:
@@ -116,6 +128,7 @@ class Topology:
         self.local_rank = rank % procs_per_node
         self.node_ranks = self.ranks_of_node(self.node)
         self.rail_ranks = self.ranks_of_rail(self.local_rank)
+        self._world = world
         # (intra_group, rail_group) once created; None until the first access.
         self._groups: tuple[object, object] | None = None
 
@@ -171,8 +184,10 @@ class Topology:
         """Raise RuntimeError unless torch.distributed runs the world this topology describes.
 
         A single-process topology (``world_size == 1``) needs no process group at all when
-        torch.distributed is not initialized.
+        torch.distributed is not initialized; an in-memory topology needs none.
         """
+        if self._world is not None:
+            return
         if not (dist.is_available() and dist.is_initialized()):
             if self.world_size == 1:
                 return
@@ -186,6 +201,11 @@ class Topology:
                 f"Topology was built for rank {self.rank} of world_size {self.world_size}, but "
                 f"torch.distributed runs rank {rk} of world_size {ws}"
             )
+
+    @property
+    def in_memory(self) -> bool:
+        """True when the groups are in-memory stand-ins (``world=`` was given)."""
+        return self._world is not None
 
     @property
     def intra_group(self) -> dist.ProcessGroup | None:
@@ -207,6 +227,13 @@ class Topology:
         self.check_world()
         if self.world_size == 1:
             self._groups = (None, None)
+            return self._groups
+        if self._world is not None:
+            self._groups = (
+                self._world.group(self.node_ranks, self.rank) if self.procs_per_node > 1
+                else None,
+                self._world.group(self.rail_ranks, self.rank) if self.num_nodes > 1 else None,
+            )
             return self._groups
         self._check_same_layout_everywhere()
         intra = rail = None
@@ -237,7 +264,7 @@ class Topology:
         mine = torch.tensor([self.procs_per_node, self.rank, self.world_size], dtype=torch.int64,
                             device=device)
         everyone = torch.empty(self.world_size * 3, dtype=torch.int64, device=device)
-        _all_gather_flat(everyone, mine)
+        all_gather_flat(everyone, mine, None)
         rows = everyone.view(self.world_size, 3).tolist()
         ppn = [r[0] for r in rows]
         if len(set(ppn)) != 1 or any(r[2] != self.world_size for r in rows):
@@ -253,6 +280,7 @@ class Topology:
         # Process groups do not pickle; a copy recreates them (collectively) on first access.
         state = dict(self.__dict__)
         state["_groups"] = None
+        state["_world"] = None  # threads and locks do not travel
         return state
 
     def __repr__(self) -> str:

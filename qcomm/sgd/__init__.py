@@ -1,13 +1,16 @@
-"""ASSGD: the hierarchical asynchronous optimizer (intra-node synchronous gradient averaging,
-inter-node asynchronous compressed gossip), and per-rank checkpoints.
+"""The torch.optim surface of qcomm: optimizers on the averaging engine, and per-rank
+checkpoints.
 
-    from qcomm.sgd import ASSGD, save_checkpoint, load_checkpoint
+    from qcomm.sgd import ASSGD, HierarchicalOptimizer, save_checkpoint, load_checkpoint
 
     opt = ASSGD(model.parameters(), lr=0.1, momentum=0.9, bits=4, procs_per_node=8)
+    opt = HierarchicalOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), bits=4)
 """
 
-from qcomm.sgd.assgd import ASSGD, NonFiniteGradientError
+from qcomm.engine.gradients import NonFiniteGradientError
+from qcomm.sgd.assgd import ASSGD
 from qcomm.sgd.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
 
-__all__ = ["ASSGD", "NonFiniteGradientError", "checkpoint_path", "load_checkpoint",
-           "save_checkpoint"]
+__all__ = ["ASSGD", "HierarchicalOptimizer", "NonFiniteGradientError", "checkpoint_path",
+           "load_checkpoint", "save_checkpoint"]

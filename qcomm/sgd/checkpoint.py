@@ -1,5 +1,6 @@
-"""One checkpoint file per rank: the model, ASSGD's state (momentum, gossip buffers, rounds in
-flight) and torch's RNG state, so that a run resumed at step k continues bit for bit.
+"""One checkpoint file per rank: the model, the optimizer's state (its own plus the gossip
+buffers and rounds in flight) and torch's RNG state, so that a run resumed at step k continues
+bit for bit.
 
 Layout: ``directory/rank00000.pt``, ``directory/rank00001.pt``, ... Each rank writes and reads
 only its own file (no collective); files are written atomically (temp file, then rename).
@@ -14,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.sgd.assgd import ASSGD, STATE_KEY, WORLD_CHANGE_MODES
+from qcomm.engine.state import WORLD_CHANGE_MODES
+from qcomm.sgd.hierarchical_optimizer import STATE_KEY, HierarchicalOptimizer
 
 
 def _rank_world() -> tuple[int, int]:
@@ -28,20 +30,22 @@ def checkpoint_path(directory: str | os.PathLike, rank: int) -> Path:
     return Path(directory) / f"rank{rank:05d}.pt"
 
 
-def save_checkpoint(directory: str | os.PathLike, optimizer: ASSGD,
+def save_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimizer,
                     model: torch.nn.Module | None = None, *, extra: Any = None) -> Path:
     """Write this rank's checkpoint file and return its path.
 
     Args:
         directory: created if missing; shared by all ranks.
-        optimizer: the ASSGD (its :meth:`~ASSGD.state_dict` is saved).
+        optimizer: a :class:`~qcomm.sgd.HierarchicalOptimizer` (ASSGD included); its
+            ``state_dict()`` is saved.
         model: saved with ``state_dict()`` when given (asynchronous gossip leaves every node
             with its own parameters, so each rank saves its own copy).
         extra: any picklable object (epoch, data-loader position, ...), returned by
             :func:`load_checkpoint`.
     """
-    if not isinstance(optimizer, ASSGD):
-        raise TypeError(f"optimizer must be a qcomm.sgd.ASSGD, got {type(optimizer).__name__}")
+    if not isinstance(optimizer, HierarchicalOptimizer):
+        raise TypeError(f"optimizer must be a qcomm.sgd.HierarchicalOptimizer (or ASSGD), "
+                        f"got {type(optimizer).__name__}")
     rank, _ = _rank_world()
     path = checkpoint_path(directory, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,14 +61,15 @@ def save_checkpoint(directory: str | os.PathLike, optimizer: ASSGD,
     return path
 
 
-def load_checkpoint(directory: str | os.PathLike, optimizer: ASSGD,
+def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimizer,
                     model: torch.nn.Module | None = None, *,
                     on_world_size_change: str = "error", restore_rng: bool = True) -> Any:
     """Load this rank's checkpoint file into ``optimizer`` (and ``model``); return ``extra``.
 
     With a changed world size and ``on_world_size_change="reinit"``, rank r reads the file of
     saved rank ``r % saved_world_size`` and the gossip state starts afresh (see
-    :meth:`ASSGD.load_state_dict`). With ``"error"`` (default) a ValueError names both sizes.
+    :meth:`HierarchicalOptimizer.load_state_dict`). With ``"error"`` (default) a ValueError
+    names both sizes.
     Nothing is loaded when an error is raised.
     """
     if on_world_size_change not in WORLD_CHANGE_MODES:

@@ -96,13 +96,15 @@ import torch
 import torch.distributed as dist
 
 from qcomm.collectives.errors import PeerTimeoutError
+from qcomm.collectives.memory import MemoryGroup
+from qcomm.collectives.primitives import all_reduce, group_size
 from qcomm.collectives.stats import CommStats
 from qcomm.compress import QuantSpec, dequant_accumulate, packed_nbytes, quantize
 from qcomm.kernels.counter_hash import check_seed
 
 from .graphs import check_graph, neighbours
 from .mixing import check_mixing, mixing_matrix
-from .transport import GlooTransport, RoundHandle, Transport
+from .transport import GlooTransport, MemoryTransport, RoundHandle, Transport
 
 __all__ = ["CompressedGossip", "PeerTimeoutError", "consensus_distance", "default_gamma"]
 
@@ -153,6 +155,11 @@ def _check_group(group_ranks: object, group: dist.ProcessGroup | None) -> tuple[
     ranks = list(group_ranks)
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"group_ranks must not repeat a rank, got {ranks}")
+    if isinstance(group, MemoryGroup):
+        if ranks != group.ranks:
+            raise ValueError(f"group_ranks must list the in-memory group's ranks in order, "
+                             f"{group.ranks}; got {ranks}")
+        return ranks, group.rank
     if not dist.is_initialized():
         raise RuntimeError("CompressedGossip needs torch.distributed to be initialized")
     size = dist.get_world_size(group)
@@ -171,7 +178,8 @@ class CompressedGossip:
     Args:
         group_ranks: global ranks of the gossiping members (a rail), in node order.
         group: their process group; None = the default group (then ``group_ranks`` must be all
-            ranks, in order).
+            ranks, in order); or a :class:`~qcomm.collectives.memory.MemoryGroup` (members as
+            threads of one process: the transport is then in-memory).
         numel: number of floats each member gossips (its shard), >= 1.
         graph: ``"ring"`` (default), ``"exponential"`` or ``"complete"`` (:mod:`.graphs`).
         mixing: ``"uniform"`` or ``"metropolis"`` (:mod:`.mixing`; equal on these graphs).
@@ -238,7 +246,11 @@ class CompressedGossip:
         # Row 0 is our own payload, then the neighbours in `peers` order.
         self._weights = torch.stack([w[self.member, self.member]] +
                                     [w[self.member, p] for p in self.peers])
-        if transport is None:
+        if transport is None and isinstance(group, MemoryGroup):
+            transport = MemoryTransport(group.hub, self.member, self.peers, self.stats,
+                                        level="inter",
+                                        peer_ranks=[self.group_ranks[p] for p in self.peers])
+        elif transport is None:
             transport = GlooTransport(self.group_ranks, group, self.member, self.peers,
                                       self.stats, level="inter")
         elif transport.peers != self.peers:
@@ -402,10 +414,10 @@ def consensus_distance(x: torch.Tensor, group: dist.ProcessGroup | None) -> floa
     enough to test convergence to 1e-3 and beyond.
     """
     v = x.detach().reshape(-1).to(torch.float64)
-    n = dist.get_world_size(group)
+    n = group_size(group)
     mean = v.clone()
-    dist.all_reduce(mean, group=group)
+    all_reduce(mean, group)
     mean /= n
     sq = torch.sum((v - mean) ** 2).reshape(1)
-    dist.all_reduce(sq, group=group)
+    all_reduce(sq, group)
     return math.sqrt(float(sq) / n)

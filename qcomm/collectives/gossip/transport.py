@@ -18,12 +18,14 @@ Two transports:
   :class:`~qcomm.collectives.stats.CommStats` at the transport's level (``"inter"``: gossip runs
   between nodes).
 * :class:`MemoryTransport`: all members live in one process and share a :class:`MemoryHub`; used by
-  the simulator (:mod:`.simulate`) and fast unit tests. Same bytes, same counts, no sockets.
+  the lock-step simulator (:mod:`.simulate`) and, with members as threads, by
+  :mod:`qcomm.collectives.memory`. Same bytes, same counts, no sockets.
 """
 
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from abc import ABC, abstractmethod
 
@@ -205,26 +207,59 @@ class GlooTransport(Transport):
 
 
 class MemoryHub:
-    """Mailboxes shared by the :class:`MemoryTransport` s of one simulated group."""
+    """Mailboxes shared by the :class:`MemoryTransport` s of one in-process group.
 
-    def __init__(self, size: int):
+    Args:
+        size: number of members.
+        blocking: False (the lock-step simulator): a payload that is not posted when a member
+            waits for it never will be, so waiting fails at once. True (members are threads,
+            :mod:`qcomm.collectives.memory`): waiting blocks until the payload is posted or the
+            timeout expires.
+    """
+
+    def __init__(self, size: int, *, blocking: bool = False):
         self.size = size
+        self.blocking = blocking
         self._boxes: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+        self._cond = threading.Condition()
+        self._aborted = False
 
     def post(self, round: int, src: int, payload: torch.Tensor, readers: int) -> None:
         if readers:
-            self._boxes[(round, src)] = (payload.clone(), readers)
+            with self._cond:
+                self._boxes[(round, src)] = (payload.clone(), readers)
+                self._cond.notify_all()
 
     def has(self, round: int, src: int) -> bool:
-        return (round, src) in self._boxes
+        with self._cond:
+            return (round, src) in self._boxes
+
+    def wait_for(self, round: int, srcs: list[int], timeout_s: float) -> list[int]:
+        """Wait until every source in ``srcs`` posted ``round``; return those still missing
+        (all of them at once when the hub is not blocking, or after :meth:`abort`)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                missing = [s for s in srcs if (round, s) not in self._boxes]
+                left = deadline - time.monotonic()
+                if not missing or not self.blocking or self._aborted or left <= 0:
+                    return missing
+                self._cond.wait(left)
 
     def take(self, round: int, src: int, out: torch.Tensor) -> None:
-        payload, readers = self._boxes[(round, src)]
+        with self._cond:
+            payload, readers = self._boxes[(round, src)]
+            if readers == 1:
+                del self._boxes[(round, src)]
+            else:
+                self._boxes[(round, src)] = (payload, readers - 1)
         out.copy_(payload)
-        if readers == 1:
-            del self._boxes[(round, src)]
-        else:
-            self._boxes[(round, src)] = (payload, readers - 1)
+
+    def abort(self) -> None:
+        """Wake every waiting member; their waits report the missing payloads at once."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
 
 
 class _MemoryRound(RoundHandle):
@@ -242,26 +277,28 @@ class _MemoryRound(RoundHandle):
         if self._done:
             return
         o = self._owner
-        # Single-threaded: a payload that is not posted yet never will be while we wait.
-        missing = [o.peer_ranks[k] for k, p in enumerate(o.peers) if not o.hub.has(self.round, p)]
+        missing = o.hub.wait_for(self.round, o.peers, timeout_s)
         if missing:
+            ranks = [o.peer_ranks[o.peers.index(p)] for p in missing]
             raise PeerTimeoutError(f"gossip round {self.round} (member {o.member})", timeout_s,
-                                   missing)
+                                   ranks)
         for k, p in enumerate(o.peers):
             o.hub.take(self.round, p, self._recv[k])
         self._done = True
 
 
 class MemoryTransport(Transport):
-    """In-process transport: member ``member`` of ``hub``'s group, exchanging with ``peers``."""
+    """In-process transport: member ``member`` of ``hub``'s group, exchanging with ``peers``
+    (``peer_ranks``: the names used in errors, default the member indices)."""
 
     def __init__(self, hub: MemoryHub, member: int, peers: list[int],
-                 stats: CommStats | None = None, level: str = "inter"):
+                 stats: CommStats | None = None, level: str = "inter",
+                 peer_ranks: list[int] | None = None):
         self.hub = hub
         self.member = member
         self.size = hub.size
         self.peers = list(peers)
-        self.peer_ranks = list(peers)
+        self.peer_ranks = list(peer_ranks) if peer_ranks is not None else list(peers)
         self.stats = stats
         self.level = level
 

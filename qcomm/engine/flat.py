@@ -1,10 +1,10 @@
-"""Flat float32 view of an optimizer's parameters, sharded across a node's local ranks.
+"""Flat float32 copy of the communicated parameters, sharded across a node's local ranks.
 
 Gossip works on one contiguous float32 vector per rank. The parameters (in param-group order,
-each once) are concatenated into ``flat`` (float32 ``[padded_numel]``), whose tail is zero
-padding so that it splits into ``num_shards`` equal shards of ``shard_numel`` elements, a
-multiple of the codec's block size (every shard's blocks are full, so the wire size is
-``packed_nbytes(shard_numel, spec)`` for every rank).
+each once, frozen ones left out) are concatenated into ``flat`` (float32 ``[padded_numel]``),
+whose tail is zero padding so that it splits into ``num_shards`` equal shards of
+``shard_numel`` elements, a multiple of the codec's block size (every shard's blocks are full,
+so the wire size is ``packed_nbytes(shard_numel, spec)`` for every rank).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ class FlatParams:
     """Copies parameters into a padded flat float32 buffer and back.
 
     Args:
-        params: the parameters, any float dtype, all on one device.
+        params: the parameters, any float dtype. They may live on several devices; the flat
+            buffer lives on the first parameter's device (copies cross devices).
         num_shards: the node's number of local ranks (>= 1).
         align: shard length granularity (the codec block size).
     """
@@ -26,20 +27,19 @@ class FlatParams:
     def __init__(self, params: Sequence[torch.Tensor], num_shards: int, align: int) -> None:
         if not params:
             raise ValueError("params must not be empty")
-        devices = {p.device for p in params}
-        if len(devices) != 1:
-            raise ValueError(f"all parameters must be on one device for gossip, got {devices}")
+        device = params[0].device
         self.params = list(params)
         self.numel = sum(p.numel() for p in self.params)
         per = -(-self.numel // num_shards)
         self.shard_numel = max(align, -(-per // align) * align)
         self.num_shards = num_shards
         self.padded_numel = self.shard_numel * num_shards
-        self.flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=devices.pop())
+        self.flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
         sizes = [p.numel() for p in self.params]
         # Views of ``flat``, one per parameter, in order (the padding is not covered).
         self._views = list(torch.split(self.flat[: self.numel], sizes))
-        self._all_fp32 = all(p.dtype == torch.float32 for p in self.params)
+        # One torch.cat when every parameter is float32 on the buffer's device.
+        self._catable = all(p.dtype == torch.float32 and p.device == device for p in self.params)
 
     def shard(self, index: int) -> torch.Tensor:
         """float32 ``[shard_numel]`` view of shard ``index`` of ``flat``."""
@@ -48,7 +48,7 @@ class FlatParams:
     def load_from_params(self) -> torch.Tensor:
         """flat <- parameters (cast to float32). Returns ``flat``."""
         with torch.no_grad():
-            if self._all_fp32:
+            if self._catable:
                 torch.cat([p.detach().reshape(-1) for p in self.params],
                           out=self.flat[: self.numel])
             else:
@@ -56,8 +56,15 @@ class FlatParams:
                     v.copy_(p.detach().reshape(-1))
         return self.flat
 
-    def store_to_params(self) -> None:
-        """parameters <- flat (cast to each parameter's dtype)."""
+    def store_to_params(self, keep: Sequence[bool] | None = None) -> None:
+        """parameters <- flat (cast to each parameter's dtype and device).
+
+        Args:
+            keep: one flag per parameter; True leaves that parameter as it is (the optimizer
+                did not update it this step, so the communication must not either). None
+                stores every parameter.
+        """
         with torch.no_grad():
-            for v, p in zip(self._views, self.params, strict=True):
-                p.copy_(v.view_as(p))
+            for i, (v, p) in enumerate(zip(self._views, self.params, strict=True)):
+                if keep is None or not keep[i]:
+                    p.copy_(v.view_as(p))

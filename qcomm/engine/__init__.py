@@ -1,0 +1,16 @@
+"""The averaging engine: one model's communication across nodes, under any optimizer.
+
+Layering: :mod:`qcomm.collectives` (topology, allreduce, gossip) -> :mod:`qcomm.engine` (what
+one model sends, when, and its state) -> :mod:`qcomm.sgd` (the torch.optim surface).
+
+- :class:`AveragingEngine`: intra-node gradient mean, inter-node gossip of the parameters,
+  exact averaging, stats, state_dict, close.
+- :class:`CommOptions`: the validated communication options every optimizer accepts.
+- :class:`NonFiniteGradientError`: a NaN/Inf gradient stopped a step that changed nothing.
+"""
+
+from qcomm.engine.engine import AveragingEngine
+from qcomm.engine.gradients import NonFiniteGradientError
+from qcomm.engine.options import CommOptions
+
+__all__ = ["AveragingEngine", "CommOptions", "NonFiniteGradientError"]

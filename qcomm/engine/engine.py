@@ -1,0 +1,473 @@
+"""One model's communication across nodes: the layer between the collectives and the optimizers.
+
+The optimizers (:mod:`qcomm.sgd`) own the update rule; the engine owns everything that crosses a
+link. Per training step, around the wrapped optimizer's update::
+
+    engine.sync_gradients()    # node mean of the gradients (full precision or intra_bits),
+                               # finiteness agreed; False: skip this step everywhere
+    optimizer.step()           # the local update, the wrapped optimizer's own code
+    engine.finish_step()       # gossip of the parameters with the other nodes (CHOCO rounds)
+
+and outside the loop :meth:`AveragingEngine.average_parameters` (exact global mean),
+:meth:`~AveragingEngine.stats`, :meth:`~AveragingEngine.state_dict` and
+:meth:`~AveragingEngine.close`.
+
+What is communicated: the parameters of the optimizer that require a gradient when the first
+distributed step runs (frozen ones never cross a link and never change). At each step, a
+parameter without a gradient is left bit-identical, as torch's optimizers leave it: the gossip
+round still carries its values (the layout is fixed), but the round's correction is not written
+back into it.
+
+Process groups are created lazily, at the first distributed step (collective: every rank must
+reach it at the same point), never in a constructor. A :class:`~qcomm.collectives.topology.
+Topology` built over a :class:`~qcomm.collectives.memory.MemoryWorld` makes the whole engine run
+with ranks as threads of one process, the same bytes as over Gloo (tests, simulations).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qcomm.collectives.errors import PeerTimeoutError
+from qcomm.collectives.intra import IntraNodeAllreduce
+from qcomm.collectives.primitives import all_reduce
+from qcomm.collectives.stats import CommStats
+from qcomm.collectives.topology import Topology
+from qcomm.engine.flat import FlatParams
+from qcomm.engine.gradients import NonFiniteGradientError, all_finite, node_mean_and_vote
+from qcomm.engine.options import CommOptions
+from qcomm.engine.state import EngineStateFile, check_loadable, geometry
+
+__all__ = ["AveragingEngine"]
+
+log = logging.getLogger("qcomm")
+
+class AveragingEngine:
+    """Hierarchical averaging of one model: intra-node gradient mean, inter-node gossip.
+
+    Args:
+        owner: the optimizer whose ``param_groups`` hold the parameters (read at every use, so
+            groups added before the first distributed step and a ``load_state_dict`` that
+            replaces the group list are seen); each parameter is taken once, in group order.
+        options: the communication options.
+        topology: the job's layout; None builds one from torch.distributed and torchrun's
+            environment at the first distributed step. Pass one built over a
+            :class:`~qcomm.collectives.memory.MemoryWorld` to run in-process.
+
+    The constructor communicates nothing and creates no process group.
+    """
+
+    def __init__(self, owner: Any, options: CommOptions, *,
+                 topology: Topology | None = None) -> None:
+        if not isinstance(options, CommOptions):
+            raise TypeError(f"options must be a CommOptions, got {type(options).__name__}")
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a qcomm.collectives.Topology or None, "
+                            f"got {type(topology).__name__}")
+        self.options = options
+        self.owner = owner
+        self._topology_arg = topology
+        self.comm_stats = CommStats()
+        self.steps = 0
+        self.skipped_steps = 0
+        self._reset_runtime()
+        self._pending: dict[str, Any] | None = None  # loaded state waiting for the first step
+        self._warned_env = False
+
+    def _reset_runtime(self) -> None:
+        """Forget everything that holds process groups or buffers (rebuilt lazily)."""
+        self._ready = False
+        self._topology: Topology | None = None
+        self._intra: IntraNodeAllreduce | None = None
+        self._gossip = None
+        self._flat: FlatParams | None = None
+        self._shard: torch.Tensor | None = None
+        self._frozen: list[torch.Tensor] = []
+        self._grads_synced = False   # sync_gradients ran for the step in progress
+        self._go = True              # ... and its verdict
+        self._ddp_intra = False      # DDP over the node's group averages gradients in backward
+        self._closed = False
+
+    # -----------------------------------------------------------------------------------------
+    # where are we
+
+    @property
+    def distributed(self) -> bool:
+        """True when this rank has peers (a process group of several ranks, or an in-memory
+        topology of several)."""
+        if self._topology_arg is not None:
+            return self._topology_arg.world_size > 1
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size() > 1
+        self._warn_env_without_group()
+        return False
+
+    def _warn_env_without_group(self) -> None:
+        if self._warned_env:
+            return
+        raw = os.environ.get("WORLD_SIZE", "")
+        if raw.strip().isdigit() and int(raw) > 1:
+            self._warned_env = True
+            warnings.warn(
+                f"WORLD_SIZE={raw} is set but torch.distributed is not initialized, so this "
+                "process trains alone (no gradient averaging, no gossip). Call "
+                "torch.distributed.init_process_group() before the first step.",
+                RuntimeWarning, stacklevel=4,
+            )
+
+    @property
+    def topology(self) -> Topology | None:
+        """The job's layout once the first distributed step ran (or :meth:`setup` was called)."""
+        return self._topology
+
+    def params(self) -> list[torch.Tensor]:
+        """The optimizer's parameters, each once, in param-group order."""
+        seen: set[int] = set()
+        out = []
+        for group in self.owner.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def locate(self, param: torch.Tensor) -> tuple[int, int]:
+        """``(group index, index in the group)`` of ``param``."""
+        for gi, group in enumerate(self.owner.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p is param:
+                    return gi, pi
+        raise KeyError("parameter not in the optimizer")
+
+    # -----------------------------------------------------------------------------------------
+    # set-up (lazy: constructors must not run collectives)
+
+    def setup(self) -> None:
+        """Create the process groups and the communication objects (collective: every rank
+        calls it at the same point; the first distributed step does). Idempotent."""
+        if self._ready:
+            return
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        opts = self.options
+        topo = self._topology_arg or Topology(opts.procs_per_node)
+        # Group creation is collective: every rank touches both properties here, in this order.
+        _ = topo.intra_group
+        _ = topo.rail_group
+        intra = None
+        if topo.procs_per_node > 1:
+            intra = IntraNodeAllreduce(topo, bucket_mb=opts.bucket_mb, spec=opts.intra_spec,
+                                       stats=self.comm_stats, seed=opts.seed)
+        params = self.params()
+        communicated = [p for p in params if p.requires_grad]
+        self._frozen = [p for p in params if not p.requires_grad]
+        flat = gossip = None
+        if topo.num_nodes > 1 and communicated:
+            from qcomm.collectives.gossip import CompressedGossip
+
+            flat = FlatParams(communicated, topo.procs_per_node, opts.block_size)
+            gossip = CompressedGossip(
+                topo.rail_ranks, topo.rail_group, flat.shard_numel,
+                graph=opts.graph, mixing=opts.mixing, spec=opts.gossip_spec,
+                gamma=opts.gamma, staleness=opts.staleness, timeout_s=opts.timeout_s,
+                stats=self.comm_stats,
+                # One random stream per rail (rails quantize different shards).
+                seed=(opts.seed * 1_000_003 + topo.local_rank) % 2**63,
+            )
+            self._shard = torch.empty(flat.shard_numel, dtype=torch.float32,
+                                      device=flat.flat.device)
+        self._topology, self._intra, self._flat, self._gossip = topo, intra, flat, gossip
+        if self._pending is not None:
+            if intra is not None and self._pending.get("intra") is not None:
+                intra.load_state_dict(self._pending["intra"])
+            if gossip is not None and self._pending.get("gossip") is not None:
+                gossip.load_state_dict(self._pending["gossip"])
+            self._pending = None
+        self._ready = True
+        self._log_layout(flat)
+
+    def _log_layout(self, flat: FlatParams | None) -> None:
+        topo = self._topology
+        if topo.rank != 0:
+            return
+        L, N = topo.procs_per_node, topo.num_nodes
+        intra = ("DDP in backward" if self._ddp_intra else
+                 f"{self.options.intra_bits}-bit" if self.options.intra_bits else "fp32")
+        if N > 1:
+            n = flat.numel if flat is not None else 0
+            log.info("qcomm: %d nodes x %d ranks; gradients averaged inside each node (%s); "
+                     "%d parameters gossiped between nodes in %d-bit messages over a %s graph, "
+                     "each local rank carrying 1/%d of them on its rail", N, L, intra, n,
+                     self.options.bits, self.options.graph, L)
+        else:
+            log.warning("qcomm: 1 node x %d ranks: gradients are averaged inside the node (%s) "
+                        "and nothing is compressed, since no link between nodes exists. To "
+                        "emulate several nodes on one machine pass procs_per_node=.", L, intra)
+
+    def data_parallel(self, model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
+        """Wrap ``model`` in ``DistributedDataParallel`` over this node's ranks, so gradients
+        are averaged inside the node during backward (bucketed, overlapped), and stop averaging
+        them in :meth:`sync_gradients`. Collective (creates the process groups). Returns
+        ``model`` itself when alone on the node or not distributed.
+
+        Raises:
+            ValueError: with ``intra_bits`` (DDP averages in full precision: choose one).
+            TypeError: on an in-memory topology (DDP needs a process group).
+        """
+        if self.options.intra_bits is not None:
+            raise ValueError("data_parallel() averages gradients in full precision with DDP; "
+                             "it cannot be combined with intra_bits (set intra_bits=None)")
+        if not self.distributed:
+            return model
+        self.setup()
+        topo = self._topology
+        if topo.in_memory:
+            raise TypeError("data_parallel() needs torch.distributed process groups, not an "
+                            "in-memory topology")
+        if topo.procs_per_node == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        self._ddp_intra = True
+        return DistributedDataParallel(model, process_group=topo.intra_group, **ddp_kwargs)
+
+    # -----------------------------------------------------------------------------------------
+    # one step
+
+    def _communicated_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for p in self.params():
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise TypeError("qcomm does not average sparse gradients (a parameter has one); "
+                                "use a dense embedding or torch's DDP for that parameter")
+            if not p.requires_grad:
+                continue
+            grads.append(p.grad)
+        return grads
+
+    def _check_frozen(self) -> None:
+        for p in self._frozen:
+            if p.grad is not None and p.requires_grad:
+                gi, pi = self.locate(p)
+                raise ValueError(
+                    f"parameter (group {gi}, index {pi}) was frozen (requires_grad=False) at "
+                    "the first distributed step and has a gradient now; the communicated "
+                    "parameters are fixed at that step: unfreeze before the first step")
+
+    def sync_gradients(self) -> bool:
+        """Average the gradients over the node's ranks now and agree on finiteness.
+
+        Call it right after backward when something between backward and ``step()`` needs
+        the node's gradients (clipping, GradScaler's unscale); ``step()`` then does not average
+        them again. Returns False when the step will be skipped (``on_nonfinite="skip"``).
+
+        Raises:
+            NonFiniteGradientError: a gradient holds NaN/Inf and ``on_nonfinite="raise"``;
+                parameters, optimizer and communication state are unchanged.
+            TypeError: a sparse gradient.
+        """
+        if self._grads_synced:
+            return self._go
+        grads = self._communicated_grads()
+        if not self.distributed:
+            finite = node_finite = all_finite(grads)
+        else:
+            self.setup()
+            self._check_frozen()
+            topo = self._topology
+            finite, node_finite = node_mean_and_vote(
+                grads, topo, self._intra, grads_are_node_means=self._ddp_intra,
+                quantized=self.options.intra_spec is not None,
+                skip_across_nodes=self.options.on_nonfinite == "skip" and topo.num_nodes > 1)
+        if not finite:
+            self._nonfinite(node_finite)
+        self._grads_synced, self._go = True, finite
+        return finite
+
+    def _nonfinite(self, node_finite: bool) -> None:
+        """Raise, or count the skip."""
+        if self.options.on_nonfinite == "skip":
+            self.skipped_steps += 1
+            return
+        bad = []
+        if not node_finite:
+            for p in self.params():
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    bad.append(self.locate(p))
+        where = f"parameters (group, index) {bad[:8]}" if bad else "another rank's gradients"
+        raise NonFiniteGradientError(
+            f"non-finite gradient (NaN or Inf) in {where}; parameters, optimizer state and "
+            "communication state are unchanged (pass on_nonfinite='skip' to skip such steps)",
+            bad,
+        )
+
+    def finish_step(self) -> None:
+        """After the local update: the gossip round of the communicated parameters (those
+        without a gradient this step are left as they are)."""
+        self._grads_synced = False
+        if self.distributed and self._gossip is not None:
+            keep = [p.grad is None for p in self._flat.params]
+            self._gossip_round(keep)
+        self.steps += 1
+
+    def skip_step(self) -> None:
+        """End a step that :meth:`sync_gradients` voted to skip."""
+        self._grads_synced = False
+
+    def discard_sync(self) -> None:
+        """The gradients were dropped (``zero_grad``): the next :meth:`sync_gradients` averages
+        afresh."""
+        self._grads_synced = False
+
+    def _gossip_round(self, keep: list[bool]) -> None:
+        flat, topo = self._flat, self._topology
+        flat.load_from_params()
+        # A separate buffer: the gossip owns its input only during step(), and the all-gather
+        # below must not read from the tensor it writes.
+        shard = self._shard
+        shard.copy_(flat.shard(topo.local_rank))
+        self._gossip.step(shard)
+        self._gather_shards(shard)
+        flat.store_to_params(keep)
+
+    def _gather_shards(self, shard: torch.Tensor) -> None:
+        if self._intra is not None:
+            self._intra.all_gather_into(self._flat.flat, shard)
+        else:
+            self._flat.flat.copy_(shard)
+
+    # -----------------------------------------------------------------------------------------
+    # evaluation, statistics, shutdown
+
+    @torch.no_grad()
+    def average_parameters(self) -> None:
+        """Set every rank's communicated parameters to their exact global mean (collective).
+        Completes the gossip rounds in flight first; all ranks end with the same bytes."""
+        if not self.distributed:
+            return
+        self.setup()
+        topo = self._topology
+        if topo.num_nodes == 1 or self._gossip is None:
+            return  # synchronous data parallel: the ranks hold the same parameters already
+        self._gossip.flush()
+        flat = self._flat
+        flat.load_from_params()
+        shard = self._shard
+        shard.copy_(flat.shard(topo.local_rank))
+        # Ranks of a node hold the same parameters, so averaging shard l over rail l gives the
+        # global mean of shard l; one rail member computes each sum and all receive its bytes.
+        all_reduce(shard, topo.rail_group)
+        shard.div_(topo.num_nodes)
+        self._gather_shards(shard)
+        flat.store_to_params()
+
+    def stats(self, *, consensus: bool = False) -> dict[str, Any]:
+        """What this rank sent and how the gossip is doing.
+
+        Args:
+            consensus: also compute the consensus distance (a collective over the rail: every
+                rank must call ``stats(consensus=True)`` at the same point).
+
+        Returns:
+            dict with ``steps`` (applied), ``skipped_steps``, ``bytes_sent`` and
+            ``messages_sent`` (``{"intra": int, "inter": int}``), ``staleness`` (rounds a gossip
+            round stays in flight), ``gossip_rounds``, ``gossip_step`` (gamma) and
+            ``consensus_distance`` (``sqrt(mean_i ||x_i - mean x||^2)`` over nodes, float, or
+            None when not asked for or with one node).
+        """
+        snap = self.comm_stats.snapshot()
+        g = self._gossip
+        out: dict[str, Any] = {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "bytes_sent": snap["bytes_sent"],
+            "messages_sent": snap["messages_sent"],
+            "staleness": g.staleness if g is not None else 0,
+            "gossip_rounds": g.rounds_started if g is not None else 0,
+            "gossip_step": g.gamma if g is not None else None,
+            "consensus_distance": None,
+        }
+        if consensus and g is not None:
+            from qcomm.collectives.gossip import consensus_distance
+
+            x = self._flat.load_from_params()
+            out["consensus_distance"] = float(consensus_distance(x, self._topology.rail_group))
+        return out
+
+    def close(self) -> None:
+        """Complete the gossip rounds in flight (when the peers still answer) and release the
+        transport and every process-group reference. Never raises a peer's failure: after a
+        :class:`PeerTimeoutError` it only releases. Idempotent."""
+        if self._gossip is not None:
+            with contextlib.suppress(PeerTimeoutError):
+                self._gossip.flush()
+            self._gossip.close()
+        self._reset_runtime()
+        self._closed = True
+
+    # -----------------------------------------------------------------------------------------
+    # checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's communication state: geometry, counters, gossip and intra-node codec
+        state (references), the options. See :mod:`qcomm.engine.state`."""
+        gossip = self._gossip.state_dict() if self._gossip is not None else (
+            self._pending or {}).get("gossip")
+        intra = self._intra.state_dict() if self._intra is not None else (
+            self._pending or {}).get("intra")
+        return EngineStateFile.build(
+            geometry(self.options.procs_per_node, self._topology_arg),
+            steps=self.steps, skipped_steps=self.skipped_steps, options=self.options,
+            gossip=gossip, intra=intra, comm_stats=self.comm_stats.snapshot())
+
+    def load_state_dict(self, state: dict[str, Any], *,
+                        on_world_size_change: str = "error") -> None:
+        """Load :meth:`state_dict` output (format 1 of qcomm 0.1.0 too). Validates first:
+        nothing changes when it raises. See :func:`qcomm.engine.state.check_loadable`."""
+        keep = check_loadable(state, self.options, self._topology_arg,
+                              on_world_size_change=on_world_size_change)
+        self.steps = int(state["steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        if "comm_stats" in state:
+            self.comm_stats.load(state["comm_stats"])
+        gossip_state = state["gossip"] if keep else None
+        intra_state = state["intra"] if keep else None
+        if self._gossip is not None and gossip_state is not None:
+            self._gossip.load_state_dict(gossip_state)
+            gossip_state = None
+        if self._intra is not None and intra_state is not None:
+            self._intra.load_state_dict(intra_state)
+            intra_state = None
+        self._pending = {"gossip": gossip_state, "intra": intra_state}
+
+    def check_state(self, state: dict[str, Any], *, on_world_size_change: str = "error") -> None:
+        """Raise what :meth:`load_state_dict` would raise, changing nothing."""
+        check_loadable(state, self.options, self._topology_arg,
+                       on_world_size_change=on_world_size_change, warn=False)
+
+    # -----------------------------------------------------------------------------------------
+    # pickling: options and counters travel, process groups and buffers never do
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"options": self.options, "comm_stats": self.comm_stats, "steps": self.steps,
+                "skipped_steps": self.skipped_steps, "owner": self.owner}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.options = state["options"]
+        self.comm_stats = state["comm_stats"]
+        self.steps = state["steps"]
+        self.skipped_steps = state["skipped_steps"]
+        self.owner = state["owner"]
+        self._topology_arg = None
+        self._pending = None
+        self._warned_env = False
+        self._reset_runtime()

@@ -1,0 +1,265 @@
+"""HierarchicalOptimizer: any torch optimizer on qcomm's hierarchical communication.
+
+    opt = HierarchicalOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), bits=4)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()          # node mean of the gradients, AdamW's own update, gossip between nodes
+    opt.average_parameters()
+
+The wrapped optimizer keeps its update rule, its param groups and its state; this class adds the
+:class:`~qcomm.engine.AveragingEngine` around its ``step()``. It is itself a
+``torch.optim.Optimizer``: ``param_groups``, ``state`` and ``defaults`` are the wrapped
+optimizer's (the same objects, so LR schedulers and code that edits groups work), step hooks
+registered on it run around the whole step, and ``state_dict()`` is the wrapped optimizer's
+plus one ``"qcomm"`` entry.
+
+With one process (no process group, or world size 1) a step is exactly the wrapped optimizer's
+step, bit for bit, plus a finiteness check of the gradients that changes no value.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from qcomm.collectives.topology import Topology
+from qcomm.engine import AveragingEngine, CommOptions
+
+__all__ = ["STATE_KEY", "HierarchicalOptimizer"]
+
+STATE_KEY = "qcomm"
+
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+               "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+               "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
+class HierarchicalOptimizer(Optimizer):
+    """Wraps ``optimizer`` with hierarchical communication: gradients averaged inside each node
+    (synchronous, full precision by default), parameters gossiped between nodes (asynchronous,
+    compressed, CHOCO with error feedback).
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` (AdamW, Adam, SGD, Adafactor, ...) whose
+            ``step()`` works from ``.grad``. Optimizers that re-evaluate a closure inside
+            ``step()`` (LBFGS) are not supported: the closure is evaluated once, before the
+            gradients are averaged.
+        layout: the job's :class:`~qcomm.collectives.Topology`; None (default) builds it at the
+            first distributed step from torch.distributed and ``procs_per_node`` /
+            torchrun's ``LOCAL_WORLD_SIZE``.
+        **comm_options: the communication options of :class:`~qcomm.engine.CommOptions`:
+            ``bits`` (4), ``block_size`` (128), ``rounding`` ("stochastic"), ``graph``
+            ("ring"), ``mixing`` ("uniform"), ``staleness`` (1), ``gamma`` (None: a default
+            for bits and staleness), ``intra_bits`` (None), ``procs_per_node`` (None),
+            ``bucket_mb`` (25), ``on_nonfinite`` ("raise"), ``timeout_s`` (300), ``seed`` (0).
+            ``topology=`` and ``gossip_step=`` are deprecated names of ``graph`` and ``gamma``.
+
+    Every rank must start from the same parameters and call :meth:`step` the same number of
+    times. The first distributed step creates the process groups (collective). Gradients must be
+    dense (sparse gradients raise TypeError).
+    """
+
+    _init_depth = 0  # constructor frames between the caller and this __init__ (subclasses)
+
+    def __init__(self, optimizer: Optimizer, *, layout: Topology | None = None,
+                 **comm_options: Any) -> None:
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, "
+                            f"got {type(optimizer).__name__}")
+        if isinstance(optimizer, HierarchicalOptimizer):
+            raise TypeError("optimizer is already a HierarchicalOptimizer; wrap the inner "
+                            "torch optimizer once")
+        # Deprecation warnings point at the caller's line, through subclass constructors too.
+        self.comm = CommOptions.from_kwargs(comm_options, stacklevel=3 + self._init_depth)
+        self._attach(optimizer, layout)
+
+    def _attach(self, optimizer: Optimizer, layout: Topology | None) -> None:
+        """The torch.optim.Optimizer machinery (hooks, step patching) without copying the
+        wrapped optimizer's groups: ``param_groups``/``state`` are forwarded to it."""
+        self.optimizer = optimizer
+        for name in _HOOK_DICTS:
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+        self.engine = AveragingEngine(optimizer, self.comm, topology=layout)
+
+    # -----------------------------------------------------------------------------------------
+    # the wrapped optimizer's surface
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As the wrapped optimizer's; not after the first distributed step (the layout of the
+        communicated parameters is fixed then)."""
+        if self.engine.topology is not None:
+            raise RuntimeError("add_param_group after the first distributed step is not "
+                               "supported: the communicated parameters are fixed")
+        self.optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``; also ends what :meth:`sync_gradients` did
+        for the discarded gradients."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.engine.discard_sync()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r}, {self.comm})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's Optimizer pickles only defaults/state/param_groups; ours forward to the
+        # wrapped optimizer, which pickles itself. The engine drops its process groups.
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._patch_step_function()
+
+    # -----------------------------------------------------------------------------------------
+    # the step
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Node mean of the gradients (unless :meth:`sync_gradients` did it), the wrapped
+        optimizer's step, then the gossip round. Returns the closure's loss, if any.
+
+        Raises:
+            NonFiniteGradientError: a gradient holds NaN/Inf and ``on_nonfinite="raise"``;
+                nothing was changed.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            go = self.engine.sync_gradients()
+        if not go:
+            self.engine.skip_step()
+            return loss
+        self.optimizer.step()
+        with torch.no_grad():
+            self.engine.finish_step()
+        return loss
+
+    def sync_gradients(self) -> bool:
+        """Average the gradients over the node's ranks now, as DDP does during backward.
+
+        For code that needs the node's gradients between backward and :meth:`step`: gradient
+        clipping, ``GradScaler.unscale_``, logging the gradient norm. :meth:`step` then uses
+        them as they are (clipped, unscaled). Covers the gradients until the next
+        :meth:`step` or :meth:`zero_grad`. Collective over the node (and over the nodes with
+        ``on_nonfinite="skip"``): every rank calls it at the same point.
+
+        Returns:
+            False when the step will be skipped (non-finite gradients, ``on_nonfinite="skip"``).
+        """
+        with torch.no_grad():
+            return self.engine.sync_gradients()
+
+    def data_parallel(self, model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
+        """``model`` wrapped in ``DistributedDataParallel`` over this node's ranks: gradients
+        are averaged inside the node during backward (bucketed, overlapped with it) and
+        :meth:`step` no longer averages them. Collective (creates the process groups). Returns
+        ``model`` unchanged when alone on the node. See
+        :meth:`qcomm.engine.AveragingEngine.data_parallel`."""
+        return self.engine.data_parallel(model, **ddp_kwargs)
+
+    # -----------------------------------------------------------------------------------------
+    # evaluation, statistics, shutdown
+
+    def average_parameters(self) -> None:
+        """Set every rank's parameters to the exact global mean (collective: every rank calls it
+        at the same point). Completes the gossip rounds in flight first; all ranks end with the
+        same bytes. For evaluation and the final checkpoint. No-op in a single process."""
+        self.engine.average_parameters()
+
+    def stats(self, *, consensus: bool = False) -> dict[str, Any]:
+        """Steps, bytes and messages sent per level, gossip progress; see
+        :meth:`qcomm.engine.AveragingEngine.stats`."""
+        return self.engine.stats(consensus=consensus)
+
+    def close(self) -> None:
+        """Complete the gossip rounds in flight (when peers still answer) and release the
+        transport and process-group references, so ``destroy_process_group()`` is safe. Never
+        raises a peer's failure. Idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> HierarchicalOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -----------------------------------------------------------------------------------------
+    # checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()`` plus ``"qcomm"``: this rank's communication
+        state (geometry, counters, gossip rounds in flight, byte counters). One rank's state:
+        save one file per rank (:func:`qcomm.sgd.save_checkpoint`)."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        sd = self.optimizer.state_dict()
+        sd[STATE_KEY] = self.engine.state_dict()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any], *,
+                        on_world_size_change: str = "error") -> None:
+        """Load a state saved by :meth:`state_dict` on the same rank (a plain state dict of the
+        wrapped optimizer is accepted too: the communication state then starts fresh).
+
+        Args:
+            state_dict: from :meth:`state_dict`.
+            on_world_size_change: ``"error"`` (default) raises ValueError naming both world
+                sizes when the geometry differs; ``"reinit"`` keeps the optimizer state and
+                restarts the gossip state (warned; see :mod:`qcomm.engine.state`).
+
+        Nothing is changed when an error is raised.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        sd = dict(state_dict)
+        engine_state = sd.pop(STATE_KEY, None)
+        self._check_groups(sd)
+        if engine_state is not None:
+            self.engine.check_state(engine_state, on_world_size_change=on_world_size_change)
+        self.optimizer.load_state_dict(sd)
+        if engine_state is not None:
+            self.engine.load_state_dict(engine_state, on_world_size_change=on_world_size_change)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _check_groups(self, state_dict: dict[str, Any]) -> None:
+        """Validate the saved param groups before anything loads (subclasses add checks)."""
