@@ -52,6 +52,9 @@ METHODS: dict[str, MethodInfo] = {
         MethodInfo("assgd-4", "qcomm", "qcomm ASSGD, 4-bit gossip", 4, "qcomm.sgd"),
         MethodInfo("assgd-2", "qcomm", "qcomm ASSGD, 2-bit gossip", 2, "qcomm.sgd"),
         MethodInfo("assgd-1", "qcomm", "qcomm ASSGD, 1-bit gossip", 1, "qcomm.sgd"),
+        MethodInfo("assgd-4-ddp", "qcomm",
+                   "qcomm ASSGD, 4-bit gossip, node gradient mean by DDP in backward", 4,
+                   "qcomm.sgd"),
     )
 }
 
@@ -343,15 +346,15 @@ def _qcomm_adapter(name: str, module, cfg: Config) -> Built:
 
         bits = int(name.split("-")[1])
         opt = ASSGD(module.parameters(), lr=cfg.lr, momentum=cfg.momentum, bits=bits,
-                    topology="ring", staleness=1, procs_per_node=cfg.layout.procs,
+                    graph="ring", staleness=1, procs_per_node=cfg.layout.procs,
                     seed=cfg.seed)
+        # "-ddp": the node's gradient mean by DDP over the node's ranks, during backward.
+        model = opt.data_parallel(module) if name.endswith("-ddp") else module
 
         def flush() -> None:
             # Completes the gossip rounds in flight, so what stats() counted is on the wire
-            # before the interface counters are read (the gossip object is created lazily).
-            gossip = getattr(opt, "_gossip", None)
-            if gossip is not None:
-                gossip.flush()
+            # before the interface counters are read.
+            opt.flush()
 
         def stats() -> dict[str, int]:
             return dict(opt.stats()["bytes_sent"])
@@ -362,7 +365,7 @@ def _qcomm_adapter(name: str, module, cfg: Config) -> Built:
         def finalize() -> None:
             opt.average_parameters()
 
-        return Built(module, module, opt, flush=flush, finalize=finalize, comm_stats=stats,
+        return Built(model, module, opt, flush=flush, finalize=finalize, comm_stats=stats,
                      close=close, notes={"bits": bits})
     if name == "qcomm-hook":
         return _qcomm_hook(module, cfg)

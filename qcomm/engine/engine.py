@@ -403,6 +403,13 @@ class AveragingEngine:
             out["consensus_distance"] = float(consensus_distance(x, self._topology.rail_group))
         return out
 
+    def flush(self) -> None:
+        """Wait for the gossip rounds in flight and apply them to the public copies (parameters
+        are not touched; collective over the rail: every rank at the same step). After it, every
+        byte :meth:`stats` counted has been delivered."""
+        if self._gossip is not None:
+            self._gossip.flush()
+
     def close(self) -> None:
         """Complete the gossip rounds in flight (when the peers still answer) and release the
         transport and every process-group reference. Never raises a peer's failure: after a

@@ -202,6 +202,11 @@ class HierarchicalOptimizer(Optimizer):
         :meth:`qcomm.engine.AveragingEngine.stats`."""
         return self.engine.stats(consensus=consensus)
 
+    def flush(self) -> None:
+        """Wait for the gossip rounds in flight (collective: every rank at the same step); the
+        parameters do not change. See :meth:`qcomm.engine.AveragingEngine.flush`."""
+        self.engine.flush()
+
     def close(self) -> None:
         """Complete the gossip rounds in flight (when peers still answer) and release the
         transport and process-group references, so ``destroy_process_group()`` is safe. Never

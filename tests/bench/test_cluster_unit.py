@@ -40,7 +40,7 @@ def test_shapes_match_the_default_model():
 
 def test_registry_has_the_issue_methods_in_order():
     assert list(M.METHODS) == ["ddp", "ddp-fp16", "ddp-powersgd", "localsgd", "qcomm-hook",
-                               "assgd-8", "assgd-4", "assgd-2", "assgd-1"]
+                               "assgd-8", "assgd-4", "assgd-2", "assgd-1", "assgd-4-ddp"]
     assert {m.family for m in M.METHODS.values()} == {"torch", "qcomm"}
     assert all(m.needs is None for m in M.METHODS.values() if m.family == "torch")
     assert all(m.needs for m in M.METHODS.values() if m.family == "qcomm")
@@ -55,7 +55,7 @@ def test_every_torch_method_has_a_builder():
 @pytest.mark.parametrize(("spec", "want"), [
     ("all", list(M.METHODS)),
     ("torch", ["ddp", "ddp-fp16", "ddp-powersgd", "localsgd"]),
-    ("qcomm", ["qcomm-hook", "assgd-8", "assgd-4", "assgd-2", "assgd-1"]),
+    ("qcomm", ["qcomm-hook", "assgd-8", "assgd-4", "assgd-2", "assgd-1", "assgd-4-ddp"]),
     ("ddp, assgd-4", ["ddp", "assgd-4"]),
 ])
 def test_parse_methods(spec, want):

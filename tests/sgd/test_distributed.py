@@ -233,3 +233,78 @@ def test_checkpoint_resume_bit_exact_nonfinite_skip_and_world_size_mismatch(tmp_
     opt.zero_grad()
     _loss(model, 0, 0).backward()
     opt.step()  # trains on, single process
+
+
+# ---------------------------------------------------------------------------------------------
+# AdamW through HierarchicalOptimizer: 2 x 2 and 4 x 1 reach the closed-form optimum that no
+# node reaches alone; frozen and never-used parameters stay bit-identical.
+
+
+def _adamw_body(rank: int, world: int, ppn: int, steps: int, lr: float) -> dict:
+    from qcomm.sgd import HierarchicalOptimizer
+    from tests.engine.problems import DIM, realizable_problem
+
+    a, b, _ = (t.float() for t in realizable_problem(rank))
+    w = torch.nn.Parameter(torch.zeros(DIM))
+    frozen = torch.nn.Parameter(torch.arange(5.0), requires_grad=False)
+    unused = torch.nn.Parameter(torch.full((7,), 0.5))
+    inner = torch.optim.AdamW([w, frozen, unused], lr=lr, weight_decay=0.0)
+    opt = HierarchicalOptimizer(inner, bits=4, staleness=1, seed=3, procs_per_node=ppn)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    for _ in range(steps):
+        opt.zero_grad()
+        (0.5 * ((a @ w - b) ** 2).sum()).backward()
+        opt.step()
+        sched.step()
+    st = opt.stats(consensus=True)
+    opt.average_parameters()
+    opt.close()
+    return {"avg": w.detach().clone().numpy(), "stats": st,
+            "frozen": torch.equal(frozen, torch.arange(5.0)),
+            "unused": torch.equal(unused, torch.full((7,), 0.5))}
+
+
+@pytest.mark.parametrize(("ppn", "steps", "lr"), [(2, 400, 0.2), (1, 800, 0.5)],
+                         ids=["2x2", "4x1"])
+def test_adamw_reaches_the_optimum_no_node_reaches_alone(ppn: int, steps: int, lr: float
+                                                         ) -> None:
+    from tests.engine.problems import node_alone_gap, realizable_problem
+
+    res = run_world(_adamw_body, 4, args=(ppn, steps, lr), timeout_s=TIMEOUT_S)
+    w_star = realizable_problem(0)[2].float()
+    gap = node_alone_gap(range(ppn))  # node 0 alone: its projection of the optimum
+    assert gap > 0.5, gap
+    for r in res:
+        err = float((torch.from_numpy(r["avg"]) - w_star).norm() / w_star.norm())
+        assert err < gap / 100, (err, gap)
+        assert r["stats"]["consensus_distance"] < 1e-3 * float(w_star.norm())
+        assert r["stats"]["gossip_rounds"] == steps
+        assert r["frozen"] and r["unused"]
+    assert all((res[0]["avg"] == r["avg"]).all() for r in res)
+
+
+def _ddp_intra_body(rank: int, world: int, use_ddp: bool) -> list:
+    from qcomm.sgd import HierarchicalOptimizer
+    from tests.engine.problems import mlp, mlp_loss
+
+    model = mlp(0)
+    opt = HierarchicalOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                procs_per_node=2, seed=1)
+    net = opt.data_parallel(model) if use_ddp else model
+    for step in range(10):
+        opt.zero_grad()
+        mlp_loss(net, rank, step).backward()
+        opt.step()
+    st = opt.stats()
+    opt.close()
+    return [p.detach().clone().numpy() for p in model.parameters()] + [st["bytes_sent"]]
+
+
+def test_node_mean_by_ddp_equals_the_own_mean() -> None:
+    """With 2 ranks per node DDP's a/2 + b/2 and qcomm's (a + b)/2 are the same floats."""
+    own = run_world(_ddp_intra_body, 4, args=(False,), timeout_s=TIMEOUT_S)
+    ddp = run_world(_ddp_intra_body, 4, args=(True,), timeout_s=TIMEOUT_S)
+    for a, b in zip(own, ddp, strict=True):
+        assert all((x == y).all() for x, y in zip(a[:-1], b[:-1], strict=True))
+        assert a[-1]["inter"] == b[-1]["inter"] > 0
+        assert b[-1]["intra"] < a[-1]["intra"]  # DDP's bytes are not counted by qcomm

@@ -4,18 +4,15 @@ in flight, together with every rank's parameters after 7 more steps of that old 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from qcomm.testing.multiprocess import run_world
+from tests.sgd.data.make_legacy_checkpoint import KW, loss, mlp, train
 
 DATA = Path(__file__).resolve().parent / "data"
-sys.path.insert(0, str(DATA))
-
-from make_legacy_checkpoint import KW, loss, mlp, train  # noqa: E402
 
 
 def _resume_body(rank: int, world: int, directory: str) -> list:
