@@ -13,6 +13,7 @@ Python, importable without torch.distributed, and unit-tested.
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +40,50 @@ class MethodInfo:
     needs: str | None = None
 
 
-METHODS: dict[str, MethodInfo] = {
+# qcomm variants by name: assgd-<bits>[-h<H>[f<F>]][-s<staleness>][-g<gamma x 100>]
+# [-m<outer momentum x 10>][-ddp], e.g. assgd-4-h8f4 (gossip every 8 steps in 4 fragments) or
+# assgd-2-h8f4-m5-ddp (outer momentum 0.5, node gradient mean by DDP).
+_VARIANT = re.compile(r"assgd-(?P<bits>[1248])(?:-h(?P<h>\d+)(?:f(?P<f>\d+))?)?"
+                      r"(?:-s(?P<s>\d+))?(?:-g(?P<g>\d+))?(?:-m(?P<m>\d))?(?P<ddp>-ddp)?")
+
+
+def qcomm_variant(name: str) -> dict[str, Any] | None:
+    """The ASSGD options a variant name asks for, or None when ``name`` is not one."""
+    m = _VARIANT.fullmatch(name)
+    if m is None:
+        return None
+    out: dict[str, Any] = {"bits": int(m["bits"]), "ddp": bool(m["ddp"])}
+    if m["h"]:
+        out["sync_every"] = int(m["h"])
+        out["fragments"] = int(m["f"] or 1)
+    if m["s"]:
+        out["staleness"] = int(m["s"])
+    if m["g"]:
+        out["gamma"] = int(m["g"]) / 100
+    if m["m"]:
+        out["outer_momentum"] = int(m["m"]) / 10
+    return out
+
+
+class _Registry(dict):
+    """The fixed methods, plus every qcomm variant name (:func:`qcomm_variant`) on lookup."""
+
+    def __missing__(self, name: str) -> MethodInfo:
+        opts = qcomm_variant(name)
+        if opts is None:
+            raise KeyError(name)
+        desc = ", ".join(f"{k}={v}" for k, v in opts.items() if k not in ("bits", "ddp"))
+        return MethodInfo(name, "qcomm", f"qcomm ASSGD {opts['bits']}-bit gossip"
+                          + (f" ({desc})" if desc else "")
+                          + (", node mean by DDP" if opts["ddp"] else ""),
+                          opts["bits"], "qcomm.sgd")
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, name) or (isinstance(name, str)
+                                                 and qcomm_variant(name) is not None)
+
+
+METHODS: dict[str, MethodInfo] = _Registry({
     m.name: m
     for m in (
         MethodInfo("ddp", "torch", "DDP, fp32 allreduce", 32),
@@ -56,7 +100,7 @@ METHODS: dict[str, MethodInfo] = {
                    "qcomm ASSGD, 4-bit gossip, node gradient mean by DDP in backward", 4,
                    "qcomm.sgd"),
     )
-}
+})
 
 
 def parse_methods(spec: str) -> list[str]:
@@ -341,15 +385,16 @@ def build_localsgd(module, cfg: Config) -> Built:
 
 def _qcomm_adapter(name: str, module, cfg: Config) -> Built:
     """The one place that knows qcomm's training APIs (qcomm.sgd.ASSGD, qcomm.hooks)."""
-    if name.startswith("assgd-"):
+    opts = qcomm_variant(name)
+    if opts is not None:
         from qcomm.sgd import ASSGD
 
-        bits = int(name.split("-")[1])
+        bits, ddp = opts.pop("bits"), opts.pop("ddp")
+        comm = {"graph": "ring", "staleness": 1, **opts}
         opt = ASSGD(module.parameters(), lr=cfg.lr, momentum=cfg.momentum, bits=bits,
-                    graph="ring", staleness=1, procs_per_node=cfg.layout.procs,
-                    seed=cfg.seed)
+                    procs_per_node=cfg.layout.procs, seed=cfg.seed, **comm)
         # "-ddp": the node's gradient mean by DDP over the node's ranks, during backward.
-        model = opt.data_parallel(module) if name.endswith("-ddp") else module
+        model = opt.data_parallel(module) if ddp else module
 
         def flush() -> None:
             # Completes the gossip rounds in flight, so what stats() counted is on the wire
@@ -366,7 +411,7 @@ def _qcomm_adapter(name: str, module, cfg: Config) -> Built:
             opt.average_parameters()
 
         return Built(model, module, opt, flush=flush, finalize=finalize, comm_stats=stats,
-                     close=close, notes={"bits": bits})
+                     close=close, notes={"bits": bits, **comm})
     if name == "qcomm-hook":
         return _qcomm_hook(module, cfg)
     raise ValueError(f"not a qcomm method: {name!r}")

@@ -39,6 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import methods as M  # this directory is not a package; torchrun runs the file
 
 
+def _method_name(name: str) -> str:
+    if name not in M.METHODS:
+        raise argparse.ArgumentTypeError(f"unknown method {name!r}")
+    return name
+
+
 def make_model(width: int, depth: int) -> nn.Module:
     """MLP 40 -> width (x depth hidden layers, ReLU) -> 10."""
     layers: list[nn.Module] = []
@@ -82,7 +88,8 @@ def _write_profile(profiler, path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--method", required=True, choices=list(M.METHODS))
+    p.add_argument("--method", required=True, type=_method_name,
+                   help=f"one of {list(M.METHODS)} or a qcomm variant such as assgd-4-h8f4")
     p.add_argument("--data", required=True, help="npz with x, y, x_test, y_test (compare.py)")
     p.add_argument("--out", required=True, help="JSON written by rank 0")
     p.add_argument("--width", type=int, default=512)

@@ -5,10 +5,16 @@
 - :class:`HierarchicalAllreduce`: intra reduce-scatter -> quantized rail allreduce -> intra
   all-gather; the synchronous baseline and the engine of :mod:`qcomm.hooks`.
 - :mod:`qcomm.collectives.gossip`: asynchronous compressed (CHOCO) gossip between nodes.
-- :class:`CommStats`: bytes sent per level; :class:`PeerTimeoutError`: a peer stopped answering.
+- :class:`CommStats`: bytes sent per level; :class:`PeerError` (timeout, lost connection,
+  corrupt payload): a peer failed, named with the link.
 """
 
-from qcomm.collectives.errors import PeerTimeoutError
+from qcomm.collectives.errors import (
+    CorruptPayloadError,
+    PeerError,
+    PeerLostError,
+    PeerTimeoutError,
+)
 from qcomm.collectives.gossip import CompressedGossip, consensus_distance, default_gamma
 from qcomm.collectives.handles import Handle
 from qcomm.collectives.hierarchical import HierarchicalAllreduce, shard_numel
@@ -19,9 +25,12 @@ from qcomm.collectives.topology import Topology
 __all__ = [
     "CommStats",
     "CompressedGossip",
+    "CorruptPayloadError",
     "Handle",
     "HierarchicalAllreduce",
     "IntraNodeAllreduce",
+    "PeerError",
+    "PeerLostError",
     "PeerTimeoutError",
     "Topology",
     "consensus_distance",

@@ -21,7 +21,7 @@ import time
 from collections.abc import Generator, Iterable
 from typing import Any
 
-from qcomm.collectives.errors import PeerTimeoutError
+from qcomm.collectives.primitives import wait_work
 
 __all__ = ["Handle", "Last", "Pipeline"]
 
@@ -64,9 +64,10 @@ class Handle:
     """
 
     def __init__(self, pipelines: Iterable[Pipeline], operation: str,
-                 peers: list[int] | None = None) -> None:
+                 peers: list[int] | None = None, link: str | None = None) -> None:
         self._operation = operation
         self._peers = list(peers or [])
+        self._link = link
         self._error: BaseException | None = None
         # Start every pipeline: runs its first local step and launches its first collective.
         self._active: list[tuple[Pipeline, list[Any], bool]] = []
@@ -95,8 +96,9 @@ class Handle:
                 group's own timeout allows.
 
         Raises:
-            PeerTimeoutError: a peer did not answer in time. The process group is then in an
-                unknown state (collectives may still be in flight); treat it as fatal.
+            PeerTimeoutError: a peer did not answer in time; PeerLostError: the connection to
+                a peer broke. The process group is then in an unknown state (collectives may
+                still be in flight); treat it as fatal.
             Whatever a stage raised (e.g. NonFiniteError), again on later calls.
         """
         if self._error is not None:
@@ -134,15 +136,4 @@ class Handle:
             raise failed
 
     def _wait_one(self, work: Any, deadline: float | None, timeout_s: float | None) -> None:
-        if deadline is None:
-            work.wait()
-            return
-        # Work.wait(timeout) semantics differ between backends; poll instead, with a short
-        # sleep that grows to 1 ms so a slow peer does not cost a busy core.
-        pause = 5e-5
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise PeerTimeoutError(self._operation, float(timeout_s), self._peers)
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-        work.wait()  # re-raises a failure of the collective itself
+        wait_work(work, deadline, timeout_s, self._operation, self._peers, self._link)

@@ -115,9 +115,10 @@ class HierarchicalAllreduce(BucketedMean):
                            derive_seed(self.seed, topo.rank, call, i))
             for i, b in enumerate(plan)
         ]
-        handle = Handle(pipelines, "hierarchical allreduce", list(range(topo.world_size)))
+        handle = Handle(pipelines, "hierarchical allreduce",
+                        [r for r in range(topo.world_size) if r != topo.rank])
         if not async_op:
-            handle.wait()
+            handle.wait(self.timeout_s)
         return handle
 
     def _pipeline(self, bucket: Bucket, tensors: list[torch.Tensor], intra: Any, rail: Any,

@@ -49,6 +49,7 @@ from qcomm.collectives.primitives import (
     quantize_or_poison,
     start_all_gather,
     start_reduce_scatter,
+    wait_works,
 )
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
@@ -107,8 +108,14 @@ class BucketedMean:
 
     def __init__(self, topology: Topology, *, bucket_mb: float = 25.0,
                  spec: QuantSpec | None = None, stats: CommStats | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, timeout_s: float | None = None) -> None:
         self._bucket_bytes, self.stats = check_common_args(topology, bucket_mb, spec, stats, seed)
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(
+                timeout_s, (int, float)) or not (math.isfinite(timeout_s) and timeout_s > 0)):
+            raise ValueError(f"timeout_s must be None or a finite number > 0, got {timeout_s!r}")
+        # Blocking calls wait at most this long for the other ranks (None: the process
+        # group's own timeout); async handles take theirs in wait().
+        self.timeout_s = timeout_s
         self.topology = topology
         self.bucket_mb = bucket_mb
         self.spec = spec
@@ -197,9 +204,10 @@ class IntraNodeAllreduce(BucketedMean):
                                       derive_seed(self.seed, topo.rank, call, i))
             for i, b in enumerate(plan)
         ]
-        handle = Handle(pipelines, "intra-node allreduce", topo.node_ranks)
+        handle = Handle(pipelines, "intra-node allreduce",
+                        [r for r in topo.node_ranks if r != topo.rank], link="intra")
         if not async_op:
-            handle.wait()
+            handle.wait(self.timeout_s)
         return handle
 
     def _full_pipeline(self, bucket: Bucket, tensors: list[torch.Tensor], group: Any, L: int):
@@ -251,5 +259,6 @@ class IntraNodeAllreduce(BucketedMean):
         if L == 1:
             out.copy_(shard.view(-1))
             return
-        start_all_gather(out, shard.view(-1), self.topology.intra_group, L, self.stats,
-                         "intra").wait()
+        group = self.topology.intra_group
+        work = start_all_gather(out, shard.view(-1), group, L, self.stats, "intra")
+        wait_works([work], self.timeout_s, "intra-node all-gather", group, "intra")

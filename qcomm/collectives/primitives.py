@@ -13,18 +13,20 @@ tests and simulations); the dispatch between the two happens here and nowhere el
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError
 from qcomm.collectives.memory import MemoryGroup
 from qcomm.collectives.stats import CommStats
 from qcomm.compress import ErrorFeedback, NonFiniteError, QuantSpec, dequant_accumulate
 
-__all__ = ["acc_dtype", "all_gather_flat", "all_reduce", "all_to_all_single", "decode_mean",
-           "derive_seed", "group_size", "quantize_or_poison", "start_all_gather",
-           "start_reduce_scatter"]
+__all__ = ["acc_dtype", "all_gather_flat", "all_reduce", "all_to_all_single", "as_peer_error",
+           "decode_mean", "derive_seed", "group_size", "other_ranks", "quantize_or_poison",
+           "start_all_gather", "start_reduce_scatter", "wait_work", "wait_works"]
 
 # torch 2.13 renames the flat collectives (same signatures) and warns on the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -35,7 +37,7 @@ _DIST_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Red
 
 
 # ---------------------------------------------------------------------------------------------
-# wrappers: one call for process groups and in-memory groups
+# waiting with a deadline, and naming who failed
 
 
 def group_size(group: Any) -> int:
@@ -45,30 +47,111 @@ def group_size(group: Any) -> int:
     return dist.get_world_size(group)
 
 
-def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum") -> None:
+def other_ranks(group: Any) -> list[int]:
+    """Global ranks of the other members of ``group`` (the peers an error names)."""
+    if isinstance(group, MemoryGroup):
+        return [r for i, r in enumerate(group.ranks) if i != group.rank]
+    me = dist.get_rank()
+    if group is None:
+        return [r for r in range(dist.get_world_size()) if r != me]
+    ranks = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
+    return [r for r in ranks if r != me]
+
+
+def as_peer_error(e: RuntimeError, operation: str, timeout_s: float | None,
+                  peers: list[int], link: str | None) -> PeerError:
+    """A backend's RuntimeError (Gloo: connection closed or reset, its own timeout) as the
+    qcomm error that says what happened, to whom, on which link."""
+    if isinstance(e, PeerError):
+        return e
+    text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return PeerTimeoutError(f"{operation} [{text}]", timeout_s or 0.0, peers, link)
+    return PeerLostError(operation, peers, link, detail=text)
+
+
+def wait_work(work: Any, deadline: float | None, timeout_s: float | None, operation: str,
+              peers: list[int], link: str | None) -> None:
+    """Wait for one backend work until ``deadline`` (``time.monotonic()``; None: no deadline).
+
+    Raises:
+        PeerTimeoutError: past the deadline. PeerLostError: the backend failed the work.
+    """
+    try:
+        if deadline is None:
+            work.wait()
+            return
+        # Work.wait(timeout) semantics differ between backends and ops; poll instead, with a
+        # short sleep that grows to 1 ms so a slow peer does not cost a busy core.
+        pause = 5e-5
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(operation, float(timeout_s), peers, link)
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        work.wait()  # re-raises a failure of the collective itself
+    except RuntimeError as e:
+        raise as_peer_error(e, operation, timeout_s, peers, link) from e
+
+
+def wait_works(works: list[Any], timeout_s: float | None, operation: str, group: Any,
+               link: str | None) -> None:
+    """Wait for ``works`` on ``group`` with one deadline for all of them."""
+    deadline = None if timeout_s is None else time.monotonic() + float(timeout_s)
+    peers = other_ranks(group)
+    for w in works:
+        wait_work(w, deadline, timeout_s, operation, peers, link)
+
+
+def _post(fn: Any, operation: str, group: Any, link: str | None) -> Any:
+    """Call ``fn()`` (which posts a non-blocking collective); a backend error while posting
+    (a connection already broken) becomes a :class:`PeerLostError`."""
+    try:
+        return fn()
+    except RuntimeError as e:
+        raise as_peer_error(e, operation, None, other_ranks(group), link) from e
+
+
+# ---------------------------------------------------------------------------------------------
+# wrappers: one call for process groups and in-memory groups
+
+
+def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum", *,
+               timeout_s: float | None = None, link: str | None = None,
+               operation: str = "all_reduce") -> None:
     """Reduce ``tensor`` in place over ``group`` (``op``: ``"sum"``, ``"max"`` or ``"min"``),
-    blocking."""
+    blocking, for at most ``timeout_s`` seconds (None: the process group's own timeout).
+
+    Raises:
+        PeerTimeoutError, PeerLostError: naming the group's other ranks and ``link``.
+    """
     if isinstance(group, MemoryGroup):
         group.all_reduce(tensor, op)
         return
-    dist.all_reduce(tensor, op=_DIST_OPS[op], group=group)
+    work = _post(lambda: dist.all_reduce(tensor, op=_DIST_OPS[op], group=group, async_op=True),
+                 operation, group, link)
+    wait_works([work], timeout_s, operation, group, link)
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, *,
-                    async_op: bool = False) -> Any:
+                    async_op: bool = False, link: str | None = None,
+                    operation: str = "all_gather") -> Any:
     """``out`` (flat, ``size * inp.numel()``) = every member's ``inp`` by group rank. Returns the
     work when ``async_op``."""
     if isinstance(group, MemoryGroup):
         return group.all_gather(out, inp)
-    return _all_gather_flat(out, inp, group=group, async_op=async_op)
+    return _post(lambda: _all_gather_flat(out, inp, group=group, async_op=async_op),
+                 operation, group, link)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group: Any, *,
-                      async_op: bool = False) -> Any:
+                      async_op: bool = False, link: str | None = None,
+                      operation: str = "all_to_all") -> Any:
     """Equal-split all-to-all: chunk k of ``out`` = chunk ``my rank`` of member k's ``inp``."""
     if isinstance(group, MemoryGroup):
         return group.all_to_all_single(out, inp)
-    return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+    return _post(lambda: dist.all_to_all_single(out, inp, group=group, async_op=async_op),
+                 operation, group, link)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,12 +197,15 @@ def start_reduce_scatter(buf: torch.Tensor, group: Any, size: int, stats: CommSt
     acc = acc_dtype(buf.dtype)
     if _native_reduce_scatter(group, buf.device):
         out = torch.empty(c, dtype=buf.dtype, device=buf.device)
-        work = _reduce_scatter_flat(out, buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        work = _post(lambda: _reduce_scatter_flat(out, buf, op=dist.ReduceOp.SUM, group=group,
+                                                  async_op=True),
+                     f"{level}-node reduce-scatter", group, level)
         return work, lambda: out.to(acc)
     # Gloo: its reduce-scatter would all-reduce the whole buffer; all-to-all moves (size-1)/size
     # of it, and the sum of the received chunks (by source rank, in acc dtype) is done here.
     recv = torch.empty_like(buf)
-    work = all_to_all_single(recv, buf, group, async_op=True)
+    work = all_to_all_single(recv, buf, group, async_op=True, link=level,
+                             operation=f"{level}-node reduce-scatter")
     return work, lambda: recv.view(size, c).sum(dim=0, dtype=acc)
 
 
@@ -127,7 +213,8 @@ def start_all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, size: i
                      stats: CommStats, level: str) -> Any:
     """Start ``out = cat(every member's shard)`` (flat, by group rank). Returns the work."""
     stats.record(level, (size - 1) * shard.numel() * shard.element_size(), size - 1)
-    return all_gather_flat(out, shard, group, async_op=True)
+    return all_gather_flat(out, shard, group, async_op=True, link=level,
+                           operation=f"{level}-node all-gather")
 
 
 def quantize_or_poison(ef: ErrorFeedback, key: str, x: torch.Tensor, spec: QuantSpec, seed: int,

@@ -203,6 +203,21 @@ class Topology:
             )
 
     @property
+    def world_group(self) -> object:
+        """The group of every rank: None (torch.distributed's default group) or the in-memory
+        world's."""
+        if self._world is not None:
+            return self._world.group(range(self.world_size), self.rank)
+        return None
+
+    def control_device(self) -> torch.device:
+        """Where small control tensors (votes, agreement rows) live: CPU when the default
+        group can move CPU tensors (Gloo, or "cpu:gloo,cuda:nccl"), else the current GPU."""
+        if self._world is not None or "cpu:" in dist.get_backend_config():
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+
+    @property
     def in_memory(self) -> bool:
         """True when the groups are in-memory stand-ins (``world=`` was given)."""
         return self._world is not None
@@ -257,10 +272,7 @@ class Topology:
         ranks built with different arguments, fail here with one clear error on every rank
         instead of creating mismatched groups. Runs once, at group creation (collective anyway).
         """
-        config = dist.get_backend_config()
-        # A CPU tensor when the default group can move CPU tensors, else the current GPU.
-        device = (torch.device("cpu") if "cpu:" in config
-                  else torch.device("cuda", torch.cuda.current_device()))
+        device = self.control_device()
         mine = torch.tensor([self.procs_per_node, self.rank, self.world_size], dtype=torch.int64,
                             device=device)
         everyone = torch.empty(self.world_size * 3, dtype=torch.int64, device=device)

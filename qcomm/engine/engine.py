@@ -27,6 +27,7 @@ with ranks as threads of one process, the same bytes as over Gloo (tests, simula
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import warnings
@@ -35,11 +36,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives.errors import PeerTimeoutError
+from qcomm.collectives.errors import PeerError
 from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
+from qcomm.engine.agreement import check_agreement, fingerprint
 from qcomm.engine.flat import FlatParams
 from qcomm.engine.gradients import NonFiniteGradientError, all_finite, node_mean_and_vote
 from qcomm.engine.options import CommOptions
@@ -164,7 +166,8 @@ class AveragingEngine:
         intra = None
         if topo.procs_per_node > 1:
             intra = IntraNodeAllreduce(topo, bucket_mb=opts.bucket_mb, spec=opts.intra_spec,
-                                       stats=self.comm_stats, seed=opts.seed)
+                                       stats=self.comm_stats, seed=opts.seed,
+                                       timeout_s=opts.timeout_s)
         params = self.params()
         communicated = [p for p in params if p.requires_grad]
         self._frozen = [p for p in params if not p.requires_grad]
@@ -172,17 +175,24 @@ class AveragingEngine:
         if topo.num_nodes > 1 and communicated:
             from qcomm.collectives.gossip import CompressedGossip
 
-            flat = FlatParams(communicated, topo.procs_per_node, opts.block_size)
+            # Shards of whole fragments of whole codec blocks: every message has one length.
+            flat = FlatParams(communicated, topo.procs_per_node,
+                              opts.block_size * opts.fragments)
             gossip = CompressedGossip(
                 topo.rail_ranks, topo.rail_group, flat.shard_numel,
                 graph=opts.graph, mixing=opts.mixing, spec=opts.gossip_spec,
                 gamma=opts.gamma, staleness=opts.staleness, timeout_s=opts.timeout_s,
-                stats=self.comm_stats,
+                stats=self.comm_stats, fragments=opts.fragments,
+                outer_momentum=opts.outer_momentum,
                 # One random stream per rail (rails quantize different shards).
                 seed=(opts.seed * 1_000_003 + topo.local_rank) % 2**63,
             )
             self._shard = torch.empty(flat.shard_numel, dtype=torch.float32,
                                       device=flat.flat.device)
+        # One small collective before anything is exchanged: every rank must have the same
+        # options and the same communicated parameters, or all raise the same ValueError.
+        check_agreement(fingerprint(opts, communicated, self._ddp_intra), topo.world_group,
+                        topo.world_size, topo.control_device(), opts.timeout_s)
         self._topology, self._intra, self._flat, self._gossip = topo, intra, flat, gossip
         if self._pending is not None:
             if intra is not None and self._pending.get("intra") is not None:
@@ -226,17 +236,21 @@ class AveragingEngine:
                              "it cannot be combined with intra_bits (set intra_bits=None)")
         if not self.distributed:
             return model
-        self.setup()
-        topo = self._topology
-        if topo.in_memory:
+        if self._ready:
+            raise RuntimeError("data_parallel() must be called before the first step")
+        if self._topology_arg is not None and self._topology_arg.in_memory:
             raise TypeError("data_parallel() needs torch.distributed process groups, not an "
                             "in-memory topology")
-        if topo.procs_per_node == 1:
+        layout = self._topology_arg or Topology(self.options.procs_per_node)
+        if layout.procs_per_node == 1:
             return model
         from torch.nn.parallel import DistributedDataParallel
 
+        # Before setup(): the agreement check compares it across ranks.
         self._ddp_intra = True
-        return DistributedDataParallel(model, process_group=topo.intra_group, **ddp_kwargs)
+        self.setup()
+        return DistributedDataParallel(model, process_group=self._topology.intra_group,
+                                       **ddp_kwargs)
 
     # -----------------------------------------------------------------------------------------
     # one step
@@ -283,15 +297,45 @@ class AveragingEngine:
         else:
             self.setup()
             self._check_frozen()
+            if self._gossip is not None and self.round_due(self.steps):
+                self._verify_due_round()
             topo = self._topology
             finite, node_finite = node_mean_and_vote(
                 grads, topo, self._intra, grads_are_node_means=self._ddp_intra,
                 quantized=self.options.intra_spec is not None,
-                skip_across_nodes=self.options.on_nonfinite == "skip" and topo.num_nodes > 1)
+                skip_across_nodes=self.options.on_nonfinite == "skip" and topo.num_nodes > 1,
+                timeout_s=self.options.timeout_s)
         if not finite:
             self._nonfinite(node_finite)
         self._grads_synced, self._go = True, finite
         return finite
+
+    def _verify_due_round(self) -> None:
+        """Before anything of this step changes: wait for and verify the gossip round this
+        step will apply, and agree inside the node. A rank whose rail failed raises its own
+        error; its node-mates raise one naming it (they would otherwise update their copy of
+        the model alone, then wait for it in the all-gather)."""
+        error: PeerError | None = None
+        try:
+            self._gossip.verify_next()
+        except PeerError as e:
+            error = e
+        topo = self._topology
+        if topo.procs_per_node > 1:
+            device = self._flat.flat.device
+            flag = torch.tensor([topo.rank + 1 if error is not None else 0], device=device,
+                                dtype=torch.int64)
+            all_reduce(flag, topo.intra_group, "max", timeout_s=self.options.timeout_s,
+                       link="intra", operation="vote on the gossip round")
+            failed = int(flag.item()) - 1
+            if error is None and failed >= 0:
+                round_ = self._gossip.rounds_started - self._gossip.staleness
+                error = PeerError(
+                    f"gossip round {round_}: rank {failed} of this node could not receive or "
+                    "verify its rail's messages; nothing of this step was applied",
+                    f"gossip round {round_}", [failed], "intra")
+        if error is not None:
+            raise error
 
     def _nonfinite(self, node_finite: bool) -> None:
         """Raise, or count the skip."""
@@ -311,13 +355,19 @@ class AveragingEngine:
         )
 
     def finish_step(self) -> None:
-        """After the local update: the gossip round of the communicated parameters (those
+        """After the local update: when a round is due (every ``sync_every / fragments``
+        steps), the gossip round of the next fragment of the communicated parameters (those
         without a gradient this step are left as they are)."""
         self._grads_synced = False
-        if self.distributed and self._gossip is not None:
+        if self.distributed and self._gossip is not None and self.round_due(self.steps):
             keep = [p.grad is None for p in self._flat.params]
             self._gossip_round(keep)
         self.steps += 1
+
+    def round_due(self, step: int) -> bool:
+        """Whether a gossip round starts after the local update of ``step`` (0-based, applied
+        steps): the last step of every period of ``sync_every / fragments`` steps."""
+        return (step + 1) % self.options.round_period == 0
 
     def skip_step(self) -> None:
         """End a step that :meth:`sync_gradients` voted to skip."""
@@ -335,8 +385,14 @@ class AveragingEngine:
         # below must not read from the tensor it writes.
         shard = self._shard
         shard.copy_(flat.shard(topo.local_rank))
-        self._gossip.step(shard)
-        self._gather_shards(shard)
+        changed = self._gossip.step(shard)
+        if not changed:
+            return  # no round applied yet: the parameters are as they were
+        if self.options.fragments == 1:
+            self._gather_shards(shard)
+        else:
+            for f in changed:
+                self._gather_fragment(shard, self._gossip.fragment(f))
         flat.store_to_params(keep)
 
     def _gather_shards(self, shard: torch.Tensor) -> None:
@@ -344,6 +400,19 @@ class AveragingEngine:
             self._intra.all_gather_into(self._flat.flat, shard)
         else:
             self._flat.flat.copy_(shard)
+
+    def _gather_fragment(self, shard: torch.Tensor, frag: slice) -> None:
+        """Fragment ``frag`` of every local rank's shard into ``flat``: only the mixed fragment
+        differs between the node's ranks, so only it crosses the intra-node links."""
+        flat, L = self._flat, self._topology.procs_per_node
+        if self._intra is None:
+            flat.shard(0)[frag].copy_(shard[frag])
+            return
+        part = shard[frag].contiguous()
+        gathered = torch.empty(L * part.numel(), dtype=part.dtype, device=part.device)
+        self._intra.all_gather_into(gathered, part)
+        for rank, piece in enumerate(gathered.view(L, -1)):
+            flat.shard(rank)[frag].copy_(piece)
 
     # -----------------------------------------------------------------------------------------
     # evaluation, statistics, shutdown
@@ -365,7 +434,8 @@ class AveragingEngine:
         shard.copy_(flat.shard(topo.local_rank))
         # Ranks of a node hold the same parameters, so averaging shard l over rail l gives the
         # global mean of shard l; one rail member computes each sum and all receive its bytes.
-        all_reduce(shard, topo.rail_group)
+        all_reduce(shard, topo.rail_group, timeout_s=self.options.timeout_s, link="inter",
+                   operation="average_parameters")
         shard.div_(topo.num_nodes)
         self._gather_shards(shard)
         flat.store_to_params()
@@ -380,7 +450,8 @@ class AveragingEngine:
         Returns:
             dict with ``steps`` (applied), ``skipped_steps``, ``bytes_sent`` and
             ``messages_sent`` (``{"intra": int, "inter": int}``), ``staleness`` (rounds a gossip
-            round stays in flight), ``gossip_rounds``, ``gossip_step`` (gamma) and
+            round stays in flight), ``gossip_rounds`` (started), ``fragment_rounds`` (rounds
+            started per fragment, a list of ``fragments`` ints), ``gossip_step`` (gamma) and
             ``consensus_distance`` (``sqrt(mean_i ||x_i - mean x||^2)`` over nodes, float, or
             None when not asked for or with one node).
         """
@@ -393,6 +464,8 @@ class AveragingEngine:
             "messages_sent": snap["messages_sent"],
             "staleness": g.staleness if g is not None else 0,
             "gossip_rounds": g.rounds_started if g is not None else 0,
+            "fragment_rounds": _per_fragment(g.rounds_started if g is not None else 0,
+                                             self.options.fragments),
             "gossip_step": g.gamma if g is not None else None,
             "consensus_distance": None,
         }
@@ -400,7 +473,8 @@ class AveragingEngine:
             from qcomm.collectives.gossip import consensus_distance
 
             x = self._flat.load_from_params()
-            out["consensus_distance"] = float(consensus_distance(x, self._topology.rail_group))
+            out["consensus_distance"] = float(consensus_distance(
+                x, self._topology.rail_group, timeout_s=self.options.timeout_s))
         return out
 
     def flush(self) -> None:
@@ -413,13 +487,17 @@ class AveragingEngine:
     def close(self) -> None:
         """Complete the gossip rounds in flight (when the peers still answer) and release the
         transport and every process-group reference. Never raises a peer's failure: after a
-        :class:`PeerTimeoutError` it only releases. Idempotent."""
+        :class:`~qcomm.collectives.errors.PeerError` it only releases. Idempotent."""
         if self._gossip is not None:
-            with contextlib.suppress(PeerTimeoutError):
+            with contextlib.suppress(PeerError):
                 self._gossip.flush()
             self._gossip.close()
         self._reset_runtime()
         self._closed = True
+        # Works and groups can sit in reference cycles (a round and its transport); collect
+        # them now, before the caller destroys the process group, not at interpreter exit,
+        # when Gloo aborts on pending works.
+        gc.collect()
 
     # -----------------------------------------------------------------------------------------
     # checkpoints
@@ -478,3 +556,8 @@ class AveragingEngine:
         self._pending = None
         self._warned_env = False
         self._reset_runtime()
+
+
+def _per_fragment(rounds: int, fragments: int) -> list[int]:
+    """Rounds started per fragment after ``rounds`` rounds (round t carries t % fragments)."""
+    return [rounds // fragments + (1 if f < rounds % fragments else 0) for f in range(fragments)]

@@ -64,16 +64,19 @@ def _flag(finite: bool, grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([0.0 if finite else 1.0], device=device)
 
 
-def _vote(finite: bool, grads: Sequence[torch.Tensor], group: object) -> bool:
+def _vote(finite: bool, grads: Sequence[torch.Tensor], group: object, link: str,
+          timeout_s: float | None) -> bool:
     """True when every member of ``group`` saw finite gradients."""
     flag = _flag(finite, grads)
-    all_reduce(flag, group, "max")
+    all_reduce(flag, group, "max", timeout_s=timeout_s, link=link,
+               operation="vote on finite gradients")
     return flag.item() == 0.0
 
 
 def node_mean_and_vote(grads: Sequence[torch.Tensor], topology: Topology,
                        intra: IntraNodeAllreduce | None, *, grads_are_node_means: bool,
-                       quantized: bool, skip_across_nodes: bool) -> tuple[bool, bool]:
+                       quantized: bool, skip_across_nodes: bool,
+                       timeout_s: float | None = None) -> tuple[bool, bool]:
     """Replace ``grads`` by the node's mean (unless they are already) and agree on finiteness.
 
     Args:
@@ -83,6 +86,7 @@ def node_mean_and_vote(grads: Sequence[torch.Tensor], topology: Topology,
         grads_are_node_means: True when DDP over the node's group averaged them in backward.
         quantized: the intra-node mean goes through the codec (``intra_bits``).
         skip_across_nodes: ``on_nonfinite="skip"`` with several nodes: the nodes vote too.
+        timeout_s: how long each collective waits for the other ranks.
 
     Returns:
         ``(go, locally_finite)``: ``go`` is True when every rank that must agree saw finite
@@ -93,10 +97,10 @@ def node_mean_and_vote(grads: Sequence[torch.Tensor], topology: Topology,
         intra.mean_(grads)
     finite = all_finite(grads)
     if intra is not None and quantized and not grads_are_node_means:
-        finite = _vote(finite, grads, topology.intra_group)
+        finite = _vote(finite, grads, topology.intra_group, "intra", timeout_s)
     node_finite = finite
     if skip_across_nodes:
-        finite = _vote(finite, grads, topology.rail_group)
+        finite = _vote(finite, grads, topology.rail_group, "inter", timeout_s)
     if finite and intra is not None and quantized and not grads_are_node_means:
         intra.mean_(grads)
     return finite, node_finite

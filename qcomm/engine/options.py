@@ -25,7 +25,8 @@ SUPPORTED_BITS = (1, 2, 4, 8)
 DEPRECATED_NAMES = {"topology": "graph", "gossip_step": "gamma"}
 
 # Options that shape the wire format and the mixing: a checkpoint loads only into the same ones.
-WIRE_FIELDS = ("bits", "block_size", "rounding", "graph", "mixing", "staleness", "intra_bits")
+WIRE_FIELDS = ("bits", "block_size", "rounding", "graph", "mixing", "staleness", "intra_bits",
+               "sync_every", "fragments", "outer_momentum")
 
 
 def is_real(x: object) -> bool:
@@ -55,8 +56,14 @@ class CommOptions:
         rounding: ``"stochastic"`` (unbiased) or ``"nearest"``.
         graph: gossip graph between nodes: ``"ring"``, ``"exponential"`` or ``"complete"``.
         mixing: ``"uniform"`` or ``"metropolis"`` mixing weights.
-        staleness: a gossip round started at step t is applied at step t + staleness (>= 0).
+        staleness: gossip rounds in flight: a round is applied when the round ``staleness``
+            rounds later starts (>= 0; 0 is synchronous).
         gamma: CHOCO's consensus step in (0, 1]; None picks the default for bits and staleness.
+        sync_every: H >= 1: every part of the parameters is gossiped once every H steps.
+        fragments: F >= 1 dividing H: each rail's shard is split into F fragments and one
+            fragment's round starts every H / F steps, so the link carries an even load.
+        outer_momentum: Nesterov momentum in [0, 1) on the gossip's mixing correction; 0 is
+            plain CHOCO.
         intra_bits: None averages gradients inside a node in full precision; 1/2/4/8 quantizes
             them with error feedback.
         procs_per_node: ranks per node; None takes ``LOCAL_WORLD_SIZE`` (torchrun), else 1.
@@ -73,6 +80,9 @@ class CommOptions:
     mixing: str = "uniform"
     staleness: int = 1
     gamma: float | None = None
+    sync_every: int = 1
+    fragments: int = 1
+    outer_momentum: float = 0.0
     intra_bits: int | None = None
     procs_per_node: int | None = None
     bucket_mb: float = 25.0
@@ -92,6 +102,14 @@ class CommOptions:
         if self.gamma is not None and (not is_real(self.gamma) or not 0 < self.gamma <= 1):
             raise ValueError(f"gamma must be None (a default for bits and staleness) or a "
                              f"float in (0, 1], got {self.gamma!r}")
+        check_int("sync_every", self.sync_every, 1)
+        check_int("fragments", self.fragments, 1)
+        if self.sync_every % self.fragments:
+            raise ValueError(f"fragments must divide sync_every: got fragments={self.fragments}, "
+                             f"sync_every={self.sync_every}")
+        if not is_real(self.outer_momentum) or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be a float in [0, 1), "
+                             f"got {self.outer_momentum!r}")
         if self.intra_bits is not None and (
             self.intra_bits not in SUPPORTED_BITS or isinstance(self.intra_bits, bool)
         ):
@@ -142,8 +160,15 @@ class CommOptions:
     @classmethod
     def from_saved(cls, saved: dict[str, Any]) -> dict[str, Any]:
         """A checkpoint's options dict with today's names (older checkpoints used ``topology``
-        and ``gossip_step``)."""
-        return {DEPRECATED_NAMES.get(k, k): v for k, v in saved.items()}
+        and ``gossip_step``) and today's defaults for options they predate."""
+        out = {f.name: f.default for f in cls.__dataclass_fields__.values()}
+        out.update({DEPRECATED_NAMES.get(k, k): v for k, v in saved.items()})
+        return out
+
+    @property
+    def round_period(self) -> int:
+        """Steps between two gossip rounds: ``sync_every / fragments``."""
+        return self.sync_every // self.fragments
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -68,7 +68,8 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
 
 def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
               timeout_s: float = 120.0, pg_timeout_s: float = 60.0,
-              env: dict[str, str] | None = None, allow_exit: set[int] | None = None) -> list[Any]:
+              env: dict[str, str] | None = None, allow_exit: set[int] | None = None,
+              check_exit: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes over Gloo.
 
     Args:
@@ -81,6 +82,8 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         env: extra environment variables for the children.
         allow_exit: ranks allowed to die without reporting (tests that kill a peer on purpose);
             their result is None.
+        check_exit: also fail when a rank that reported its result then exited abnormally
+            (e.g. aborted in ``destroy_process_group``); ranks in ``allow_exit`` excepted.
 
     Returns:
         The per-rank return values, in rank order.
@@ -135,6 +138,9 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
+    if check_exit:
+        failures += [f"rank {r} reported, then exited with code {p.exitcode}"
+                     for r, p in enumerate(procs) if r not in allow_exit and p.exitcode != 0]
     if failures:
         raise WorldError("\n".join(failures))
     return [values.get(r) for r in range(world_size)]

@@ -22,10 +22,11 @@ import torch.distributed as dist
 from qcomm.collectives.gossip import (
     CompressedGossip,
     GossipSimulator,
-    PeerTimeoutError,
+    PeerError,
     consensus_distance,
     neighbours,
 )
+from qcomm.collectives.gossip.integrity import SEAL_NBYTES
 from qcomm.compress import QuantSpec, packed_nbytes
 from qcomm.testing.multiprocess import run_world
 
@@ -74,7 +75,7 @@ def _check_against_sim(results: list[dict], n: int, bits: int, tau: int, graph: 
         # Same values; the distributed sum runs in another order: float64 rounding only.
         assert r["dists"] == pytest.approx(dists, rel=1e-9, abs=1e-12)
         # Issue test 4: bytes per round = packed_nbytes(shard) x number of neighbours.
-        want = packed_nbytes(NUMEL, QuantSpec(bits, 128, "stochastic")) * len(
+        want = (packed_nbytes(NUMEL, QuantSpec(bits, 128, "stochastic")) + SEAL_NBYTES) * len(
             neighbours(graph, i, n))
         assert r["per_round"] == [want] * ROUNDS
         assert r["intra"] == 0
@@ -173,7 +174,8 @@ def test_five_and_two_nodes(world: int, case: tuple[int, int, str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# a peer that dies or hangs: PeerTimeoutError on the others, within the timeout plus a margin
+# a peer that dies or hangs: PeerLostError / PeerTimeoutError on the others, naming it and the
+# link, within the timeout plus a margin
 
 TIMEOUT_S = 3.0
 MARGIN_S = 2.0  # scheduling slack on a loaded 2-core CI machine
@@ -194,11 +196,12 @@ def _world_fail(rank: int, world: int, how: str) -> dict | None:
     try:
         for _ in range(100):
             gs.step(x)
-    except PeerTimeoutError as e:
+    except PeerError as e:
         elapsed = time.monotonic() - t0
         t1 = time.monotonic()
         gs.close()  # must not hang on a broken group
-        return {"peers": e.peers, "timeout": e.timeout_s, "msg": str(e), "elapsed": elapsed,
+        return {"peers": e.peers, "type": type(e).__name__, "link": e.link,
+                "timeout": getattr(e, "timeout_s", None), "msg": str(e), "elapsed": elapsed,
                 "close_s": time.monotonic() - t1, "rounds": gs.rounds_started}
     return {"peers": None}
 
@@ -210,9 +213,13 @@ def test_dead_or_silent_peer_raises_timeout(how: str) -> None:
                     allow_exit={world - 1} if how == "exit" else None)
     for r in res[:-1]:
         assert r["peers"] == [world - 1], r
-        assert r["timeout"] == TIMEOUT_S
-        assert "gossip round" in r["msg"] and f"{TIMEOUT_S:g} s" in r["msg"]
+        assert r["link"] == "inter" and "gossip round" in r["msg"]
+        assert f"ranks [{world - 1}]" in r["msg"] and "inter-node link" in r["msg"]
         assert r["elapsed"] <= TIMEOUT_S + MARGIN_S
         if how == "hang":  # nobody closed a socket: only the timeout can have fired
+            assert r["type"] == "PeerTimeoutError" and r["timeout"] == TIMEOUT_S
+            assert f"{TIMEOUT_S:g} s" in r["msg"]
             assert r["elapsed"] >= TIMEOUT_S - 0.1
+        else:  # the kernel closed the dead peer's sockets: the connection is reported lost
+            assert r["type"] == "PeerLostError" and "lost" in r["msg"], r
         assert r["close_s"] < 0.5

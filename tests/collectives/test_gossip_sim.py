@@ -14,6 +14,7 @@ import torch
 
 from qcomm.collectives.gossip import CompressedGossip, GossipSimulator, default_gamma
 from qcomm.collectives.gossip.graphs import neighbours
+from qcomm.collectives.gossip.integrity import SEAL_NBYTES
 from qcomm.collectives.gossip.transport import MemoryHub, MemoryTransport
 from qcomm.compress import QuantSpec, packed_nbytes
 
@@ -73,7 +74,7 @@ def test_bytes_per_round_from_stats(graph: str, n: int) -> None:
         for i, st in enumerate(sim.stats):
             deg = len(neighbours(graph, i, n))
             snap = st.snapshot()
-            assert snap["bytes_sent"]["inter"] == t * packed_nbytes(300, spec) * deg
+            assert snap["bytes_sent"]["inter"] == t * (packed_nbytes(300, spec) + SEAL_NBYTES) * deg
             assert snap["messages_sent"]["inter"] == t * deg
             assert snap["bytes_sent"]["intra"] == 0
 
@@ -108,7 +109,8 @@ def test_own_public_copy_is_the_decoded_payload() -> None:
         sim.step(xs)
     finally:
         MemoryTransport.exchange = orig_exchange
-    dec = [dequantize(Packed.from_payload(p, NUMEL, QuantSpec(4, 128, "nearest")))
+    # A message is the payload followed by its seal.
+    dec = [dequantize(Packed.from_payload(p[:-SEAL_NBYTES], NUMEL, QuantSpec(4, 128, "nearest")))
            for p in payloads]
     for i, m in enumerate(sim.members):
         assert torch.equal(m._hat_pub, dec[i])

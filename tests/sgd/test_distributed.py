@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives.gossip.integrity import SEAL_NBYTES
 from qcomm.compress import QuantSpec, packed_nbytes
 from qcomm.sgd import ASSGD, NonFiniteGradientError, load_checkpoint, save_checkpoint
 from qcomm.testing.multiprocess import run_world
@@ -142,7 +143,7 @@ def test_two_by_two_converges_to_the_known_optimum() -> None:
         assert st["consensus_distance"] < 1e-3 * scale
         assert st["steps"] == st["gossip_rounds"] == steps and st["staleness"] == 1
         # Ring of 2 nodes: one neighbour; the shard of 24 floats pads to one 128-float block.
-        per_round = packed_nbytes(128, QuantSpec(4, 128, "stochastic"))
+        per_round = packed_nbytes(128, QuantSpec(4, 128, "stochastic")) + SEAL_NBYTES
         assert st["bytes_sent"]["inter"] == steps * per_round
     # average_parameters: every rank holds the same bytes.
     assert all((res[0]["avg"] == r["avg"]).all() for r in res)

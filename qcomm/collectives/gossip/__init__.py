@@ -5,7 +5,7 @@ Split as in SGP: :mod:`.graphs` (who talks to whom), :mod:`.mixing` (weights), :
 :mod:`.simulate` (n members in one process, for tests and tuning).
 """
 
-from qcomm.collectives.errors import PeerTimeoutError
+from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError
 
 from .choco import CompressedGossip, consensus_distance, default_gamma
 from .graphs import GRAPHS, adjacency, neighbours
@@ -17,6 +17,8 @@ __all__ = [
     "MIXINGS",
     "CompressedGossip",
     "GossipSimulator",
+    "PeerError",
+    "PeerLostError",
     "PeerTimeoutError",
     "adjacency",
     "consensus_distance",

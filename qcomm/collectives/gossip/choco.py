@@ -95,7 +95,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives.errors import PeerTimeoutError
+from qcomm.collectives.errors import CorruptPayloadError, PeerTimeoutError
 from qcomm.collectives.memory import MemoryGroup
 from qcomm.collectives.primitives import all_reduce, group_size
 from qcomm.collectives.stats import CommStats
@@ -103,6 +103,7 @@ from qcomm.compress import QuantSpec, dequant_accumulate, packed_nbytes, quantiz
 from qcomm.kernels.counter_hash import check_seed
 
 from .graphs import check_graph, neighbours
+from .integrity import SEAL_NBYTES, bad_messages, seal_
 from .mixing import check_mixing, mixing_matrix
 from .transport import GlooTransport, MemoryTransport, RoundHandle, Transport
 
@@ -139,11 +140,13 @@ def round_seed(seed: int, round: int, member: int) -> int:
 
 @dataclass
 class _Round:
-    """A round in flight: row 0 of ``payloads`` is our own message, rows 1.. the neighbours'."""
+    """A round in flight: row 0 of ``payloads`` is our own message, rows 1.. the neighbours'
+    (each a codec payload followed by its seal, :mod:`.integrity`)."""
 
     round: int
-    payloads: torch.Tensor  # uint8 [K + 1, nbytes]
+    payloads: torch.Tensor  # uint8 [K + 1, nbytes + SEAL_NBYTES]
     handle: RoundHandle | None  # None: already received (restored from a state_dict)
+    verified: bool = False
 
 
 def _check_group(group_ranks: object, group: dist.ProcessGroup | None) -> tuple[list[int], int]:
@@ -190,20 +193,27 @@ class CompressedGossip:
         stats: counts the bytes this member sends, level ``"inter"``; None = a private one
             (``self.stats``).
         seed: base seed of stochastic rounding, int in [0, 2**64).
+        fragments: F >= 1 dividing ``numel``: round t carries only fragment ``t % F`` (elements
+            ``[f * numel/F, (f+1) * numel/F)``), so each fragment is gossiped every F rounds
+            and every message has the same length. Staleness counts rounds of any fragment.
+        outer_momentum: mu in [0, 1): Nesterov momentum on the mixing correction
+            (``u = mu * u + c; x += c + mu * u`` with ``c = gamma * (m_i - hat_pub_i)``, one
+            ``u`` per element); 0 (default) is plain CHOCO. The corrections sum to zero over
+            the members, so ``u`` does too and the average stays preserved.
         transport: internal/testing: an in-process :class:`~.transport.Transport`; then
             ``group_ranks`` is ``list(range(n))``, ``group`` is None and not used.
 
-    Buffers (fp32 ``[numel]`` x 3, plus ``staleness + 1`` rounds of uint8
-    ``[degree + 1, packed_nbytes(numel, spec)]``) are created on the first :meth:`step`, on x's
-    device. The constructor runs no collective and no blocking call.
+    Buffers (fp32 ``[numel]`` x 3 (x 4 with momentum), plus ``staleness + 1`` rounds of uint8
+    ``[degree + 1, packed_nbytes(numel / F, spec)]``) are created on the first :meth:`step`, on
+    x's device. The constructor runs no collective and no blocking call.
     """
 
     def __init__(self, group_ranks: list[int], group: dist.ProcessGroup | None, numel: int, *,
                  graph: str = "ring", mixing: str = "uniform",
                  spec: QuantSpec = QuantSpec(4, 128, "stochastic"),  # noqa: B008 (frozen)
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
-                 stats: CommStats | None = None, seed: int = 0,
-                 transport: Transport | None = None) -> None:
+                 stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
+                 outer_momentum: float = 0.0, transport: Transport | None = None) -> None:
         # hyperparameters (checked, then fixed)
         self.graph = check_graph(graph)
         self.mixing = check_mixing(mixing)
@@ -227,6 +237,16 @@ class CompressedGossip:
             raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
         self.seed = check_seed(seed)
+        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 \
+                or numel % fragments:
+            raise ValueError(f"fragments must be an int >= 1 dividing numel={numel}, "
+                             f"got {fragments!r}")
+        self.fragments = fragments
+        self.fragment_numel = numel // fragments
+        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) \
+                or not 0.0 <= outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be a float in [0, 1), got {outer_momentum!r}")
+        self.outer_momentum = float(outer_momentum)
         self.stats = stats if stats is not None else CommStats()
 
         if transport is not None:
@@ -256,7 +276,9 @@ class CompressedGossip:
         elif transport.peers != self.peers:
             raise ValueError(f"transport.peers {transport.peers} != the graph's {self.peers}")
         self.transport = transport
-        self.nbytes = packed_nbytes(numel, spec)
+        self.transport_level = getattr(transport, "level", "inter")
+        self.nbytes = packed_nbytes(self.fragment_numel, spec)
+        self.message_nbytes = self.nbytes + SEAL_NBYTES  # what crosses the link per message
 
         # internal state (buffers lazily, on x's device)
         self.rounds_started = 0
@@ -264,6 +286,7 @@ class CompressedGossip:
         self._hat_own: torch.Tensor | None = None
         self._hat_pub: torch.Tensor | None = None
         self._mix_acc: torch.Tensor | None = None
+        self._momentum: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
         self._in_flight: deque[_Round] = deque()
         self._closed = False
@@ -271,18 +294,27 @@ class CompressedGossip:
     # -----------------------------------------------------------------------------------------
     # the step
 
-    def step(self, x: torch.Tensor) -> None:
+    def step(self, x: torch.Tensor) -> list[int]:
         """One gossip round on ``x`` (float32 ``[numel]``, contiguous, updated in place).
 
-        Starts round t, applies round ``t - staleness`` (waiting for it), mixes. ``x`` is read and
-        written only inside this call, never after it returns.
+        Starts round t (fragment ``t % fragments``), applies round ``t - staleness`` (waiting
+        for it), mixes that round's fragment. ``x`` is read and written only inside this call,
+        never after it returns.
+
+        Returns:
+            The fragments of ``x`` that changed (empty while no round is due yet).
 
         Raises:
             PeerTimeoutError: round ``t - staleness`` did not arrive within ``timeout_s``.
             TypeError, ValueError: ``x`` of the wrong dtype, numel, device or layout.
         """
-        self._begin(x)
-        self._finish(x)
+        self.begin(x)
+        return self.finish(x)
+
+    def fragment(self, index: int) -> slice:
+        """The elements of fragment ``index``."""
+        m = self.fragment_numel
+        return slice(index * m, (index + 1) * m)
 
     def _check_x(self, x: object) -> torch.Tensor:
         if self._closed:
@@ -303,50 +335,114 @@ class CompressedGossip:
     def _ensure_buffers(self, like: torch.Tensor) -> None:
         if self._hat_own is None:
             z = lambda: torch.zeros(self.numel, dtype=torch.float32, device=like.device)
-            self._hat_own, self._hat_pub, self._mix_acc, self._scratch = z(), z(), z(), z()
+            self._hat_own, self._hat_pub, self._mix_acc = z(), z(), z()
+        if self._scratch is None:
+            self._scratch = torch.empty(self.fragment_numel, dtype=torch.float32,
+                                        device=like.device)
+        if self.outer_momentum and self._momentum is None:
+            self._momentum = torch.zeros(self.numel, dtype=torch.float32, device=like.device)
 
-    def _begin(self, x: torch.Tensor) -> None:
-        """Phase 1 of a step: compress ``x - hat_own`` and start its exchange."""
+    def begin(self, x: torch.Tensor) -> None:
+        """Phase 1 of a step: compress fragment ``t % F`` of ``x - hat_own`` and start its
+        exchange (non-blocking). The simulator runs every member's phase 1 before any phase 2,
+        which staleness 0 needs."""
         x = self._check_x(x)
         t = self.rounds_started
         if self.size == 1:  # a lone member: nothing to agree with, nothing sent
             self.rounds_started += 1
             return
         self._ensure_buffers(x)
-        torch.sub(x, self._hat_own, out=self._scratch)
-        payloads = torch.empty(len(self.peers) + 1, self.nbytes, dtype=torch.uint8,
+        frag = self.fragment(t % self.fragments)
+        own = self._hat_own[frag]
+        torch.sub(x[frag], own, out=self._scratch)
+        payloads = torch.empty(len(self.peers) + 1, self.message_nbytes, dtype=torch.uint8,
                                device=x.device)
-        quantize(self._scratch, self.spec, seed=round_seed(self.seed, t, self.member),
-                 out=payloads[0])
-        dequant_accumulate(payloads[0], self._hat_own, self.spec)
+        mine = payloads[0, :self.nbytes]
+        quantize(self._scratch, self.spec, seed=round_seed(self.seed, t, self.member), out=mine)
+        seal_(payloads[0], t, self.member)
+        dequant_accumulate(mine, own, self.spec)
         handle = self.transport.exchange(t, payloads[0], payloads[1:])
         self._in_flight.append(_Round(t, payloads, handle))
         self.rounds_started += 1
 
-    def _finish(self, x: torch.Tensor) -> None:
-        """Phase 2 of a step: apply round ``t - staleness``, then mix into ``x``."""
+    def finish(self, x: torch.Tensor) -> list[int]:
+        """Phase 2 of a step: apply round ``t - staleness``, then mix its fragment into ``x``.
+        Returns the fragments of ``x`` that changed."""
         x = x.view(-1)
         if self.size == 1:
-            return
+            return []
         due = self.rounds_started - 1 - self.staleness
         while self._in_flight and self._in_flight[0].round <= due:
-            self._apply(self._in_flight.popleft())
-        if self.rounds_applied:
-            torch.sub(self._mix_acc, self._hat_pub, out=self._scratch)
-            x.add_(self._scratch, alpha=self.gamma)
+            self._apply(self._in_flight[0])  # raises before changing anything
+            self._in_flight.popleft()
+        if due < 0 or self.rounds_applied <= due:
+            return []
+        f = due % self.fragments
+        frag = self.fragment(f)
+        correction = torch.sub(self._mix_acc[frag], self._hat_pub[frag], out=self._scratch)
+        if self.outer_momentum:
+            # Nesterov: u <- mu u + c; x <- x + c + mu u.
+            u = self._momentum[frag]
+            u.mul_(self.outer_momentum).add_(correction, alpha=self.gamma)
+            x[frag].add_(correction, alpha=self.gamma).add_(u, alpha=self.outer_momentum)
+        else:
+            x[frag].add_(correction, alpha=self.gamma)
+        return [f]
 
-    def _apply(self, r: _Round) -> None:
+    def _receive(self, r: _Round) -> None:
+        """Wait for round ``r`` and verify every neighbour's message; changes nothing else.
+
+        Raises:
+            PeerTimeoutError, PeerLostError: the round did not arrive.
+            CorruptPayloadError: a message failed verification (the round stays in flight,
+                unapplied).
+        """
+        if r.verified:
+            return
         if r.handle is not None:
             r.handle.wait(self.timeout_s)
-        dequant_accumulate(r.payloads[0], self._hat_pub, self.spec)
-        dequant_accumulate(r.payloads, self._mix_acc, self.spec, self._weights)
+            r.handle = None
+        bad = bad_messages(r.payloads[1:], r.round, self.peers, self.fragment_numel, self.spec)
+        if bad:
+            ranks = [self.group_ranks[self.peers[k]] for k, _ in bad]
+            reasons = sorted({why for _, why in bad})
+            raise CorruptPayloadError(f"gossip round {r.round} (rank "
+                                      f"{self.group_ranks[self.member]})", ranks,
+                                      self.transport_level, ", ".join(reasons))
+        r.verified = True
+
+    def verify_next(self) -> bool:
+        """Wait for and verify the rounds the next :meth:`step` will apply, so that a failure
+        surfaces before the caller changes anything of its own (its local update). Returns
+        True when there were such rounds (none with staleness 0: the next step starts that
+        round itself).
+
+        Raises:
+            what :meth:`step` would raise for those rounds, with nothing changed.
+        """
+        due = self.rounds_started - self.staleness
+        checked = False
+        for r in self._in_flight:
+            if r.round > due:
+                break
+            self._receive(r)
+            checked = True
+        return checked
+
+    def _apply(self, r: _Round) -> None:
+        self._receive(r)
+        frag = self.fragment(r.round % self.fragments)
+        body = r.payloads[:, :self.nbytes].contiguous()
+        dequant_accumulate(body[0], self._hat_pub[frag], self.spec)
+        dequant_accumulate(body, self._mix_acc[frag], self.spec, self._weights)
         self.rounds_applied = r.round + 1
 
     def flush(self) -> None:
         """Wait for and apply every round in flight to the public copies (no mixing: x is not
         touched). Call it on every member at the same step, or the public copies differ."""
         while self._in_flight:
-            self._apply(self._in_flight.popleft())
+            self._apply(self._in_flight[0])
+            self._in_flight.popleft()
 
     # -----------------------------------------------------------------------------------------
     # checkpoints
@@ -354,7 +450,9 @@ class CompressedGossip:
     def _config(self) -> dict:
         return {"numel": self.numel, "size": self.size, "member": self.member,
                 "graph": self.graph, "mixing": self.mixing, "staleness": self.staleness,
-                "spec": (self.spec.bits, self.spec.block_size, self.spec.rounding)}
+                "spec": (self.spec.bits, self.spec.block_size, self.spec.rounding),
+                **({"fragments": self.fragments} if self.fragments > 1 else {}),
+                **({"outer_momentum": self.outer_momentum} if self.outer_momentum else {})}
 
     def state_dict(self) -> dict:
         """Internal state, rounds in flight included (waits until their payloads have arrived,
@@ -372,6 +470,7 @@ class CompressedGossip:
         return {"config": self._config(), "gamma": self.gamma, "seed": self.seed,
                 "rounds_started": self.rounds_started, "rounds_applied": self.rounds_applied,
                 "hat_own": self._hat_own, "hat_pub": self._hat_pub, "mix_acc": self._mix_acc,
+                "momentum": self._momentum,
                 "in_flight": [(r.round, r.payloads) for r in self._in_flight]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -392,8 +491,21 @@ class CompressedGossip:
         self.rounds_applied = int(state["rounds_applied"])
         self._hat_own, self._hat_pub = copy(state["hat_own"]), copy(state["hat_pub"])
         self._mix_acc = copy(state["mix_acc"])
-        self._scratch = None if self._hat_own is None else torch.empty_like(self._hat_own)
-        self._in_flight = deque(_Round(int(r), copy(p), None) for r, p in state["in_flight"])
+        self._momentum = copy(state.get("momentum"))
+        self._scratch = None
+        self._in_flight = deque(_Round(int(r), self._sealed(int(r), copy(p)), None)
+                                for r, p in state["in_flight"])
+
+    def _sealed(self, round: int, payloads: torch.Tensor) -> torch.Tensor:
+        """Rounds saved before messages carried seals (qcomm 0.1.0): seal them as received."""
+        if payloads.shape[-1] == self.message_nbytes:
+            return payloads
+        out = torch.zeros(payloads.shape[0], self.message_nbytes, dtype=torch.uint8,
+                          device=payloads.device)
+        out[:, :self.nbytes] = payloads
+        for k, sender in enumerate([self.member, *self.peers]):
+            seal_(out[k], round, sender)
+        return out
 
     def close(self) -> None:
         """Forget rounds in flight and release the transport. Never blocks, also after a
@@ -403,12 +515,14 @@ class CompressedGossip:
         self._closed = True
 
 
-def consensus_distance(x: torch.Tensor, group: dist.ProcessGroup | None) -> float:
+def consensus_distance(x: torch.Tensor, group: dist.ProcessGroup | None, *,
+                       timeout_s: float | None = None) -> float:
     """``sqrt(mean_i ||x_i - mean_j x_j||^2)`` over the members of ``group``; collective.
 
     Args:
         x: this member's float tensor (any shape; same numel on every member).
         group: the process group (None: the default group).
+        timeout_s: how long each of the two all-reduces waits (None: the group's own timeout).
 
     Computed in float64 (two all-reduces) so that distances far below ``|x|`` are still exact
     enough to test convergence to 1e-3 and beyond.
@@ -416,8 +530,8 @@ def consensus_distance(x: torch.Tensor, group: dist.ProcessGroup | None) -> floa
     v = x.detach().reshape(-1).to(torch.float64)
     n = group_size(group)
     mean = v.clone()
-    all_reduce(mean, group)
+    all_reduce(mean, group, timeout_s=timeout_s, operation="consensus distance")
     mean /= n
     sq = torch.sum((v - mean) ** 2).reshape(1)
-    all_reduce(sq, group)
+    all_reduce(sq, group, timeout_s=timeout_s, operation="consensus distance")
     return math.sqrt(float(sq) / n)

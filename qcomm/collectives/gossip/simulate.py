@@ -45,9 +45,9 @@ class GossipSimulator:
         """One step of every member on its ``xs[i]`` (float32 ``[numel]``, updated in place):
         everyone starts the round, then everyone applies and mixes (so staleness 0 works)."""
         for m, x in zip(self.members, xs, strict=True):
-            m._begin(x)
+            m.begin(x)
         for m, x in zip(self.members, xs, strict=True):
-            m._finish(x)
+            m.finish(x)
 
     @staticmethod
     def consensus_distance(xs: list[torch.Tensor]) -> float:

@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives.errors import PeerTimeoutError
+from qcomm.collectives.errors import PeerLostError, PeerTimeoutError
 from qcomm.collectives.stats import CommStats
 
 TAG_MODULUS = 1 << 20
@@ -107,9 +107,9 @@ class _GlooRound(RoundHandle):
         if self._done:
             return
         if self._owner.failed is not None:
-            raise PeerTimeoutError(
+            raise PeerLostError(
                 f"gossip round {self.round}: transport unusable since {self._owner.failed}",
-                timeout_s)
+                self._owner.peer_ranks, self._owner.level)
         deadline = time.monotonic() + timeout_s
         missing: list[int] = []
         first: BaseException | None = None
@@ -126,10 +126,12 @@ class _GlooRound(RoundHandle):
                 first = first or e
         if missing:
             what = f"gossip round {self.round} (rank {self._owner.rank})"
-            if time.monotonic() < deadline:  # failed early: Gloo saw the connection break
-                what += " [connection to a peer lost]"
             self._owner.failed = what
-            raise PeerTimeoutError(what, timeout_s, sorted(missing)) from first
+            level = self._owner.level
+            if time.monotonic() < deadline:  # failed early: Gloo saw the connection break
+                raise PeerLostError(what, missing, level,
+                                    detail=str(first).strip().splitlines()[0][:200]) from first
+            raise PeerTimeoutError(what, timeout_s, missing, level) from first
         self._works = []
         self._done = True
 
@@ -169,8 +171,8 @@ class GlooTransport(Transport):
 
     def exchange(self, round: int, payload: torch.Tensor, recv: torch.Tensor) -> RoundHandle:
         if self.failed is not None:
-            raise PeerTimeoutError(
-                f"gossip round {round}: transport unusable since {self.failed}", 0.0)
+            raise PeerLostError(f"gossip round {round}: transport unusable since {self.failed}",
+                                self.peer_ranks, self.level)
         tag = round % TAG_MODULUS
         works: list[tuple[int, str, dist.Work]] = []
         # group_src/group_dst are member indices in `group`: no global-rank translation needed
@@ -185,12 +187,17 @@ class GlooTransport(Transport):
                 works.append((self.peer_ranks[k], "send",
                               dist.isend(payload, group=self.group, tag=tag, group_dst=p)))
 
-        if self.recv_first:
-            post_recvs()
-            post_sends()
-        else:
-            post_sends()
-            post_recvs()
+        try:
+            if self.recv_first:
+                post_recvs()
+                post_sends()
+            else:
+                post_sends()
+                post_recvs()
+        except RuntimeError as e:  # a connection broke before this round (a peer died)
+            self.failed = f"gossip round {round} (rank {self.rank})"
+            raise PeerLostError(self.failed, self.peer_ranks, self.level,
+                                detail=str(e).strip().splitlines()[0][:200]) from e
         if self.stats is not None and self.peers:
             self.stats.record(self.level, payload.numel() * len(self.peers),
                               messages=len(self.peers))
@@ -281,7 +288,7 @@ class _MemoryRound(RoundHandle):
         if missing:
             ranks = [o.peer_ranks[o.peers.index(p)] for p in missing]
             raise PeerTimeoutError(f"gossip round {self.round} (member {o.member})", timeout_s,
-                                   ranks)
+                                   ranks, o.level)
         for k, p in enumerate(o.peers):
             o.hub.take(self.round, p, self._recv[k])
         self._done = True

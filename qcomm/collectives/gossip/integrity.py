@@ -1,0 +1,105 @@
+"""Sealing and verifying gossip messages: nothing is applied from a message that fails.
+
+A message is the codec payload followed by an 8-byte seal::
+
+    message = payload (uint8 [nbytes], nbytes % 4 == 0) | seal (int64, little-endian)
+    seal    = (sum_i int32(w_i * u_i))  XOR  key(round, sender)
+
+where ``u_i`` are the payload's 32-bit words, ``w_i = 2 i + 1``, each product is taken modulo
+2**32 as a signed int32 (the wrap of int32 multiplication, identical on CPU and GPU) and the sum
+is exact in int64. Every weight is odd, so changing any single word (any bit flip, a scale set
+to 1e30) changes its product modulo 2**32 and with it the sum; several changed words cancel with
+probability about 2**-32. The key ties a message to its round and sender, so a stale
+buffer (a truncated or lost message leaves last round's bytes behind) or a message delivered to
+the wrong round fails too. It detects corruption, not a malicious sender (who can reseal).
+
+Verification of a received message also requires finite scales of plausible size, at most
+:data:`MAX_SCALE` = 2**64 (1.8e19): no trained model's parameter differences approach it, and
+it keeps every sum the decode forms far below float32's overflow at 2**128.
+
+Cost: one multiply and one sum over the payload's words (``bench/checksum.py`` measures it
+against a gossip round of the same size).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qcomm.compress import QuantSpec
+from qcomm.kernels.wire_format import split_payload
+
+__all__ = ["MAX_SCALE", "SEAL_NBYTES", "bad_messages", "seal_"]
+
+SEAL_NBYTES = 8
+MAX_SCALE = 2.0 ** 64  # far above any parameter difference, far below float32's 2**128
+
+_MASK64 = (1 << 64) - 1
+_weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _key(round: int, sender: int) -> int:
+    """A 64-bit key of (round, sender) as a signed int64 value (splitmix64 finalizer)."""
+    z = (round * 0x9E3779B97F4A7C15 + sender * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z - (1 << 64) if z >= 1 << 63 else z
+
+
+def _word_weights(nwords: int, device: torch.device) -> torch.Tensor:
+    w = _weights.get((nwords, device))
+    if w is None:
+        # int32 [nwords]: 1, 3, 5, ... (wrapped modulo 2**32 past 2**31: still odd).
+        w = torch.arange(1, 2 * nwords, 2, dtype=torch.int64, device=device).to(torch.int32)
+        _weights[(nwords, device)] = w
+    return w
+
+
+def _sums(payloads: torch.Tensor) -> torch.Tensor:
+    """int64 ``[K]``: the weighted word sum of each row of ``payloads`` (uint8 ``[K, nbytes]``,
+    rows 4-byte aligned)."""
+    nbytes = payloads.shape[1]
+    if nbytes % 4:
+        raise ValueError(f"payload length must be a multiple of 4, got {nbytes}")
+    products = payloads.view(torch.int32) * _word_weights(nbytes // 4, payloads.device)
+    return products.sum(dim=1)  # integer sums accumulate and return in int64
+
+
+def seal_(message: torch.Tensor, round: int, sender: int) -> None:
+    """Write the seal of ``message[:-8]`` into ``message[-8:]`` (uint8 ``[nbytes + 8]``)."""
+    body = message[:-SEAL_NBYTES].view(1, -1)
+    value = _sums(body) ^ _key(round, sender)
+    # Bytes, not an int64 view: the seal sits at a 4-byte, not 8-byte, aligned offset.
+    message[-SEAL_NBYTES:].copy_(value.view(torch.uint8))
+
+
+def bad_messages(messages: torch.Tensor, round: int, senders: list[int], numel: int,
+                 spec: QuantSpec) -> list[tuple[int, str]]:
+    """Verify received messages (uint8 ``[K, nbytes + 8]``, row k from ``senders[k]``).
+
+    Returns:
+        ``(row, reason)`` for every message that fails: ``"checksum"`` (corrupted, truncated,
+        stale or misrouted), ``"non-finite scale"`` or ``"scale above 2**64"``. Empty when
+        all pass.
+    """
+    if messages.shape[0] == 0:
+        return []
+    body = messages[:, :-SEAL_NBYTES]
+    keys = torch.tensor([_key(round, s) for s in senders], dtype=torch.int64,
+                        device=messages.device)
+    # A fresh copy: the seals sit at 4-byte aligned offsets, an int64 view needs 8.
+    stored = messages[:, -SEAL_NBYTES:].clone(memory_format=torch.contiguous_format)
+    stored = stored.view(torch.int64).reshape(-1)
+    ok_sum = ((_sums(body) ^ keys) == stored).tolist()
+    scales = split_payload(body, numel, spec)[1]
+    finite = torch.isfinite(scales).all(dim=1).tolist()
+    small = (scales.abs() <= MAX_SCALE).all(dim=1).tolist()
+    out = []
+    for k in range(messages.shape[0]):
+        if not ok_sum[k]:
+            out.append((k, "checksum"))
+        elif not finite[k]:
+            out.append((k, "non-finite scale"))
+        elif not small[k]:
+            out.append((k, "scale above 2**64"))
+    return out

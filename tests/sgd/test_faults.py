@@ -1,0 +1,108 @@
+"""Peers that die, hang or exit over Gloo: a named qcomm error on every survivor within the
+timeout plus a margin, a close() that releases without raising, and clean exits that never
+abort."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from qcomm.testing.multiprocess import run_world
+from tests.engine.problems import mlp, mlp_loss
+
+TIMEOUT_S = 3.0
+MARGIN_S = 2.0
+KILL_STEP = 6
+
+
+def _fault_body(rank: int, world: int, ppn: int, victim: int, how: str, directory: str) -> dict:
+    from qcomm.collectives.errors import PeerError
+    from qcomm.sgd import ASSGD
+
+    model = mlp(0)
+    opt = ASSGD(model.parameters(), lr=0.05, momentum=0.9, procs_per_node=ppn,
+                timeout_s=TIMEOUT_S)
+    for step in range(200):
+        if rank == victim and step == KILL_STEP:
+            Path(directory, "fault_time").write_text(json.dumps(time.time()))
+            if how == "kill":
+                os._exit(3)  # no clean-up: the kernel closes the sockets
+            os.kill(os.getpid(), signal.SIGSTOP)  # hung: alive, silent, sockets open
+        time.sleep(0.03)  # compute between steps
+        opt.zero_grad()
+        mlp_loss(model, rank, step).backward()
+        try:
+            opt.step()
+        except PeerError as e:
+            raised_at = time.time()
+            t0 = time.monotonic()
+            opt.close()  # releases, never re-raises the peer's failure
+            return {"type": type(e).__name__, "peers": e.peers, "link": e.link,
+                    "msg": str(e), "at": raised_at, "close_s": time.monotonic() - t0}
+        except Exception as e:  # a raw backend error is a failure of this test
+            return {"type": f"raw {type(e).__name__}", "msg": str(e)}
+    return {"type": None}
+
+
+@pytest.mark.parametrize(("nodes", "ppn", "how"), [
+    (2, 1, "kill"), (3, 1, "kill"), (2, 2, "kill"), (2, 2, "stop"),
+])
+def test_failed_peer_gives_named_error_on_every_survivor(nodes: int, ppn: int, how: str,
+                                                         tmp_path) -> None:
+    world = nodes * ppn
+    victim = world - 1
+    res = run_world(_fault_body, world, args=(ppn, victim, how, str(tmp_path)),
+                    timeout_s=120, pg_timeout_s=60, allow_exit={victim})
+    fault_time = json.loads((tmp_path / "fault_time").read_text())
+    for rank, r in enumerate(res[:victim]):
+        where = f"rank {rank}: {r}"
+        assert r["type"] in ("PeerLostError", "PeerTimeoutError", "PeerError"), where
+        assert r["at"] - fault_time <= TIMEOUT_S + MARGIN_S, where
+        assert r["link"] in ("intra", "inter") and r["peers"], where
+        assert r["close_s"] < 1.0, where
+        if how == "stop" and rank == victim - 1:  # the hung rank's node-mate
+            assert r["type"] == "PeerTimeoutError" and r["peers"] == [victim], where
+            assert r["link"] == "intra", where
+    # Whoever shares a link with the victim names it.
+    named = [r for r in res[:victim] if victim in r["peers"]]
+    assert named, res
+
+
+def _clean_body(rank: int, world: int) -> bool:
+    from qcomm.sgd import ASSGD
+
+    model = mlp(0)
+    opt = ASSGD(model.parameters(), lr=0.05, procs_per_node=1, staleness=2)
+    for step in range(5):
+        opt.zero_grad()
+        mlp_loss(model, rank, step).backward()
+        opt.step()
+    opt.average_parameters()
+    opt.close()
+    return True  # then the harness calls destroy_process_group()
+
+
+def test_clean_runs_never_abort_at_exit() -> None:
+    """30 two-rank runs that end with average_parameters(), close() and
+    destroy_process_group(): every process exits with status 0."""
+    failures: list[str] = []
+
+    def batch(n: int) -> None:
+        for _ in range(n):
+            try:
+                run_world(_clean_body, 2, timeout_s=120, check_exit=True)
+            except Exception as e:  # collected, reported below
+                failures.append(str(e))
+
+    threads = [threading.Thread(target=batch, args=(10,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
