@@ -11,7 +11,9 @@ Quick use::
     dequant_accumulate(received, out, spec)                # out += sum_k D(received[k])
 
 The byte layout, the rounding rules and the scale definitions are in
-:mod:`qcomm.kernels.wire_format`; the random stream of stochastic rounding is in
+:mod:`qcomm.kernels.wire_format`, versioned by :data:`WIRE_FORMAT_VERSION` (2: the four-level
+2-bit code ``{-1, -1/3, 1/3, 1} * absmax``; payloads carry no header, so peers and saved payloads
+must agree on it); the random stream of stochastic rounding is in
 :mod:`qcomm.kernels.counter_hash`. CUDA tensors run the fused Triton kernels
 (:mod:`qcomm.kernels.triton_codec`), CPU tensors run the bit-identical torch reference
 (:mod:`qcomm.kernels.reference`). ``QCOMM_BACKEND=reference|triton`` forces one (``triton`` on CPU
@@ -34,6 +36,7 @@ from qcomm.kernels import reference
 from qcomm.kernels.counter_hash import check_seed
 from qcomm.kernels.wire_format import (
     INPUT_DTYPES,
+    WIRE_FORMAT_VERSION,
     QuantSpec,
     codes_nbytes,
     num_blocks,
@@ -42,6 +45,7 @@ from qcomm.kernels.wire_format import (
 )
 
 __all__ = [
+    "WIRE_FORMAT_VERSION",
     "ErrorFeedback",
     "NonFiniteError",
     "Packed",

@@ -48,8 +48,10 @@ def block_scales(vb: torch.Tensor, n: int, spec: QuantSpec) -> torch.Tensor:
         if vb.shape[0]:
             counts[-1] = n - (vb.shape[0] - 1) * spec.block_size
         return (pairwise_sum_f64(vb.abs()) / counts).to(torch.float32)
-    levels = float(spec.max_level)
     absmax = vb.abs().amax(dim=1)
+    if spec.bits == 2:
+        return absmax  # the top level is absmax itself: nothing to bump or lower
+    levels = float(spec.max_level)
     scale = absmax / levels
     # Round the scale up by one ulp where rounding made scale * L < absmax (mostly subnormal
     # scales, whose relative rounding error is large): the top level then reaches absmax.
@@ -63,7 +65,7 @@ def block_scales(vb: torch.Tensor, n: int, spec: QuantSpec) -> torch.Tensor:
 
 def _levels(vb: torch.Tensor, scale: torch.Tensor, start: int, spec: QuantSpec,
             seed: int) -> torch.Tensor:
-    """float32 [nblocks, block_size] signed levels q (bits >= 2) for blocked values."""
+    """float32 [nblocks, block_size] signed levels q (bits 4 and 8) for blocked values."""
     s = scale[:, None]
     t = torch.where(s == 0, torch.zeros_like(vb), vb / s)
     if spec.rounding == "nearest":
@@ -75,6 +77,32 @@ def _levels(vb: torch.Tensor, scale: torch.Tensor, start: int, spec: QuantSpec,
     # fl(v / scale) can exceed L by an ulp (double rounding of scale and t): clamp, so a
     # code never leaves [0, 2L] and the residual is computed from the level actually sent.
     return q.clamp(-float(spec.max_level), float(spec.max_level))
+
+
+def two_bit_codes(vb: torch.Tensor, scale: torch.Tensor, start: int, spec: QuantSpec,
+                  seed: int) -> torch.Tensor:
+    """float32 [nblocks, block_size] 2-bit codes in {0, 1, 2, 3} of blocked values (wire format,
+    "The 2-bit code"): k = fl(fl(fl(v / scale) * 1.5) + 1.5), then rounded. k lies in [0, 3]
+    exactly (monotone roundings of |v| <= scale), so no clamp; NaN where the block is not
+    finite."""
+    s = scale[:, None]
+    t = torch.where(s == 0, torch.zeros_like(vb), vb / s)
+    k = (t * 1.5) + 1.5  # two roundings, in this order (no fused multiply-add on any backend)
+    if spec.rounding == "nearest":
+        return (k + ROUND_MAGIC) - ROUND_MAGIC
+    fl = torch.floor(k)
+    r = uniform(seed, start, vb.numel(), vb.device).view_as(vb)
+    return fl + (r < (k - fl)).to(torch.float32)
+
+
+def two_bit_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """D(code) for 2-bit codes (any integer or float dtype) [..., nblocks, block_size] with
+    float32 scales [..., nblocks]: -scale, -third, +third, +scale for codes 0..3, where
+    third = fl(scale / 3) per block. NaN scales decode to NaN."""
+    s = scale.unsqueeze(-1)
+    third = s / 3.0
+    mag = torch.where((codes == 0) | (codes == 3), s, third)
+    return torch.where(codes >= 2, mag, -mag)
 
 
 def _pack(codes: torch.Tensor, spec: QuantSpec, nbytes: int) -> torch.Tensor:
@@ -100,14 +128,19 @@ def unpack_codes(codes: torch.Tensor, n: int, spec: QuantSpec) -> torch.Tensor:
 def decode_values(codes: torch.Tensor, scales: torch.Tensor, n: int,
                   spec: QuantSpec) -> torch.Tensor:
     """Decode int32 codes [..., n] with float32 scales [..., nblocks] to float32 [..., n]."""
+    nb = scales.shape[-1]
+    pad = nb * spec.block_size - n
+    if spec.bits == 2:
+        if pad:
+            codes = torch.nn.functional.pad(codes, (0, pad))
+        blocked = two_bit_values(codes.view(*codes.shape[:-1], nb, spec.block_size), scales)
+        return blocked.flatten(-2)[..., :n]
     if spec.bits == 1:
         q = (codes * 2 - 1).to(torch.float32)
     else:
         q = (codes - spec.max_level).to(torch.float32)
     # One float32 product per element, level times its block's scale: broadcast over the
     # blocked view rather than gathering a scale per element (no int64 index tensor).
-    nb = scales.shape[-1]
-    pad = nb * spec.block_size - n
     if pad:
         q = torch.nn.functional.pad(q, (0, pad))
     blocked = q.view(*q.shape[:-1], nb, spec.block_size) * scales.unsqueeze(-1)
@@ -141,6 +174,13 @@ def quantize_into(x: torch.Tensor, spec: QuantSpec, payload: torch.Tensor,
         positive = vb >= 0
         codes = positive.to(torch.uint8)
         decoded = torch.where(positive, scale[:, None], -scale[:, None])
+    elif spec.bits == 2:
+        # NaN scale first, as the kernel: every element of a non-finite block decodes to NaN,
+        # so its residual is NaN on both backends (an Inf scale would give +-Inf residuals).
+        scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
+        c = two_bit_codes(vb, scale, 0, spec, seed)
+        codes = c.to(torch.uint8)
+        decoded = two_bit_values(c, scale)
     else:
         q = _levels(vb, scale, 0, spec, seed)
         codes = (q + spec.max_level).to(torch.uint8)

@@ -105,6 +105,14 @@ def _f32_to_bf16_bits(x):
 
 
 @triton.jit
+def _two_bit_values(codes, scale, third):
+    """D(code) of 2-bit codes [ROWS, B] with their block's scale and third = div_rn(scale, 3),
+    both [ROWS, 1]: -scale, -third, +third, +scale for codes 0..3 (reference.two_bit_values)."""
+    mag = tl.where((codes == 0) | (codes == 3), scale, third)
+    return tl.where(codes >= 2, mag, -mag)
+
+
+@triton.jit
 def _decode_tile(codes_ptr, scales_ptr, byte_limit, block_limit,
                  BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr):
     """Decode one tile: ``codes_ptr`` / ``scales_ptr`` already point at the program's first
@@ -122,11 +130,14 @@ def _decode_tile(codes_ptr, scales_ptr, byte_limit, block_limit,
         shifts = tl.arange(0, PER) * BITS
         codes = (raw[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
         codes = tl.reshape(codes, [ROWS, BLOCK_SIZE])
+    scale = tl.load(scales_ptr + r, mask=r < block_limit, other=0.0)
+    if BITS == 2:
+        third = tl.math.div_rn(scale, tl.full([ROWS], 3.0, tl.float32))
+        return _two_bit_values(codes, scale[:, None], third[:, None])
     if BITS == 1:
         q = (codes * 2 - 1).to(tl.float32)
     else:
         q = (codes - ((1 << (BITS - 1)) - 1)).to(tl.float32)
-    scale = tl.load(scales_ptr + r, mask=r < block_limit, other=0.0)
     return q * scale[:, None]
 
 
@@ -186,6 +197,22 @@ def _quantize_kernel(
         codes = (positive & valid).to(tl.int32)
         # The residual uses the unmarked scale (+-Inf or NaN in bad blocks), as the reference.
         decoded = tl.where(positive, scale[:, None], -scale[:, None])
+    elif BITS == 2:
+        # Four levels {-1, -1/3, 1/3, 1} * absmax (wire format, "The 2-bit code"): the scale is
+        # absmax itself, k = fl(fl(t * 1.5) + 1.5) is the grid position in [0, 3] (exactly, so
+        # no clamp). Non-finite blocks get the NaN scale before decoding, as the reference.
+        scale = tl.where(finite, tl.max(tl.abs(v), axis=1), float("nan"))
+        s = scale[:, None]
+        t = tl.where(s == 0, 0.0, tl.math.div_rn(v, tl.where(s == 0, 1.0, s)))
+        k = t * 1.5 + 1.5  # two roundings: fusion is off
+        q = (k + _ROUND_MAGIC) - _ROUND_MAGIC
+        if STOCHASTIC:
+            fl = tl.where(q > k, q - 1.0, q)  # floor(k), k >= 0
+            rnd = _tile_uniform(base, local, seed_lo, seed_hi)
+            q = fl + (rnd < (k - fl)).to(tl.float32)
+        codes = tl.where(valid, q, 0.0).to(tl.int32)
+        third = tl.math.div_rn(scale, tl.full([ROWS], 3.0, tl.float32))
+        decoded = _two_bit_values(q, s, third[:, None])
     else:
         levels = tl.full([ROWS], LEVEL, tl.float32)
         absmax = tl.max(tl.abs(v), axis=1)
