@@ -98,6 +98,15 @@ def make_composite_quantize(spec: QuantSpec) -> Callable[..., None]:
             positive = vb >= 0
             codes = positive.to(torch.uint8)
             dq = torch.where(positive, scale[:, None], -scale[:, None])
+        elif bits == 2:  # levels {-1, -1/3, 1/3, 1} * absmax, codes 0..3
+            scale = vb.abs().amax(dim=1)
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            k = vb / safe[:, None] * 1.5 + 1.5
+            c = torch.floor(k + torch.rand_like(k)) if stochastic else torch.round(k)
+            codes = c.clamp(0, 3).to(torch.uint8)
+            third = scale / 3
+            table = torch.stack([-scale, -third, third, scale], dim=1)  # [nblocks, 4]
+            dq = table.gather(1, codes.long())
         else:
             scale = vb.abs().amax(dim=1) / levels
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero block -> 0
@@ -134,8 +143,13 @@ def make_composite_accumulate(spec: QuantSpec) -> Callable[..., None]:
         if bits < 8:
             shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=payloads.device)
             codes = ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(k, -1)
-        q = codes.float() * 2 - 1 if bits == 1 else codes.float() - levels
-        d = q.view(k, -1, block) * scales[:, :, None]
+        if bits == 2:  # levels {-1, -1/3, 1/3, 1} * scale
+            s = scales[:, :, None]
+            table = torch.stack([-s, -s / 3, s / 3, s], dim=-1).view(k, -1, 4)
+            d = table.gather(2, codes.long().view(k, -1, block))
+        else:
+            q = codes.float() * 2 - 1 if bits == 1 else codes.float() - levels
+            d = q.view(k, -1, block) * scales[:, :, None]
         out.add_(d.sum(dim=0).view(-1))
 
     return composite_accumulate
@@ -173,7 +187,8 @@ def check_quantize_composite(spec: QuantSpec, x: torch.Tensor, error: torch.Tens
     scale_ref = split_payload(ref_payload, n, spec)[1]
     if not torch.allclose(scale, scale_ref, rtol=1e-4, atol=0.0):
         raise CheckFailed("composite scales differ from the reference's by more than rtol 1e-4")
-    step = scale_ref.repeat_interleave(spec.block_size) * (1 + 1e-4)
+    spacing = 2 / 3 if spec.bits == 2 else 1.0  # of the levels, in units of the scale
+    step = scale_ref.repeat_interleave(spec.block_size) * (spacing * (1 + 1e-4))
     if bool(((d - d_ref).abs() > step).any()):
         raise CheckFailed("composite decodes more than one step away from the reference")
     if spec.rounding == "nearest" or spec.bits == 1:
