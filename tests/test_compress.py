@@ -45,6 +45,7 @@ from qcomm.testing.strategies import (
 )
 
 FMAX = torch.finfo(torch.float32).max
+ONE_THIRD = float(np.float32(1 / 3))  # 0x3EAAAAAB, the 2-bit code's inner level
 # x + error must not overflow in the error-feedback tests (overflow has its own tests).
 EF_KINDS = tuple(k for k in KINDS if k != "huge")
 
@@ -91,21 +92,23 @@ def test_nearest_error_bound(data: st.DataObject) -> None:
 
 def _two_bit_nearest_bound(scale: torch.Tensor) -> torch.Tensor:
     """float64 bound on |D(Q(v)) - v| of the 2-bit code under nearest rounding, per element's
-    block scale s (float32): s/3 + (11/3) u s + 2**-150, u = 2**-24. Derivation (wire_format,
+    block scale s (float32): s/3 + 4 u s + 2**-150, u = 2**-24. Derivation (wire_format,
     "The 2-bit code"): the grid position k = fl(fl(fl(v/s) * 1.5) + 1.5) is within 5u of the
     exact 1.5 v/s + 1.5 (u from the division, 1.5u from the product, 2u from the sum), rounding
     k to the nearest code adds 1/2, and one grid unit is 2s/3 in v: s/3 + (10/3) u s; the inner
-    levels fl(s/3) are off by at most u s/3 (2**-150 when subnormal), the outer ones are s
-    exactly. Evaluating the bound in float64 adds ~2**-52 relative, far below (11/3) u."""
+    levels fl(fl(1/3) s) are off from s/3 by at most (u/2 + u**2/6) s (fl(1/3) = 1/3 + u/6,
+    then one rounding; 2**-150 when subnormal), the outer ones are s exactly: in all
+    s/3 + (23/6 + u/6) u s <= s/3 + 4 u s. Evaluating the bound in float64 adds ~2**-52
+    relative, far below the 1/6 u s to spare."""
     s = scale.to(torch.float64)
-    return s / 3 + (11 / 3) * FP32_EPS * s + 2.0**-150
+    return s / 3 + 4 * FP32_EPS * s + 2.0**-150
 
 
 @given(data=st.data())
 def test_two_bit_nearest_error_bound(data: st.DataObject) -> None:
     """2 bits, nearest: |v - D(Q(v))| <= scale/3 (+ the slack of _two_bit_nearest_bound) per
     element, with scale = the block's absmax read from the payload; and every decoded value
-    is one of the block's four levels -s, -fl(s/3), fl(s/3), s."""
+    is one of the block's four levels -s, -fl(fl(1/3) s), fl(fl(1/3) s), s."""
     spec, x = _specs_and_tensor(data, bits=(2,), rounding=("nearest",))
     n = x.numel()
     p = quantize(x, spec)
@@ -118,7 +121,7 @@ def test_two_bit_nearest_error_bound(data: st.DataObject) -> None:
     i = int(bad.nonzero()[0]) if bool(bad.any()) else -1
     assert i < 0, (f"element {i}: v {v[i].item()!r}, decoded {d[i].item()!r}, scale "
                    f"{s[i].item()!r}, error {err[i].item()!r} > bound {bound[i].item()!r}")
-    third = (s / 3).to(torch.float64)  # fl(s / 3): float32 division, one rounding
+    third = (s * ONE_THIRD).to(torch.float64)  # fl(fl(1/3) * s): one float32 multiply
     on_level = (d.abs() == s.to(torch.float64)) | (d.abs() == third)
     assert bool(on_level.all()), "a decoded value is not one of the four levels"
 
@@ -347,8 +350,8 @@ def test_pack_unpack_bijection(case: tuple[QuantSpec, np.ndarray, np.ndarray]) -
 @given(case=_codes_and_scales())
 def test_dequantize_constructed_payload(case: tuple[QuantSpec, np.ndarray, np.ndarray]) -> None:
     """Public dequantize of a hand-built payload, bit for bit: D(code) = (code - L) * scale
-    (bits 4, 8; one float32 multiply), +-scale (1 bit), and at 2 bits -s, -third, +third, +s
-    for codes 0..3 with third = fl(s / 3) (numpy's float32 division: IEEE, one rounding)."""
+    (bits 4, 8; one float32 multiply), +-scale (1 bit), and at 2 bits level * s for codes 0..3
+    with levels -1, -fl(1/3), fl(1/3), 1 (numpy float32 arithmetic: one rounding)."""
     spec, codes, scales = case
     scales = np.where(np.isfinite(scales), scales, np.float32(1.5)).astype(np.float32)
     n = codes.size
@@ -356,9 +359,8 @@ def test_dequantize_constructed_payload(case: tuple[QuantSpec, np.ndarray, np.nd
     d = dequantize(Packed.from_payload(payload, n, spec))
     s_np = np.repeat(scales, spec.block_size)[:n]
     if spec.bits == 2:
-        third = s_np / np.float32(3)
-        table = np.stack([-s_np, -third, third, s_np]).astype(np.float32)  # [4, n]
-        want = torch.from_numpy(table[codes, np.arange(n)].copy())
+        levels = np.array([-1.0, -ONE_THIRD, ONE_THIRD, 1.0], dtype=np.float32)
+        want = torch.from_numpy((levels[codes] * s_np).astype(np.float32))
     else:
         s = torch.from_numpy(s_np.copy())
         c = torch.from_numpy(codes)
@@ -431,8 +433,8 @@ def test_fp32_range_roundtrip(magnitude: float, bits: int) -> None:
     else:
         absmax = v.abs().reshape(-1)
         half_step = 1 / 3 if bits == 2 else 1 / (2 * spec.max_level)  # relative to absmax
-        # 2 bits: (11/3) u s = 11 u (s/3) of float slack (_two_bit_nearest_bound)
-        tol = magnitude * half_step * (1 + (11 if bits == 2 else 4) * FP32_EPS)
+        # 2 bits: 4 u s = 12 u (s/3) of float slack (_two_bit_nearest_bound)
+        tol = magnitude * half_step * (1 + (12 if bits == 2 else 4) * FP32_EPS)
         assert float((d - v).abs().max()) <= tol + 2**-149
         assert float((d - v).abs().max() / absmax.max()) <= half_step + 1e-6
 

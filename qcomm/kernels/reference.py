@@ -20,6 +20,9 @@ from qcomm.kernels.wire_format import QuantSpec, codes_nbytes, num_blocks, split
 # t + 1.5 * 2**23 - 1.5 * 2**23 rounds float32 t to the nearest integer, ties to even, for
 # |t| < 2**22: the same exact operation on every backend (Triton has no portable rint).
 ROUND_MAGIC = 12582912.0
+# fl(1/3) = 0x3EAAAAAB, the inner level of the 2-bit code; fl(2/3) = 2 * ONE_THIRD exactly.
+ONE_THIRD = 0.3333333432674408
+TWO_THIRDS = 0.6666666865348816
 
 
 def _blocks(v: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -95,14 +98,11 @@ def two_bit_codes(vb: torch.Tensor, scale: torch.Tensor, start: int, spec: Quant
     return fl + (r < (k - fl)).to(torch.float32)
 
 
-def two_bit_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """D(code) for 2-bit codes (any integer or float dtype) [..., nblocks, block_size] with
-    float32 scales [..., nblocks]: -scale, -third, +third, +scale for codes 0..3, where
-    third = fl(scale / 3) per block. NaN scales decode to NaN."""
-    s = scale.unsqueeze(-1)
-    third = s / 3.0
-    mag = torch.where((codes == 0) | (codes == 3), s, third)
-    return torch.where(codes >= 2, mag, -mag)
+def two_bit_levels(codes: torch.Tensor) -> torch.Tensor:
+    """float32 levels -1, -fl(1/3), fl(1/3), 1 of 2-bit codes 0..3 (float32 tensor, any shape):
+    fl((code - 1.5) * fl(2/3)), exact in both operations but the last (1.5 * fl(2/3) rounds
+    to 1)."""
+    return (codes - 1.5) * TWO_THIRDS
 
 
 def _pack(codes: torch.Tensor, spec: QuantSpec, nbytes: int) -> torch.Tensor:
@@ -130,13 +130,10 @@ def decode_values(codes: torch.Tensor, scales: torch.Tensor, n: int,
     """Decode int32 codes [..., n] with float32 scales [..., nblocks] to float32 [..., n]."""
     nb = scales.shape[-1]
     pad = nb * spec.block_size - n
-    if spec.bits == 2:
-        if pad:
-            codes = torch.nn.functional.pad(codes, (0, pad))
-        blocked = two_bit_values(codes.view(*codes.shape[:-1], nb, spec.block_size), scales)
-        return blocked.flatten(-2)[..., :n]
     if spec.bits == 1:
         q = (codes * 2 - 1).to(torch.float32)
+    elif spec.bits == 2:
+        q = two_bit_levels(codes.to(torch.float32))
     else:
         q = (codes - spec.max_level).to(torch.float32)
     # One float32 product per element, level times its block's scale: broadcast over the
@@ -180,7 +177,7 @@ def quantize_into(x: torch.Tensor, spec: QuantSpec, payload: torch.Tensor,
         scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
         c = two_bit_codes(vb, scale, 0, spec, seed)
         codes = c.to(torch.uint8)
-        decoded = two_bit_values(c, scale)
+        decoded = two_bit_levels(c) * scale[:, None]
     else:
         q = _levels(vb, scale, 0, spec, seed)
         codes = (q + spec.max_level).to(torch.uint8)

@@ -53,6 +53,8 @@ TILE_ELEMS = 2048
 # 2**23 + 2**22: adding then subtracting it rounds |t| < 2**22 to the nearest integer, ties to
 # even (same constant as reference.ROUND_MAGIC).
 _ROUND_MAGIC = tl.constexpr(12582912.0)
+# fl(1/3) = 0x3EAAAAAB, the inner level of the 2-bit code (same as reference.ONE_THIRD).
+_ONE_THIRD = tl.constexpr(0.3333333432674408)
 # Quiet NaN bit pattern torch writes for float("nan"); the scale of a non-finite block must be
 # these exact bytes on every device.
 _NAN_F32_BITS = tl.constexpr(0x7FC00000)
@@ -105,11 +107,11 @@ def _f32_to_bf16_bits(x):
 
 
 @triton.jit
-def _two_bit_values(codes, scale, third):
-    """D(code) of 2-bit codes [ROWS, B] with their block's scale and third = div_rn(scale, 3),
-    both [ROWS, 1]: -scale, -third, +third, +scale for codes 0..3 (reference.two_bit_values)."""
-    mag = tl.where((codes == 0) | (codes == 3), scale, third)
-    return tl.where(codes >= 2, mag, -mag)
+def _two_bit_level(codes):
+    """float32 levels -1, -fl(1/3), fl(1/3), 1 of 2-bit codes 0..3 (int or float; the product
+    of +-1 and 1 or fl(1/3) is exact)."""
+    sign = tl.where(codes >= 2, 1.0, -1.0)
+    return sign * tl.where((codes == 0) | (codes == 3), 1.0, _ONE_THIRD)
 
 
 @triton.jit
@@ -130,14 +132,13 @@ def _decode_tile(codes_ptr, scales_ptr, byte_limit, block_limit,
         shifts = tl.arange(0, PER) * BITS
         codes = (raw[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
         codes = tl.reshape(codes, [ROWS, BLOCK_SIZE])
-    scale = tl.load(scales_ptr + r, mask=r < block_limit, other=0.0)
-    if BITS == 2:
-        third = tl.math.div_rn(scale, tl.full([ROWS], 3.0, tl.float32))
-        return _two_bit_values(codes, scale[:, None], third[:, None])
     if BITS == 1:
         q = (codes * 2 - 1).to(tl.float32)
+    elif BITS == 2:
+        q = _two_bit_level(codes)
     else:
         q = (codes - ((1 << (BITS - 1)) - 1)).to(tl.float32)
+    scale = tl.load(scales_ptr + r, mask=r < block_limit, other=0.0)
     return q * scale[:, None]
 
 
@@ -211,8 +212,7 @@ def _quantize_kernel(
             rnd = _tile_uniform(base, local, seed_lo, seed_hi)
             q = fl + (rnd < (k - fl)).to(tl.float32)
         codes = tl.where(valid, q, 0.0).to(tl.int32)
-        third = tl.math.div_rn(scale, tl.full([ROWS], 3.0, tl.float32))
-        decoded = _two_bit_values(q, s, third[:, None])
+        decoded = _two_bit_level(q) * s
     else:
         levels = tl.full([ROWS], LEVEL, tl.float32)
         absmax = tl.max(tl.abs(v), axis=1)

@@ -43,13 +43,16 @@ A symmetric code with levels ``-L..L`` uses three of the four 2-bit codes (terna
 * absmax``); on N(0, 1) in blocks of 128 its relative error under stochastic rounding is 1.12,
 worse than sending nothing. Version 2 of the format uses all four, equally spaced::
 
-    code      0        1         2        3
-    D(code)   -scale   -third    +third   +scale       third = fl(scale / 3), per block
+    code        0     1            2           3
+    level       -1    -fl(1/3)     +fl(1/3)    +1          fl(1/3) = 0x3EAAAAAB = 1/3 + u/6
+    D(code) = fl(level * scale)                            (one float32 multiply, as 4 and 8 bits)
 
 ``scale = absmax`` exactly, so the top level reaches absmax and ``D`` never overflows: the ulp
 bump and the overflow lowering of 4 and 8 bits have nothing to correct and do not apply. The
-encoder places ``v`` on the grid of codes, ``k`` in ``[0, 3]``, in three float32 operations in
-this order (each rounded to nearest even, no fused multiply-add)::
+level of a code is also ``fl((code - 1.5) * fl(2/3))``, exactly (``fl(2/3) = 2 fl(1/3)``, and
+``1.5 * fl(2/3)`` rounds to 1). The encoder places ``v`` on the grid of codes, ``k`` in
+``[0, 3]``, in three float32 operations in this order (each rounded to nearest even, no fused
+multiply-add)::
 
     t = fl(v / scale)        (t = 0 when scale == 0)
     h = fl(t * 1.5)
@@ -59,22 +62,24 @@ Nearest rounding sends ``round_half_even(k)``; stochastic rounding sends
 ``floor(k) + (r < k - floor(k))``, ``r`` as above (``k - floor(k)`` is exact). No clamp is
 needed: IEEE rounding is monotone, so ``|v| <= scale`` gives ``|t| <= 1``, ``|h| <= 1.5`` and
 ``0 <= k <= 3`` (the codes of 4 and 8 bits need theirs because their scale is rounded).
-A block of zeros has ``scale = third = 0`` and decodes to (signed) zeros.
+A block of zeros has ``scale = 0`` and decodes to (signed) zeros.
 
 Error bounds (``u = 2**-24``; ``s = scale``; ``Delta = 2 s / 3`` the spacing of the levels). With
 ``kappa = 1.5 v / s + 1.5``, the exact grid position: ``|t - v/s| <= u`` (``|t| <= 1``), the
 product adds ``<= u |h| <= 1.5 u`` and the sum ``<= ulp(k) / 2 <= 2 u`` (``k < 4``), so
 ``|k - kappa| <= 1.5 u + 1.5 u + 2 u = 5 u``. The affine map ``A(c) = (c - 1.5) Delta`` has
 ``A(kappa) = v`` and ``A(c) = D(c)`` at the outer codes; at the inner ones
-``|third - s/3| <= u s/3`` (``2**-150`` if subnormal). Hence
+``|fl(fl(1/3) s) - s/3| <= (u/6) s + u (1/3 + u/6) s = (u/2 + u**2/6) s`` (plus ``2**-150`` if
+subnormal), i.e. ``(3/4 + u/4) u Delta``. Hence
 
-* nearest: ``|c - kappa| <= 1/2 + 5 u``, so ``|D(c) - v| <= s/3 + (11/3) u s + 2**-150``;
+* nearest: ``|c - kappa| <= 1/2 + 5 u``, so
+  ``|D(c) - v| <= s/3 + (23/6 + u/6) u s + 2**-150 <= s/3 + 4 u s + 2**-150``;
 * stochastic: ``P(c = floor(k) + 1)`` differs from ``k - floor(k)`` by less than ``2**-24``
-  (``r`` is a multiple of it), so ``|E[D(c)] - v| <= Delta (2**-24 + 5.5 u + u**2) + 2**-149``,
-  and each draw is one of the two levels around ``v``:
-  ``|D(c) - v| <= Delta (1 + 5.5 u) + 2**-150``.
+  (``r`` is a multiple of it), so ``|E[D(c)] - v| <= Delta (2**-24 + 6 u) + 2**-149``, and each
+  draw is one of the two levels around ``v``: ``|D(c) - v| <= Delta (1 + 6 u) + 2**-150``.
 
-:mod:`qcomm.testing.properties` checks these bounds (``QcommCodec.level_slack = 5.5``).
+:mod:`qcomm.testing.properties` checks these bounds (``QcommCodec.level_slack = 6``: the
+``5.75 + u/4`` above, rounded up).
 
 Versions
 --------

@@ -93,7 +93,7 @@ def check_error_bound(
         seed: passed to ``quantize``.
         eps: unit roundoff of the codec's arithmetic.
         level_slack: extra slack ``level_slack * eps * Delta`` for a codec whose way to the
-            level rounds more often than the one below (qcomm's 2-bit code: 5.5, derived in
+            level rounds more often than the one below (qcomm's 2-bit code: 6, derived in
             :mod:`qcomm.kernels.wire_format`; :attr:`QcommCodec.level_slack` has it).
 
     Bound and its slack. A codec of this kind computes ``t = fl(v / Delta)``, ``q = rint(t)``,
@@ -448,11 +448,12 @@ class QcommCodec:
 
     @property
     def level_slack(self) -> float:
-        """The ``level_slack`` argument of the checks for this spec: 5.5 for the 2-bit code,
+        """The ``level_slack`` argument of the checks for this spec: 6 for the 2-bit code,
         whose grid position ``k = fl(fl(fl(v / scale) * 1.5) + 1.5)`` rounds three times and
-        whose inner levels ``fl(scale / 3)`` once more (wire format, "The 2-bit code"); 0 for
-        the others (one rounding to ``t = v / scale``, covered by the checks' own slack)."""
-        return 5.5 if self.spec.bits == 2 else 0.0
+        whose inner levels ``fl(fl(1/3) * scale)`` are not exactly a third of the scale (wire
+        format, "The 2-bit code"); 0 for the others (one rounding to ``t = v / scale``, covered
+        by the checks' own slack)."""
+        return 6.0 if self.spec.bits == 2 else 0.0
 
     def step(self, packed) -> torch.Tensor:
         """Packed -> ``[n]``: the spacing of the levels around each element. The block scale

@@ -258,8 +258,8 @@ def _around(x: float, ulps: int) -> torch.Tensor:
 def two_bit_edges() -> torch.Tensor:
     """float32 [2048] (64 blocks of 32): values at and next to every decision point of the 2-bit
     code (grid positions k = 0.5, 1.5, 2.5: exact ties included, since fl(fl(2/3) * 1.5) = 1),
-    at +-absmax, and blocks whose third = fl(s / 3) rounds hard: s = 2**-149 (third 0),
-    3 * 2**-149, other subnormal and FLT_MAX scales."""
+    at +-absmax, and blocks whose inner level fl(fl(1/3) s) rounds hard: s = 2**-149 (inner
+    level 0), 2 * 2**-149 .. 7 * 2**-149, other subnormal and FLT_MAX scales."""
     tiny = 2.0**-149
     parts = []
     for s in (1.0, -3.0, 2.0**-126, 1e30, FLT_MAX):

@@ -138,7 +138,7 @@ def test_two_bit_step_is_two_thirds_of_the_scale() -> None:
     p = c.quantize(_vec(), 0)
     want = p.scales.to(torch.float64).repeat_interleave(BS)[:200] * 2 / 3
     assert torch.equal(c.step(p), want)
-    assert QcommCodec(QuantSpec(4, BS)).level_slack == 0.0 and c.level_slack == 5.5
+    assert QcommCodec(QuantSpec(4, BS)).level_slack == 0.0 and c.level_slack == 6.0
 
 
 @pytest.mark.parametrize("flaw", ["ternary", "inner_half", "floor"])
@@ -149,7 +149,7 @@ def test_two_bit_error_bound_fails(flaw: str) -> None:
     codec = TwoBitCodec(flaw=flaw)
     with pytest.raises(AssertionError, match=r"first element \d+: v="):
         check_error_bound(codec.quantize, codec.dequantize, _vec(), step=codec.step,
-                          level_slack=5.5)
+                          level_slack=6.0)
     if flaw == "ternary":
         check_error_bound(codec.quantize, codec.dequantize, _vec(),
                           step=lambda p: p[1])  # step = scale: bound scale/2, met
@@ -221,7 +221,7 @@ def test_two_bit_unbiased_fails(rounding: str, flaw: str, match: str) -> None:
     codec = TwoBitCodec(rounding, flaw)
     with pytest.raises(AssertionError, match=match):
         check_unbiased(codec.quantize, codec.dequantize, _vec(), step=codec.step,
-                       num_seeds=300, level_slack=5.5)
+                       num_seeds=300, level_slack=6.0)
 
 
 @pytest.mark.parametrize(("rounding", "match"), [
