@@ -135,7 +135,8 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def print_environment(env: dict, file=sys.stdout) -> None:
+def print_environment(env: dict, file=None) -> None:
+    file = sys.stdout if file is None else file  # looked up per call (pytest swaps sys.stdout)
     print("# environment", file=file)
     for key, value in env.items():
         if key == "env":
