@@ -158,18 +158,28 @@ class QuantSpec:
         return self.bits + 8 * SCALE_NBYTES / self.block_size
 
 
+def _check_spec(spec: object) -> QuantSpec:
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"spec must be a QuantSpec, got {type(spec).__name__}")
+    return spec
+
+
 def num_blocks(numel: int, spec: QuantSpec) -> int:
     """Number of scale blocks, ceil(numel / block_size)."""
-    return -(-numel // spec.block_size)
+    return -(-numel // _check_spec(spec).block_size)
 
 
 def codes_nbytes(numel: int, spec: QuantSpec) -> int:
     """Bytes of the packed-codes section, padded to a multiple of 4 (scale alignment)."""
-    return 4 * (-(-numel * spec.bits // 32))
+    return 4 * (-(-numel * _check_spec(spec).bits // 32))
 
 
 def packed_nbytes(numel: int, spec: QuantSpec) -> int:
-    """Exact payload length in bytes for ``numel`` values under ``spec`` (0 for numel 0)."""
+    """Exact payload length in bytes for ``numel`` values under ``spec`` (0 for numel 0).
+
+    Raises:
+        ValueError: ``numel`` is not a non-negative int. TypeError: ``spec`` is not a QuantSpec.
+    """
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel must be a non-negative int, got {numel!r}")
     return codes_nbytes(numel, spec) + SCALE_NBYTES * num_blocks(numel, spec)

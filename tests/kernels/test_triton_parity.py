@@ -438,6 +438,21 @@ def test_compress_backend_triton_matches_reference(spec, dtype, device, monkeypa
         assert_bits_equal(g_, w_, what)
 
 
+def test_compress_triton_overflow_leaves_out_unchanged(device, monkeypatch):
+    """dequant_accumulate's overflow check holds on the Triton backend too: the trial sum runs
+    on a copy of out, and out keeps its bits."""
+    monkeypatch.setenv("QCOMM_BACKEND", "triton")
+    spec = QuantSpec(4, 64)
+    big = compress.quantize(torch.full((300,), FLT_MAX / 1.5, device=device), spec).payload
+    out = torch.randn(300, device=device)
+    before = out.clone()
+    with pytest.raises(compress.AccumulateOverflowError):
+        compress.dequant_accumulate(torch.stack([big, big]), out, spec)
+    assert_bits_equal(out, before, "out after the refused accumulate")
+    compress.dequant_accumulate(torch.stack([big, big]), out, spec, weights=[0.5, 0.25])
+    assert bool(torch.isfinite(out).all())
+
+
 def test_compress_triton_nonfinite_leaves_error_unchanged(device, monkeypatch):
     monkeypatch.setenv("QCOMM_BACKEND", "triton")
     x = torch.randn(300, device=device)
