@@ -65,8 +65,16 @@ def pairwise_sum_f64(a: torch.Tensor) -> torch.Tensor:
     """Sum the last dim (a power of two) in float64 in the fixed tree order the kernels use:
     level by level, element j of the next level is a[2j] + a[2j+1]."""
     a = a.to(torch.float64)
-    while a.shape[-1] > 1:
-        a = a[..., 0::2] + a[..., 1::2]
+    lead, width = a.shape[:-1], a.shape[-1]
+    # The levels alternate between two buffers (the widened input and one of half its size):
+    # no allocation per level.
+    bufs = (a.reshape(-1), torch.empty(a.numel() // 2, dtype=torch.float64, device=a.device))
+    side = 1
+    while width > 1:
+        width //= 2
+        nxt = bufs[side][:a.numel() // a.shape[-1] * width].view(*lead, width)
+        torch.add(a[..., 0::2], a[..., 1::2], out=nxt)
+        a, side = nxt, 1 - side
     return a[..., 0]
 
 
@@ -81,7 +89,7 @@ def block_scales(vb: torch.Tensor, n: int, spec: QuantSpec) -> torch.Tensor:
         counts = torch.full((vb.shape[0],), spec.block_size, dtype=torch.float64, device=vb.device)
         if vb.shape[0]:
             counts[-1] = n - (vb.shape[0] - 1) * spec.block_size
-        return (pairwise_sum_f64(vb.abs()) / counts).to(torch.float32)
+        return (pairwise_sum_f64(vb.to(torch.float64).abs_()) / counts).to(torch.float32)
     absmax = vb.abs().amax(dim=1)
     if spec.bits == 2:
         return absmax  # the top level is absmax itself: nothing to bump or lower
@@ -266,9 +274,10 @@ def _decode_into(packed: torch.Tensor, scales: torch.Tensor, spec: QuantSpec,
 # Elements per pass of the public functions below (a multiple of every block size): big tensors
 # are coded in chunks of whole blocks, so temporaries stay small enough to be reused from the
 # allocator's heap and to stay in cache (whole-tensor float64 temporaries of a 4M-element 1-bit
-# message cost more in page faults than in arithmetic). Chunks change nothing in the result:
+# message cost more in page faults than in arithmetic). 2**19 measured best of 2**17..2**20 at
+# 1M and 4M elements (bench/RESULTS.md). Chunks change nothing in the result:
 # blocks are independent, and each chunk draws the random numbers of its own element indices.
-CHUNK = 1 << 20
+CHUNK = 1 << 19
 
 
 def _chunks(n: int) -> range:
