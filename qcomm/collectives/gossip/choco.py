@@ -54,9 +54,9 @@ distance to reach 1e-3 of its start (``-`` : not within 3000 rounds / diverged):
     8 bits: staleness 0 converges up to gamma 1.0; staleness 1 diverges at 0.8 (0.6: 44 rounds,
             slowing); staleness 2 diverges at 0.5 (0.4: 77 rounds). 4 bits: as 8 bits where
             measured (staleness 0: up to 1.0).
-    2 bits: staleness 0 converges up to 0.6 (236 rounds, slowing; exponential of 8: up to
-            0.5) and diverges at 0.8; staleness 1: up to 0.6 (397), diverges at 0.8;
-            staleness 2: up to 0.4 (228), diverges at 0.5 (all three graphs).
+    2 bits: staleness 0 converges up to 0.6 (240 rounds, slowing; exponential of 8: up to
+            0.5) and diverges at 0.8; staleness 1: up to 0.6 (407), diverges at 0.8;
+            staleness 2: up to 0.4 (227), diverges at 0.5 (all three graphs).
     1 bit:  rounds hardly depend on gamma in 0.05 .. 0.3 (454 .. 526 on the ring of 4 at
             staleness 0): the sign code, not the step, limits the rate.
 
