@@ -275,8 +275,9 @@ def _decode_into(packed: torch.Tensor, scales: torch.Tensor, spec: QuantSpec,
 # are coded in chunks of whole blocks, so temporaries stay small enough to be reused from the
 # allocator's heap and to stay in cache (whole-tensor float64 temporaries of a 4M-element 1-bit
 # message cost more in page faults than in arithmetic). 2**19: of 2**17..2**20, measured at 1M
-# and 4M elements, the one neither slower nor erratic (bench/RESULTS.md). Chunks change nothing in the result:
-# blocks are independent, and each chunk draws the random numbers of its own element indices.
+# and 4M elements, the one neither slower nor erratic (bench/RESULTS.md). Chunks change nothing
+# in the result: blocks are independent, and each chunk draws the random numbers of its own
+# element indices.
 CHUNK = 1 << 19
 
 
