@@ -85,8 +85,29 @@ def _git_commit() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (Linux), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (what ``uptime`` prints), or None."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def environment(device: torch.device) -> dict:
-    """Everything that changes the numbers: versions, device, threads, relevant env vars."""
+    """Everything that changes the numbers: versions, device, threads, relevant env vars, and
+    how busy the machine was at the start (CPU figures on a shared machine depend on it)."""
     try:
         import triton
 
@@ -100,7 +121,9 @@ def environment(device: torch.device) -> dict:
         "cuda_runtime": torch.version.cuda,
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
+        "load_average": load_average(),
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -112,7 +135,8 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def print_environment(env: dict, file=sys.stdout) -> None:
+def print_environment(env: dict, file=None) -> None:
+    file = sys.stdout if file is None else file  # looked up per call (pytest swaps sys.stdout)
     print("# environment", file=file)
     for key, value in env.items():
         if key == "env":

@@ -7,8 +7,11 @@ For every size, bit width and op it times, on one device:
   :func:`qcomm.compress.dequant_accumulate`): the fused Triton kernel on CUDA, the torch
   reference on CPU, plus the API's argument checks and its non-finite check (one host sync).
 * ``kernel``    the backend function the API dispatches to, called directly: the kernel alone.
-* ``reference`` the pure-torch reference codec on the same device (made for bit parity, not
-  speed; on CPU it *is* the kernel row, so it is skipped there).
+* ``reference`` the pure-torch reference codec on the same device (on CPU it *is* the kernel
+  row, so it is skipped there).
+* ``baseline``  another version of the reference, loaded from a file (``--baseline PATH``, e.g.
+  ``git show REV:qcomm/kernels/reference.py > old.py``): before/after in one run, under the same
+  load, and its bytes are checked to be the current reference's.
 * ``eager``     the torch code a user would write for the same math (below).
 * ``compiled``  that code under ``torch.compile`` (default mode; on CUDA with dynamic shapes, one
   compile per op and bit width, which keeps the GPU check within its time budget; on CPU with
@@ -30,6 +33,7 @@ Run ``python bench/kernels.py --help`` for the options; see bench/README.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 import traceback
@@ -60,7 +64,7 @@ from qcomm.kernels import reference
 from qcomm.kernels.wire_format import SUPPORTED_BITS, split_payload
 
 OPS = ("quantize", "accumulate")
-IMPLS = ("qcomm", "kernel", "reference", "eager", "compiled")
+IMPLS = ("qcomm", "kernel", "reference", "baseline", "eager", "compiled")
 OP_LABEL = {"quantize": "quantize+EF", "accumulate": "dequant_acc"}
 GPU_SIZES = "1M,4M,16M,64M,256M"
 CPU_SIZES = "1M,4M,16M"
@@ -98,6 +102,15 @@ def make_composite_quantize(spec: QuantSpec) -> Callable[..., None]:
             positive = vb >= 0
             codes = positive.to(torch.uint8)
             dq = torch.where(positive, scale[:, None], -scale[:, None])
+        elif bits == 2:  # levels {-1, -1/3, 1/3, 1} * absmax, codes 0..3
+            scale = vb.abs().amax(dim=1)
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            k = vb / safe[:, None] * 1.5 + 1.5
+            c = torch.floor(k + torch.rand_like(k)) if stochastic else torch.round(k)
+            codes = c.clamp(0, 3).to(torch.uint8)
+            third = scale / 3
+            table = torch.stack([-scale, -third, third, scale], dim=1)  # [nblocks, 4]
+            dq = table.gather(1, codes.long())
         else:
             scale = vb.abs().amax(dim=1) / levels
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero block -> 0
@@ -134,8 +147,13 @@ def make_composite_accumulate(spec: QuantSpec) -> Callable[..., None]:
         if bits < 8:
             shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=payloads.device)
             codes = ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(k, -1)
-        q = codes.float() * 2 - 1 if bits == 1 else codes.float() - levels
-        d = q.view(k, -1, block) * scales[:, :, None]
+        if bits == 2:  # levels {-1, -1/3, 1/3, 1} * scale
+            s = scales[:, :, None]
+            table = torch.stack([-s, -s / 3, s / 3, s], dim=-1).view(k, -1, 4)
+            d = table.gather(2, codes.long().view(k, -1, block))
+        else:
+            q = codes.float() * 2 - 1 if bits == 1 else codes.float() - levels
+            d = q.view(k, -1, block) * scales[:, :, None]
         out.add_(d.sum(dim=0).view(-1))
 
     return composite_accumulate
@@ -173,7 +191,8 @@ def check_quantize_composite(spec: QuantSpec, x: torch.Tensor, error: torch.Tens
     scale_ref = split_payload(ref_payload, n, spec)[1]
     if not torch.allclose(scale, scale_ref, rtol=1e-4, atol=0.0):
         raise CheckFailed("composite scales differ from the reference's by more than rtol 1e-4")
-    step = scale_ref.repeat_interleave(spec.block_size) * (1 + 1e-4)
+    spacing = 2 / 3 if spec.bits == 2 else 1.0  # of the levels, in units of the scale
+    step = scale_ref.repeat_interleave(spec.block_size) * (spacing * (1 + 1e-4))
     if bool(((d - d_ref).abs() > step).any()):
         raise CheckFailed("composite decodes more than one step away from the reference")
     if spec.rounding == "nearest" or spec.bits == 1:
@@ -232,6 +251,7 @@ class Runner:
         if "compiled" in args.impls:
             configure_dynamo()
         self._compiled: dict[tuple[str, int], Callable[..., None]] = {}
+        self.baseline = load_baseline(args.baseline) if args.baseline else None
 
     @property
     def kernels(self):
@@ -299,8 +319,8 @@ class Runner:
             if impl == "qcomm":
                 return lambda: compress.quantize(x, spec, error=error, error_out=error_out,
                                                  seed=SEED, out=payload)
-            if impl in ("kernel", "reference"):
-                mod = self.kernels if impl == "kernel" else reference
+            if impl in ("kernel", "reference", "baseline"):
+                mod = self._module(impl)
                 return lambda: mod.quantize_into(x, spec, payload, error, error_out, SEED)
             fn = (make_composite_quantize(spec) if impl == "eager"
                   else self.compiled("quantize", spec, n))
@@ -338,8 +358,8 @@ class Runner:
         def make_call(impl: str) -> Callable[[], object]:
             if impl == "qcomm":
                 return lambda: compress.dequant_accumulate(payloads, out, spec)
-            if impl in ("kernel", "reference"):
-                mod = self.kernels if impl == "kernel" else reference
+            if impl in ("kernel", "reference", "baseline"):
+                mod = self._module(impl)
                 return lambda: mod.dequant_accumulate_into(payloads, spec, out, None)
             fn = (make_composite_accumulate(spec) if impl == "eager"
                   else self.compiled("accumulate", spec, n))
@@ -394,10 +414,25 @@ class Runner:
                   f"{_progress(row)}", file=sys.stderr, flush=True)
         return rows
 
+    def _module(self, impl: str):
+        """The codec module an impl row calls: the backend, the reference or the baseline."""
+        return {"kernel": self.kernels, "reference": reference, "baseline": self.baseline}[impl]
+
     def _impl_backend(self, impl: str) -> str:
         if impl in ("qcomm", "kernel"):
             return self.backend
-        return {"reference": "reference", "eager": "torch", "compiled": "inductor"}[impl]
+        return {"reference": "reference", "baseline": "baseline", "eager": "torch",
+                "compiled": "inductor"}[impl]
+
+
+def load_baseline(path: Path):
+    """The module in ``path``: another version of qcomm/kernels/reference.py (same functions)."""
+    spec = importlib.util.spec_from_file_location("qcomm_bench_baseline", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {path}: not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def skipped_row(op: str, bits: int, n: int, impl: str, why: str) -> dict:
@@ -415,13 +450,14 @@ def _progress(row: dict) -> str:
 
 
 def add_ratios(rows: list[dict], copy_gbps: float) -> None:
-    """Fill ``copy_gbps``, ``ratio_copy``, ``vs_eager``, ``vs_compiled`` of one group's rows
-    (speedups are time ratios; all rows of a group move the same logical bytes)."""
+    """Fill ``copy_gbps``, ``ratio_copy``, ``vs_eager``, ``vs_compiled``, ``vs_baseline`` of one
+    group's rows (speedups are time ratios; all rows of a group move the same logical bytes)."""
     by_impl = {r["impl"]: r for r in rows if r["status"] == "ok"}
     for r in rows:
         r["copy_gbps"] = copy_gbps
         r["ratio_copy"] = r["gbps"] / copy_gbps if r["status"] == "ok" else None
-        for impl, key in (("eager", "vs_eager"), ("compiled", "vs_compiled")):
+        for impl, key in (("eager", "vs_eager"), ("compiled", "vs_compiled"),
+                          ("baseline", "vs_baseline")):
             base = by_impl.get(impl)
             r[key] = (base["median_s"] / r["median_s"]
                       if base is not None and r["status"] == "ok" else None)
@@ -457,7 +493,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
 
 
 TABLE_HEADERS = ("op", "bits", "size", "impl", "backend", "ms", "GB/s", "copy GB/s", "%copy",
-                 "x eager", "x compiled", "status")
+                 "x eager", "x compiled", "x baseline", "status")
 
 
 def table_rows(rows: list[dict]) -> list[list[object]]:
@@ -469,7 +505,7 @@ def table_rows(rows: list[dict]) -> list[list[object]]:
             OP_LABEL[r["op"]], r["bits"], r["size"], r["impl"], r["backend"],
             r["median_s"] * 1e3 if ok else None, r["gbps"] if ok else None,
             r.get("copy_gbps"), 100 * r["ratio_copy"] if ok else None,
-            r.get("vs_eager"), r.get("vs_compiled"), status,
+            r.get("vs_eager"), r.get("vs_compiled"), r.get("vs_baseline"), status,
         ])
     return out
 
@@ -482,8 +518,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    f"(default: GPU {GPU_SIZES}; CPU {CPU_SIZES}; --quick {QUICK_SIZES})")
     p.add_argument("--bits", default="1,2,4,8", help="bit widths (default 1,2,4,8)")
     p.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")
-    p.add_argument("--impls", help=f"subset of {','.join(IMPLS)} (default all; --quick leaves "
-                   "out compiled)")
+    p.add_argument("--impls", help=f"subset of {','.join(IMPLS)} (default all but baseline, "
+                   "which --baseline adds; --quick leaves out compiled)")
+    p.add_argument("--baseline", type=Path, metavar="PATH",
+                   help="another version of qcomm/kernels/reference.py to time as the "
+                        "'baseline' row (e.g. git show REV:qcomm/kernels/reference.py > old.py)")
     p.add_argument("--k", type=int, default=4, help="payloads per dequant_accumulate (default 4)")
     p.add_argument("--repeat", type=int, help="timed calls per row (default: CUDA 20, CPU 5)")
     p.add_argument("--warmup", type=int, help="untimed calls first (default: CUDA 3, CPU 1)")
@@ -509,8 +548,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         args.bits = parse_list(args.bits, int, "--bits")
         args.ops = parse_list(args.ops, str, "--ops")
-        args.impls = parse_list(args.impls, str, "--impls") if args.impls else (
-            [i for i in IMPLS if i != "compiled"] if args.quick else list(IMPLS))
+        args.impls = parse_list(args.impls, str, "--impls") if args.impls else [
+            i for i in IMPLS if (i != "compiled" or not args.quick)
+            and (i != "baseline" or args.baseline is not None)]
         if args.sizes is not None:
             args.sizes = parse_list(args.sizes, parse_size, "--sizes")
         QuantSpec(bits=4, block_size=args.block_size)  # validates block_size
@@ -521,6 +561,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         bad = [v for v in values if v not in allowed]
         if bad:
             p.error(f"{name}: {bad} not in {list(allowed)}")
+    if ("baseline" in args.impls) != (args.baseline is not None):
+        p.error("the baseline row needs --baseline PATH, and --baseline needs the row")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     if args.k < 1:
@@ -566,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     env["codec_backend"] = backend_name(device)
     print_environment(env)
     config = {"sizes": args.sizes, "bits": args.bits, "ops": args.ops, "impls": args.impls,
+              "baseline": str(args.baseline) if args.baseline else None,
               "k": args.k, "repeat": args.repeat, "warmup": args.warmup,
               "block_size": args.block_size, "rounding": args.rounding, "quick": args.quick,
               "compile_dynamic": runner_dynamic(args, device),

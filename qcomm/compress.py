@@ -11,7 +11,9 @@ Quick use::
     dequant_accumulate(received, out, spec)                # out += sum_k D(received[k])
 
 The byte layout, the rounding rules and the scale definitions are in
-:mod:`qcomm.kernels.wire_format`; the random stream of stochastic rounding is in
+:mod:`qcomm.kernels.wire_format`, versioned by :data:`WIRE_FORMAT_VERSION` (2: the four-level
+2-bit code ``{-1, -1/3, 1/3, 1} * absmax``; payloads carry no header, so peers and saved payloads
+must agree on it); the random stream of stochastic rounding is in
 :mod:`qcomm.kernels.counter_hash`. CUDA tensors run the fused Triton kernels
 (:mod:`qcomm.kernels.triton_codec`), CPU tensors run the bit-identical torch reference
 (:mod:`qcomm.kernels.reference`). ``QCOMM_BACKEND=reference|triton`` forces one (``triton`` on CPU
@@ -19,11 +21,14 @@ tensors needs ``TRITON_INTERPRET=1``).
 
 Non-finite input never leaks: a block holding NaN or Inf gets a NaN scale inside the kernel (no
 extra pass over the data); :func:`quantize` then raises :class:`NonFiniteError`, returns no
-payload and leaves the error buffer exactly as it was.
+payload and leaves the error buffer exactly as it was. :func:`dequant_accumulate` refuses
+payloads with non-finite scales (:class:`NonFiniteError`) and finite ones whose weighted sum
+would overflow float32 (:class:`AccumulateOverflowError`), before ``out`` is touched.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +39,7 @@ from qcomm.kernels import reference
 from qcomm.kernels.counter_hash import check_seed
 from qcomm.kernels.wire_format import (
     INPUT_DTYPES,
+    WIRE_FORMAT_VERSION,
     QuantSpec,
     codes_nbytes,
     num_blocks,
@@ -42,6 +48,8 @@ from qcomm.kernels.wire_format import (
 )
 
 __all__ = [
+    "WIRE_FORMAT_VERSION",
+    "AccumulateOverflowError",
     "ErrorFeedback",
     "NonFiniteError",
     "Packed",
@@ -56,6 +64,11 @@ __all__ = [
 ]
 
 BACKENDS = ("reference", "triton")
+# |level| of the largest code of each width, valid or not (2**(bits-1) for 4 and 8 bits: the
+# unused top code decodes to L + 1), so the overflow bound of dequant_accumulate holds for any
+# payload.
+_MAX_ABS_LEVEL = {1: 1, 2: 1, 4: 8, 8: 128}
+_FLT32_MAX = torch.finfo(torch.float32).max
 
 
 class NonFiniteError(FloatingPointError):
@@ -70,6 +83,18 @@ class NonFiniteError(FloatingPointError):
         super().__init__(message)
         self.argument = argument
         self.blocks = blocks
+
+
+class AccumulateOverflowError(NonFiniteError, OverflowError):
+    """:func:`dequant_accumulate` would have written Inf or NaN into ``out`` although every
+    scale and weight is finite: the decoded payloads times the weights (plus ``out``) exceed
+    float32's range. Nothing was written.
+
+    Attributes:
+        argument: ``"payloads"``.
+        blocks: indices of the blocks of ``out`` (``block_size`` elements each) that would have
+            become non-finite.
+    """
 
 
 @dataclass(frozen=True)
@@ -92,6 +117,9 @@ class Packed:
 
     def __post_init__(self) -> None:
         _check_payload_tensor(self.payload, "payload", self.numel, self.spec, ndim=1)
+        if any(d < 0 for d in self.shape) or math.prod(self.shape) != self.numel:
+            raise ValueError(f"shape must have numel {self.numel} (the payload's), got "
+                             f"{tuple(self.shape)}")
 
     @property
     def nbytes(self) -> int:
@@ -106,7 +134,8 @@ class Packed:
     def from_payload(cls, payload: torch.Tensor, numel: int, spec: QuantSpec,
                      shape: Sequence[int] | None = None,
                      dtype: torch.dtype = torch.float32) -> Packed:
-        """Wrap a received payload (uint8 ``[packed_nbytes(numel, spec)]``)."""
+        """Wrap a received payload (uint8 ``[packed_nbytes(numel, spec)]``); ``shape`` (default
+        ``(numel,)``) must have ``numel`` elements (ValueError otherwise)."""
         return cls(payload, numel, spec, torch.Size(shape if shape is not None else (numel,)),
                    dtype)
 
@@ -348,6 +377,14 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
 
     Raises:
         NonFiniteError: a payload carries a non-finite scale; ``out`` is unchanged.
+        AccumulateOverflowError: finite scales and weights whose sum would overflow float32
+            (Inf or NaN in ``out``); ``out`` is unchanged. Checked cheaply: the scales and
+            weights bound ``|sum_k weights[k] * D(payloads[k])|`` per element (largest level
+            times largest scale, per payload); only when that bound exceeds float32's range is
+            the sum computed into a copy of ``out`` and checked before ``out`` is written, so a
+            sum that could overflow but does not is no error. ``out``'s own magnitude is not
+            in the bound: an ``out`` already within one decoded term of the float32 limit can
+            still overflow.
     """
     spec = _check_spec(spec)
     out = _check_float_tensor(out, "out", (torch.float32,))
@@ -367,10 +404,40 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
                              f"got {w.numel()}")
         if not bool(torch.isfinite(w).all()):
             raise ValueError(f"weights must be finite, got {w.tolist()}")
-    _raise_if_nonfinite(split_payload(payloads, out.numel(), spec)[1], "payloads", "carry")
-    if k:
-        _kernels(out.device).dequant_accumulate_into(payloads, spec, out.view(-1), w)
+    if k == 0 or out.numel() == 0:
+        return out
+    scales = split_payload(payloads, out.numel(), spec)[1]
+    bound = _accumulate_bound(scales, w, spec)  # one host sync, as the finite check alone
+    if not math.isfinite(bound):
+        _raise_if_nonfinite(scales, "payloads", "carry")
+    kernels = _kernels(out.device)
+    # (the float32 sums and products may round up by (k + 3) ulps over the float64 bound)
+    if bound * (1 + (k + 3) * 2.0**-24) <= _FLT32_MAX:
+        kernels.dequant_accumulate_into(payloads, spec, out.view(-1), w)
+        return out
+    trial = out.reshape(-1).clone()  # might overflow: compute aside, write only if finite
+    kernels.dequant_accumulate_into(payloads, spec, trial, w)
+    bad = ~torch.isfinite(trial)
+    if bool(bad.any()):
+        blocks = torch.unique(bad.nonzero().flatten() // spec.block_size).tolist()
+        raise AccumulateOverflowError(
+            f"payloads times weights would overflow float32 in out: {len(blocks)} block(s), "
+            f"first block {blocks[0]} (the decoded sum can reach {bound:.3g}, float32 holds "
+            f"{_FLT32_MAX:.3g}); nothing was written", "payloads", blocks)
+    out.view(-1).copy_(trial)
     return out
+
+
+
+def _accumulate_bound(scales: torch.Tensor, weights: torch.Tensor | None,
+                      spec: QuantSpec) -> float:
+    """Upper bound on ``|sum_k w_k D(payload_k)|`` per element from the scales (float32
+    ``[K, nblocks]``) and weights: ``sum_k |w_k| * max|level| * max|scale_k|``, in float64;
+    NaN or Inf when a scale is not finite."""
+    smax = scales.abs().amax(dim=-1).to(torch.float64)  # [K]; NaN and Inf propagate
+    if weights is not None:
+        smax = smax * weights.abs().to(torch.float64)
+    return float(smax.sum()) * _MAX_ABS_LEVEL[spec.bits]
 
 
 class ErrorFeedback:

@@ -45,6 +45,7 @@ from qcomm.testing.strategies import (
 )
 
 FMAX = torch.finfo(torch.float32).max
+ONE_THIRD = float(np.float32(1 / 3))  # 0x3EAAAAAB, the 2-bit code's inner level
 # x + error must not overflow in the error-feedback tests (overflow has its own tests).
 EF_KINDS = tuple(k for k in KINDS if k != "huge")
 
@@ -80,19 +81,80 @@ def _np_pack(codes: np.ndarray, scales: np.ndarray, spec: QuantSpec) -> np.ndarr
 
 @given(data=st.data())
 def test_nearest_error_bound(data: st.DataObject) -> None:
-    """bits >= 2, nearest: |D(Q(v)) - v| <= scale/2 + eps*(|v|+|d|) + 2**-149 per element,
-    with the scale read from the payload (slack derived in check_error_bound)."""
+    """bits >= 2, nearest: |D(Q(v)) - v| <= step/2 + eps*(|v|+|d|) + 2**-149 per element,
+    with the step (the level spacing: scale, or 2 * scale / 3 at 2 bits) read from the payload
+    (slack derived in check_error_bound; the 2-bit code's extra roundings in level_slack)."""
     spec, x = _specs_and_tensor(data, bits=(2, 4, 8), rounding=("nearest",))
     codec = QcommCodec(spec)
-    check_error_bound(codec.quantize, codec.dequantize, x, step=codec.step)
+    check_error_bound(codec.quantize, codec.dequantize, x, step=codec.step,
+                      level_slack=codec.level_slack)
+
+
+def _two_bit_nearest_bound(scale: torch.Tensor) -> torch.Tensor:
+    """float64 bound on |D(Q(v)) - v| of the 2-bit code under nearest rounding, per element's
+    block scale s (float32): s/3 + 4 u s + 2**-150, u = 2**-24. Derivation (wire_format,
+    "The 2-bit code"): the grid position k = fl(fl(fl(v/s) * 1.5) + 1.5) is within 5u of the
+    exact 1.5 v/s + 1.5 (u from the division, 1.5u from the product, 2u from the sum), rounding
+    k to the nearest code adds 1/2, and one grid unit is 2s/3 in v: s/3 + (10/3) u s; the inner
+    levels fl(fl(1/3) s) are off from s/3 by at most (u/2 + u**2/6) s (fl(1/3) = 1/3 + u/6,
+    then one rounding; 2**-150 when subnormal), the outer ones are s exactly: in all
+    s/3 + (23/6 + u/6) u s <= s/3 + 4 u s. Evaluating the bound in float64 adds ~2**-52
+    relative, far below the 1/6 u s to spare."""
+    s = scale.to(torch.float64)
+    return s / 3 + 4 * FP32_EPS * s + 2.0**-150
+
+
+@given(data=st.data())
+def test_two_bit_nearest_error_bound(data: st.DataObject) -> None:
+    """2 bits, nearest: |v - D(Q(v))| <= scale/3 (+ the slack of _two_bit_nearest_bound) per
+    element, with scale = the block's absmax read from the payload; and every decoded value
+    is one of the block's four levels -s, -fl(fl(1/3) s), fl(fl(1/3) s), s."""
+    spec, x = _specs_and_tensor(data, bits=(2,), rounding=("nearest",))
+    n = x.numel()
+    p = quantize(x, spec)
+    d = dequantize(p, dtype=torch.float32).reshape(-1).to(torch.float64)
+    s = p.scales.repeat_interleave(spec.block_size)[:n]
+    v = x.to(torch.float32).to(torch.float64)
+    err = (d - v).abs()
+    bound = _two_bit_nearest_bound(s)
+    bad = ~(err <= bound)
+    i = int(bad.nonzero()[0]) if bool(bad.any()) else -1
+    assert i < 0, (f"element {i}: v {v[i].item()!r}, decoded {d[i].item()!r}, scale "
+                   f"{s[i].item()!r}, error {err[i].item()!r} > bound {bound[i].item()!r}")
+    third = (s * ONE_THIRD).to(torch.float64)  # fl(fl(1/3) * s): one float32 multiply
+    on_level = (d.abs() == s.to(torch.float64)) | (d.abs() == third)
+    assert bool(on_level.all()), "a decoded value is not one of the four levels"
+
+
+@given(data=st.data())
+def test_two_bit_scales_and_codes(data: st.DataObject) -> None:
+    """2 bits: scale = the block's absmax exactly (no bump, no lowering: the top level is absmax
+    and decodes finite even at FLT_MAX); codes 0 and 3 at -absmax and +absmax; padding codes and
+    alignment bytes 0."""
+    spec, x = _specs_and_tensor(data, bits=(2,))
+    n = x.numel()
+    p = quantize(x, spec, seed=data.draw(seeds(), label="seed"))
+    v = x.to(torch.float32)
+    nb = num_blocks(n, spec)
+    pad = torch.zeros(nb * spec.block_size - n)
+    absmax = torch.cat([v.abs(), pad]).view(nb, spec.block_size).amax(1) if n else pad[:0]
+    assert torch.equal(p.scales.view(torch.int32), absmax.view(torch.int32))
+    codes, _ = split_payload(p.payload, n, spec)
+    stream = reference.unpack_codes(codes, codes.numel() * 8 // spec.bits, spec)
+    s = absmax.repeat_interleave(spec.block_size)[:n]
+    top = (v.abs() == s) & (s > 0)
+    want = torch.where(v > 0, 3, 0).to(stream.dtype)
+    assert torch.equal(stream[:n][top], want[top]), "+-absmax must take the outer codes"
+    assert not bool(stream[n:].any()), "padding codes / alignment bytes must be 0"
+    assert bool(torch.isfinite(dequantize(p)).all())
 
 
 @given(data=st.data())
 def test_scales_follow_wire_format(data: st.DataObject) -> None:
-    """bits >= 2: scale = fl(absmax / L), raised one ulp exactly when fl(scale * L) < absmax,
+    """bits 4 and 8: scale = fl(absmax / L), raised one ulp exactly when fl(scale * L) < absmax,
     lowered one ulp when fl(scale * L) overflows; 0 for an all-zero block; codes in [0, 2L];
     padding codes and alignment bytes are 0."""
-    spec, x = _specs_and_tensor(data, bits=(2, 4, 8))
+    spec, x = _specs_and_tensor(data, bits=(4, 8))
     n = x.numel()
     p = quantize(x, spec, seed=data.draw(seeds(), label="seed"))
     v = x.to(torch.float32)
@@ -210,21 +272,26 @@ def test_stochastic_unbiased_and_variance(bits: int, dtype: torch.dtype) -> None
     spec = QuantSpec(bits, 32, "stochastic")
     codec = QcommCodec(spec)
     check_unbiased(codec.quantize, codec.dequantize, _stat_vector(256, dtype), step=codec.step,
-                   num_seeds=400, alpha=1e-6)
+                   num_seeds=400, alpha=1e-6, level_slack=codec.level_slack)
 
 
 @given(spec=quant_specs(rounding=("stochastic",)), seed=seeds(), other=seeds())
 def test_seed_determinism(spec: QuantSpec, seed: int, other: int) -> None:
     """Same seed -> same bytes; different seeds -> different bytes. The tensor has 256 elements
-    with fractional levels t - floor(t) in [1/4, 3/4] (bits >= 2), so two independent streams
-    agree on all of them with probability <= (3/4)**256 < 1e-31; 1-bit is deterministic."""
+    whose grid positions (t = v / scale, or k = 1.5 v / scale + 1.5 at 2 bits) have fractional
+    parts in [1/4, 3/4] (bits >= 2), so two independent streams agree on all of them with
+    probability <= (3/4)**256 < 1e-31; 1-bit is deterministic."""
     assume(seed != other)
     n = 256
-    levels = max(spec.max_level, 1)
     frac = 0.25 + 0.5 * torch.rand(n, generator=torch.Generator().manual_seed(7))
-    k = torch.randint(-levels, levels, (n,), generator=torch.Generator().manual_seed(8))
-    x = (k + frac) / levels  # t = x * L = k + frac in (-L, L)
-    x[:: spec.block_size] = 1.0  # absmax 1 per block: scale = 1/L, t = x * L
+    if spec.bits == 2:  # k = j + frac, j in {0, 1, 2}: v = (k - 1.5) / 1.5 in (-1, 1)
+        j = torch.randint(0, 3, (n,), generator=torch.Generator().manual_seed(8))
+        x = (j + frac - 1.5) / 1.5
+    else:
+        levels = max(spec.max_level, 1)
+        k = torch.randint(-levels, levels, (n,), generator=torch.Generator().manual_seed(8))
+        x = (k + frac) / levels  # t = x * L = k + frac in (-L, L)
+    x[:: spec.block_size] = 1.0  # absmax 1 per block: scale = 1/L (2 bits: 1)
     a = quantize(x, spec, seed=seed).payload
     assert torch.equal(a, quantize(x, spec, seed=seed).payload)
     b = quantize(x, spec, seed=other).payload
@@ -282,17 +349,23 @@ def test_pack_unpack_bijection(case: tuple[QuantSpec, np.ndarray, np.ndarray]) -
 
 @given(case=_codes_and_scales())
 def test_dequantize_constructed_payload(case: tuple[QuantSpec, np.ndarray, np.ndarray]) -> None:
-    """Public dequantize of a hand-built payload: D(code) = (code - L) * scale (bits >= 2),
-    +-scale (1 bit), bit for bit (one float32 multiply, the documented decode)."""
+    """Public dequantize of a hand-built payload, bit for bit: D(code) = (code - L) * scale
+    (bits 4, 8; one float32 multiply), +-scale (1 bit), and at 2 bits level * s for codes 0..3
+    with levels -1, -fl(1/3), fl(1/3), 1 (numpy float32 arithmetic: one rounding)."""
     spec, codes, scales = case
     scales = np.where(np.isfinite(scales), scales, np.float32(1.5)).astype(np.float32)
     n = codes.size
     payload = torch.from_numpy(_np_pack(codes, scales, spec))
     d = dequantize(Packed.from_payload(payload, n, spec))
-    s = torch.from_numpy(scales).repeat_interleave(spec.block_size)[:n]
-    c = torch.from_numpy(codes)
-    q = (2 * c - 1) if spec.bits == 1 else (c - spec.max_level)
-    want = q.to(torch.float32) * s
+    s_np = np.repeat(scales, spec.block_size)[:n]
+    if spec.bits == 2:
+        levels = np.array([-1.0, -ONE_THIRD, ONE_THIRD, 1.0], dtype=np.float32)
+        want = torch.from_numpy((levels[codes] * s_np).astype(np.float32))
+    else:
+        s = torch.from_numpy(s_np.copy())
+        c = torch.from_numpy(codes)
+        q = (2 * c - 1) if spec.bits == 1 else (c - spec.max_level)
+        want = q.to(torch.float32) * s
     assert torch.equal(d.view(torch.int32), want.view(torch.int32))
 
 
@@ -344,7 +417,8 @@ def test_dequant_accumulate_one_dimensional_payload() -> None:
 def test_fp32_range_roundtrip(magnitude: float, bits: int) -> None:
     """Tensors of 1e-30 and 1e30 (and near float32's extremes) keep their magnitude: scales
     neither underflow to 0 nor overflow to inf, and the relative error is that of the levels:
-    |d - v| <= absmax / (2L) (+ a few ulps) at bits >= 2; 1 bit, constant |v|: d == v."""
+    |d - v| <= half the level spacing, absmax / (2L) at bits 4 and 8 and absmax / 3 at 2 bits
+    (+ a few ulps); 1 bit, constant |v|: d == v."""
     spec = QuantSpec(bits, 64)
     g = torch.Generator().manual_seed(5)
     sign = torch.where(torch.rand(300, generator=g) < 0.5, -1.0, 1.0)
@@ -358,9 +432,11 @@ def test_fp32_range_roundtrip(magnitude: float, bits: int) -> None:
         assert torch.equal(d, v)
     else:
         absmax = v.abs().reshape(-1)
-        tol = magnitude / (2 * spec.max_level) * (1 + 4 * FP32_EPS)
+        half_step = 1 / 3 if bits == 2 else 1 / (2 * spec.max_level)  # relative to absmax
+        # 2 bits: 4 u s = 12 u (s/3) of float slack (_two_bit_nearest_bound)
+        tol = magnitude * half_step * (1 + (12 if bits == 2 else 4) * FP32_EPS)
         assert float((d - v).abs().max()) <= tol + 2**-149
-        assert float((d - v).abs().max() / absmax.max()) <= 1 / (2 * spec.max_level) + 1e-6
+        assert float((d - v).abs().max() / absmax.max()) <= half_step + 1e-6
 
 
 @pytest.mark.parametrize("spec", [QuantSpec(b, 32, r) for b in (1, 2, 4, 8)

@@ -9,16 +9,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qcomm.compress import (
+    AccumulateOverflowError,
     ErrorFeedback,
     NonFiniteError,
     Packed,
     QuantSpec,
     backend_name,
+    codes_nbytes,
     dequant_accumulate,
     dequantize,
+    num_blocks,
     packed_nbytes,
     quantize,
 )
+from qcomm.kernels.wire_format import split_payload
 from qcomm.testing.strategies import adversarial_tensors, lengths, quant_specs
 
 SPEC = QuantSpec(4, 32)
@@ -293,3 +297,88 @@ def test_nonfinite_payload_scale(bad: float, k_bad: int) -> None:
     assert info.value.argument == "payloads"
     assert info.value.blocks == [k_bad * 3 + 1]
     assert torch.equal(_bits(out), before)
+
+
+# ---------------------------------------------------------------------------------------------
+# small gaps: shape of a received payload, spec of the size helpers, overflow in accumulate
+
+
+def test_from_payload_shape_must_match_numel() -> None:
+    """A shape whose numel is not the payload's numel would make dequantize write a tensor of
+    the wrong size: ValueError naming shape."""
+    p = quantize(torch.randn(12), SPEC)
+    for shape in ((3, 5), (13,), (-3, -4), (0, 12)):
+        with pytest.raises(ValueError, match="shape"):
+            Packed.from_payload(p.payload, 12, SPEC, shape=shape)
+    assert dequantize(Packed.from_payload(p.payload, 12, SPEC, shape=(3, 4))).shape == (3, 4)
+    assert Packed.from_payload(p.payload, 12, SPEC).shape == (12,)
+    one = quantize(torch.randn(1), SPEC)
+    assert dequantize(Packed.from_payload(one.payload, 1, SPEC, shape=())).shape == ()
+    empty = quantize(torch.randn(0), SPEC)
+    assert Packed.from_payload(empty.payload, 0, SPEC, shape=(0, 5)).shape == (0, 5)
+
+
+@pytest.mark.parametrize("helper", [packed_nbytes, codes_nbytes, num_blocks])
+def test_size_helpers_need_a_spec(helper) -> None:
+    with pytest.raises(TypeError, match="spec"):
+        helper(10, None)
+    with pytest.raises(TypeError, match="spec"):
+        helper(10, {"bits": 4})
+
+
+def _payload_with(scale: float, code: int, spec: QuantSpec, n: int = 64) -> torch.Tensor:
+    """A hand-made payload: every code ``code``, every scale ``scale``."""
+    p = quantize(torch.zeros(n), spec).payload.clone()
+    codes, scales = split_payload(p, n, spec)
+    per = 8 // spec.bits
+    byte = sum(code << (i * spec.bits) for i in range(per))
+    codes.fill_(byte)
+    scales.fill_(scale)
+    return p
+
+
+@pytest.mark.parametrize(("case", "weights"), [
+    ("huge_weight", [3e38]),
+    ("huge_scale", None),
+    ("sum_of_two", None),
+    ("weighted_sum", [1.0, 0.75]),
+])
+def test_dequant_accumulate_overflow_raises_and_leaves_out(case: str, weights) -> None:
+    """Finite scales and weights whose decoded sum overflows float32: AccumulateOverflowError
+    (an OverflowError and a NonFiniteError) naming the blocks of out that would have become
+    Inf or NaN, with out bitwise unchanged."""
+    spec = QuantSpec(4, 32)
+    n = 64
+    if case == "huge_weight":
+        payloads = quantize(torch.randn(n, generator=torch.Generator().manual_seed(0)) * 3,
+                            spec).payload.unsqueeze(0)
+    elif case == "huge_scale":
+        payloads = _payload_with(FMAX / 2, 14, spec).unsqueeze(0)  # level 7 * FLT_MAX / 2
+    else:
+        big = quantize(torch.full((n,), FMAX / 1.5), spec).payload
+        payloads = torch.stack([big, big])
+    out = torch.randn(n)
+    before = _bits(out)
+    with pytest.raises(AccumulateOverflowError) as info:
+        dequant_accumulate(payloads, out, spec, weights=weights)
+    assert isinstance(info.value, OverflowError) and isinstance(info.value, NonFiniteError)
+    assert info.value.argument == "payloads" and info.value.blocks
+    assert "overflow" in str(info.value)
+    assert torch.equal(_bits(out), before)
+
+
+def test_dequant_accumulate_near_the_limit_is_not_an_error() -> None:
+    """Sums that only might overflow (by the cheap bound) but do not are computed as usual:
+    an 8-bit FLT_MAX block into zeros, and two huge payloads of opposite signs."""
+    spec = QuantSpec(8, 32)
+    top = quantize(torch.full((32,), FMAX), spec)
+    out = torch.zeros(32)
+    dequant_accumulate(top.payload, out, spec)
+    assert torch.equal(out, dequantize(top)) and bool(torch.isfinite(out).all())
+    spec4 = QuantSpec(4, 32)
+    plus = quantize(torch.full((32,), FMAX / 1.5), spec4).payload
+    minus = quantize(torch.full((32,), -FMAX / 1.5), spec4).payload
+    out = torch.ones(32)
+    dequant_accumulate(torch.stack([plus, minus]), out, spec4)
+    d = dequantize(Packed.from_payload(plus, 32, spec4))
+    assert torch.equal(out, (torch.ones(32) + d) - d)

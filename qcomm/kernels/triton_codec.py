@@ -53,6 +53,8 @@ TILE_ELEMS = 2048
 # 2**23 + 2**22: adding then subtracting it rounds |t| < 2**22 to the nearest integer, ties to
 # even (same constant as reference.ROUND_MAGIC).
 _ROUND_MAGIC = tl.constexpr(12582912.0)
+# fl(1/3) = 0x3EAAAAAB, the inner level of the 2-bit code (same as reference.ONE_THIRD).
+_ONE_THIRD = tl.constexpr(0.3333333432674408)
 # Quiet NaN bit pattern torch writes for float("nan"); the scale of a non-finite block must be
 # these exact bytes on every device.
 _NAN_F32_BITS = tl.constexpr(0x7FC00000)
@@ -105,6 +107,14 @@ def _f32_to_bf16_bits(x):
 
 
 @triton.jit
+def _two_bit_level(codes):
+    """float32 levels -1, -fl(1/3), fl(1/3), 1 of 2-bit codes 0..3 (int or float; the product
+    of +-1 and 1 or fl(1/3) is exact)."""
+    sign = tl.where(codes >= 2, 1.0, -1.0)
+    return sign * tl.where((codes == 0) | (codes == 3), 1.0, _ONE_THIRD)
+
+
+@triton.jit
 def _decode_tile(codes_ptr, scales_ptr, byte_limit, block_limit,
                  BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr):
     """Decode one tile: ``codes_ptr`` / ``scales_ptr`` already point at the program's first
@@ -124,6 +134,8 @@ def _decode_tile(codes_ptr, scales_ptr, byte_limit, block_limit,
         codes = tl.reshape(codes, [ROWS, BLOCK_SIZE])
     if BITS == 1:
         q = (codes * 2 - 1).to(tl.float32)
+    elif BITS == 2:
+        q = _two_bit_level(codes)
     else:
         q = (codes - ((1 << (BITS - 1)) - 1)).to(tl.float32)
     scale = tl.load(scales_ptr + r, mask=r < block_limit, other=0.0)
@@ -186,6 +198,21 @@ def _quantize_kernel(
         codes = (positive & valid).to(tl.int32)
         # The residual uses the unmarked scale (+-Inf or NaN in bad blocks), as the reference.
         decoded = tl.where(positive, scale[:, None], -scale[:, None])
+    elif BITS == 2:
+        # Four levels {-1, -1/3, 1/3, 1} * absmax (wire format, "The 2-bit code"): the scale is
+        # absmax itself, k = fl(fl(t * 1.5) + 1.5) is the grid position in [0, 3] (exactly, so
+        # no clamp). Non-finite blocks get the NaN scale before decoding, as the reference.
+        scale = tl.where(finite, tl.max(tl.abs(v), axis=1), float("nan"))
+        s = scale[:, None]
+        t = tl.where(s == 0, 0.0, tl.math.div_rn(v, tl.where(s == 0, 1.0, s)))
+        k = t * 1.5 + 1.5  # two roundings: fusion is off
+        q = (k + _ROUND_MAGIC) - _ROUND_MAGIC
+        if STOCHASTIC:
+            fl = tl.where(q > k, q - 1.0, q)  # floor(k), k >= 0
+            rnd = _tile_uniform(base, local, seed_lo, seed_hi)
+            q = fl + (rnd < (k - fl)).to(tl.float32)
+        codes = tl.where(valid, q, 0.0).to(tl.int32)
+        decoded = _two_bit_level(q) * s
     else:
         levels = tl.full([ROWS], LEVEL, tl.float32)
         absmax = tl.max(tl.abs(v), axis=1)

@@ -81,15 +81,20 @@ def check_error_bound(
     step: Callable[[Payload], torch.Tensor],
     seed: int = 0,
     eps: float = FP32_EPS,
+    level_slack: float = 0.0,
 ) -> None:
     """Round to nearest: ``|D(Q(v)) - v| <= Delta / 2`` per element, up to float rounding.
 
     Args:
         quantize, dequantize, step: the codec (see the module docstring); ``step`` gives each
-            element's quantization step Delta (the block scale) as the decoder uses it.
+            element's quantization step Delta (the spacing of the levels around it; the block
+            scale for a code of integer multiples of the scale) as the decoder uses it.
         v: float32/float16/bfloat16 ``[n]`` (any shape, flattened), finite.
         seed: passed to ``quantize``.
         eps: unit roundoff of the codec's arithmetic.
+        level_slack: extra slack ``level_slack * eps * Delta`` for a codec whose way to the
+            level rounds more often than the one below (qcomm's 2-bit code: 6, derived in
+            :mod:`qcomm.kernels.wire_format`; :attr:`QcommCodec.level_slack` has it).
 
     Bound and its slack. A codec of this kind computes ``t = fl(v / Delta)``, ``q = rint(t)``,
     ``d = fl(q * Delta)``. Then ``|q - t| <= 1/2`` and ``|t - v/Delta| <= eps |v / Delta|`` (if
@@ -110,8 +115,10 @@ def check_error_bound(
     if not bool(torch.isfinite(v64).all()):
         raise AssertionError("v must be finite for check_error_bound")
     err = (d - v64).abs()  # exact enough: float64 difference of two float32 values
-    bound = delta / 2 + eps * (v64.abs() + d.abs()) + FP32_SUBNORMAL_ABS
-    _fail_first(~(err <= bound), "|D(Q(v)) - v| <= step/2 + eps*(|v|+|d|) + 2**-149",
+    bound = (delta / 2 + eps * (v64.abs() + d.abs()) + level_slack * eps * delta
+             + FP32_SUBNORMAL_ABS)
+    _fail_first(~(err <= bound),
+                "|D(Q(v)) - v| <= step/2 + eps*(|v|+|d|) + level_slack*eps*step + 2**-149",
                 v=v64, decoded=d, step=delta, error=err, bound=bound)
 
 
@@ -130,6 +137,7 @@ def check_unbiased(
     alpha: float = 1e-6,
     check_variance: bool = True,
     eps: float = FP32_EPS,
+    level_slack: float = 0.0,
 ) -> None:
     """Stochastic rounding: ``E[D(Q(v))] = v`` per element, and (QSGD, Alistarh et al. 2017,
     Lemma 3.1, per coordinate) ``E[(D(Q(v)) - v)**2] <= Delta**2 / 4``.
@@ -146,6 +154,8 @@ def check_unbiased(
         alpha: false-failure probability of the whole check, split evenly over its tests.
         check_variance: also test the per-coordinate second moment against Delta**2 / 4.
         eps: unit roundoff of the codec's arithmetic.
+        level_slack: as in :func:`check_error_bound`; widens the support slack ``s`` and the
+            bias allowance ``b`` below by ``level_slack * eps * Delta`` each.
 
     The math. Per element, a correct codec decodes to one of the two levels around ``v``,
     ``floor(v/Delta) Delta`` or the next one, with probability making the mean ``v``. So every
@@ -198,7 +208,7 @@ def check_unbiased(
                                  f"{float(dk[i])!r} at seed {seed}")
         diff = d - v64
         # Support: both levels around v lie within Delta (+ float slack) of v.
-        slack = eps * (v64.abs() + d.abs()) + FP32_SUBNORMAL_ABS
+        slack = eps * (v64.abs() + d.abs()) + level_slack * eps * dk + FP32_SUBNORMAL_ABS
         _fail_first(~(diff.abs() <= dk + slack),
                     f"support: |D(Q(v)) - v| <= step + slack (seed {seed})",
                     v=v64, decoded=d, step=dk)
@@ -213,9 +223,11 @@ def check_unbiased(
     if m == 0:
         return
     big_n = float(num_seeds)
-    slack = eps * (v64.abs() + max_abs_d) + FP32_SUBNORMAL_ABS
+    extra = level_slack * eps * delta
+    slack = eps * (v64.abs() + max_abs_d) + extra + FP32_SUBNORMAL_ABS
     width = delta + 2 * slack  # R
-    bias = delta * (2.0**-24 + eps) + eps * (2 * v64.abs() + delta) + FP32_SUBNORMAL_ABS  # b
+    bias = (delta * (2.0**-24 + eps) + eps * (2 * v64.abs() + delta) + extra
+            + FP32_SUBNORMAL_ABS)  # b
     mean_err = total / big_n
     a_each = alpha / 3
 
@@ -434,10 +446,24 @@ class QcommCodec:
 
         return dequantize(packed, dtype=torch.float32).reshape(-1)
 
+    @property
+    def level_slack(self) -> float:
+        """The ``level_slack`` argument of the checks for this spec: 6 for the 2-bit code,
+        whose grid position ``k = fl(fl(fl(v / scale) * 1.5) + 1.5)`` rounds three times and
+        whose inner levels ``fl(fl(1/3) * scale)`` are not exactly a third of the scale (wire
+        format, "The 2-bit code"); 0 for the others (one rounding to ``t = v / scale``, covered
+        by the checks' own slack)."""
+        return 6.0 if self.spec.bits == 2 else 0.0
+
     def step(self, packed) -> torch.Tensor:
-        """Packed -> float32 ``[n]``: the scale of each element's block."""
+        """Packed -> ``[n]``: the spacing of the levels around each element. The block scale
+        (float32) for bits 1, 4, 8; for 2 bits, whose levels are ``{-1, -1/3, 1/3, 1} * scale``,
+        ``2 * scale / 3`` in float64 (relative error 2**-53, far below the checks' slack)."""
         bs = self.spec.block_size
-        return packed.scales.repeat_interleave(bs)[: packed.numel]
+        scales = packed.scales
+        if self.spec.bits == 2:
+            scales = scales.to(torch.float64) * 2 / 3
+        return scales.repeat_interleave(bs)[: packed.numel]
 
     def pack(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """int codes ``[n]`` in ``[0, 2**bits)``, float32 scales ``[nblocks]`` -> payload."""

@@ -102,6 +102,35 @@ def test_broken_kernel_and_failed_compile_are_reported(tmp_path: Path, monkeypat
     assert "no compiler here" in rows["compiled"]["error"]
 
 
+def test_baseline_rows_are_timed_and_checked(tmp_path: Path, capsys) -> None:
+    """--baseline PATH times another version of the reference side by side (x baseline = its
+    time / a row's time), and holds it to the current reference's bytes like the kernel row."""
+    bench = _load_bench()
+    good = tmp_path / "old_reference.py"
+    good.write_text((REPO / "qcomm" / "kernels" / "reference.py").read_text())
+    broken = tmp_path / "broken_reference.py"
+    broken.write_text(good.read_text() + "\n\n_orig = quantize_into\n\n"
+                      "def quantize_into(x, spec, payload, *args):\n"
+                      "    _orig(x, spec, payload, *args)\n"
+                      "    payload[0] ^= 1\n")
+    for path, rc_want in ((good, 0), (broken, 1)):
+        out = tmp_path / f"{path.stem}.json"
+        rc = bench.main(["--device", "cpu", "--sizes", "4K", "--bits", "4", "--ops", "quantize",
+                         "--impls", "kernel,baseline", "--baseline", str(path), "--repeat", "1",
+                         "--warmup", "0", "--json", str(out)])
+        assert "x baseline" in capsys.readouterr().out
+        assert rc == rc_want
+        rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+        if rc_want == 0:
+            assert rows["baseline"]["status"] == "ok" and rows["baseline"]["verified"]
+            assert rows["kernel"]["vs_baseline"] == pytest.approx(
+                rows["baseline"]["median_s"] / rows["kernel"]["median_s"])
+        else:
+            assert "payload differs" in rows["baseline"]["error"]
+    with pytest.raises(SystemExit):  # the row without the file
+        bench.parse_args(["--impls", "baseline"])
+
+
 def test_targets_pass_and_fail() -> None:
     bench = _load_bench()
     n = 64 << 20

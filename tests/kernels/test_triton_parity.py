@@ -249,6 +249,49 @@ def test_flt_max_block_matches_reference(bits, device):
     run_quantize(QuantSpec(bits, 64), x, "out", None, 0, device)
 
 
+def _around(x: float, ulps: int) -> torch.Tensor:
+    """float32 [2 * ulps + 1]: x and its ``ulps`` float32 neighbours on each side."""
+    bits = torch.tensor([x], dtype=torch.float32).view(torch.int32)
+    return (bits + torch.arange(-ulps, ulps + 1, dtype=torch.int32)).view(torch.float32)
+
+
+def two_bit_edges() -> torch.Tensor:
+    """float32 [2048] (64 blocks of 32): values at and next to every decision point of the 2-bit
+    code (grid positions k = 0.5, 1.5, 2.5: exact ties included, since fl(fl(2/3) * 1.5) = 1),
+    at +-absmax, and blocks whose inner level fl(fl(1/3) s) rounds hard: s = 2**-149 (inner
+    level 0), 2 * 2**-149 .. 7 * 2**-149, other subnormal and FLT_MAX scales."""
+    tiny = 2.0**-149
+    parts = []
+    for s in (1.0, -3.0, 2.0**-126, 1e30, FLT_MAX):
+        for point in (2 / 3, 0.0, -2 / 3):
+            block = torch.cat([_around(point * s, 15) if point else
+                               torch.tensor([0.0, -0.0] + [tiny * k for k in range(1, 30)]),
+                               torch.tensor([s])])
+            parts.append(block[:32])
+    for s_units in (1, 2, 3, 4, 5, 6, 7, 1000):  # subnormal scales: v in multiples of 2**-149
+        vals = torch.arange(-s_units, s_units + 1, dtype=torch.float64)[:31] * tiny
+        parts.append(torch.cat([vals.to(torch.float32), torch.tensor([s_units * tiny])]))
+    x = torch.cat([torch.nn.functional.pad(p, (0, 32 - p.numel())) for p in parts])
+    return torch.nn.functional.pad(x, (0, 2048 - x.numel()))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("seed", [0, 2**64 - 1])
+def test_two_bit_grid_edges_match_reference(rounding, seed, device):
+    """The 2-bit code at its decision points, ties, outer levels and hard scales: the same
+    bytes and residuals on both backends, and the same decoded values."""
+    x = two_bit_edges()
+    spec = QuantSpec(2, 32, rounding)
+    run_quantize(spec, x, "in_out", x.flip(0) * 0.0, seed, device)
+    payload = torch.empty(packed_nbytes(x.numel(), spec), dtype=torch.uint8)
+    reference.quantize_into(x, spec, payload, None, None, seed)
+    got = torch.empty(x.numel(), device=device)
+    triton_codec.dequantize_into(payload.to(device), spec, got)
+    want = torch.empty(x.numel())
+    reference.dequantize_into(payload, spec, want)
+    assert_bits_equal(got, want, "dequantize of the 2-bit edge payload")
+
+
 # log2 |v| of a 32-element block (None: 0) whose fp64 sum |v| ends within rounding of an fp32
 # midpoint: the pairwise tree, the strided tree (a[j] + a[j + W/2]) and a left-to-right sum
 # each give a different float32 mean (found by search), so a kernel summing in another order
@@ -393,6 +436,21 @@ def test_compress_backend_triton_matches_reference(spec, dtype, device, monkeypa
     for g_, w_, what in zip(got[1:], want[1:], ["error", "dequantize", "dequant_accumulate"],
                             strict=True):
         assert_bits_equal(g_, w_, what)
+
+
+def test_compress_triton_overflow_leaves_out_unchanged(device, monkeypatch):
+    """dequant_accumulate's overflow check holds on the Triton backend too: the trial sum runs
+    on a copy of out, and out keeps its bits."""
+    monkeypatch.setenv("QCOMM_BACKEND", "triton")
+    spec = QuantSpec(4, 64)
+    big = compress.quantize(torch.full((300,), FLT_MAX / 1.5, device=device), spec).payload
+    out = torch.randn(300, device=device)
+    before = out.clone()
+    with pytest.raises(compress.AccumulateOverflowError):
+        compress.dequant_accumulate(torch.stack([big, big]), out, spec)
+    assert_bits_equal(out, before, "out after the refused accumulate")
+    compress.dequant_accumulate(torch.stack([big, big]), out, spec, weights=[0.5, 0.25])
+    assert bool(torch.isfinite(out).all())
 
 
 def test_compress_triton_nonfinite_leaves_error_unchanged(device, monkeypatch):

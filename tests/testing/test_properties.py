@@ -72,6 +72,46 @@ class ToyCodec:
         return payload, e_new
 
 
+class TwoBitCodec:
+    """A 2-bit absmax codec with levels {-1, -1/3, 1/3, 1} * s (s = block absmax) in float64,
+    and flawed variants of it. Payload: (decoded float64 [n], scale float64 [n]).
+
+    Flaws: "ternary" (the old symmetric code, levels {-1, 0, 1} * s), "inner_half" (inner
+    levels decoded at +-s/2 but chosen as if at +-s/3), "floor" (rounds the grid position
+    down), "biased" (stochastic, rounds up with 0.9 times the right probability)."""
+
+    def __init__(self, rounding: str = "nearest", flaw: str = "") -> None:
+        self.rounding = rounding
+        self.flaw = flaw
+
+    def quantize(self, v: torch.Tensor, seed: int):
+        v = v.to(torch.float64).reshape(-1)
+        n = v.numel()
+        pad = torch.nn.functional.pad(v, (0, -n % BS)).view(-1, BS)
+        s = pad.abs().amax(1).repeat_interleave(BS)[:n]
+        r = torch.rand(v.shape, generator=torch.Generator().manual_seed(seed), dtype=v.dtype)
+        top = 2 if self.flaw == "ternary" else 3  # grid codes 0..top
+        k = torch.where(s == 0, torch.zeros_like(v), v / torch.where(s == 0, 1.0, s))
+        k = (k + 1) * top / 2
+        frac = k - torch.floor(k)
+        if self.flaw == "floor":
+            c = torch.floor(k)
+        elif self.rounding == "nearest":
+            c = torch.round(k)
+        else:
+            c = torch.floor(k) + (r < (0.9 if self.flaw == "biased" else 1) * frac).to(v.dtype)
+        level = c * 2 / top - 1  # in [-1, 1]
+        if self.flaw == "inner_half":
+            level = torch.where(level.abs() < 1, level * 1.5, level)
+        return level * s, s
+
+    def dequantize(self, payload) -> torch.Tensor:
+        return payload[0]
+
+    def step(self, payload) -> torch.Tensor:
+        return payload[1] * 2 / 3  # the spacing of the four levels
+
+
 def _vec(n: int = 200, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, generator=g) * torch.logspace(-3, 3, n)
@@ -84,9 +124,52 @@ def _vec(n: int = 200, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_error_bound_passes(bits: int) -> None:
     c = QcommCodec(QuantSpec(bits, BS))
-    check_error_bound(c.quantize, c.dequantize, _vec(), step=c.step)
+    check_error_bound(c.quantize, c.dequantize, _vec(), step=c.step, level_slack=c.level_slack)
     toy = ToyCodec()
     check_error_bound(toy.quantize, toy.dequantize, _vec(), step=toy.step)
+    two = TwoBitCodec()
+    check_error_bound(two.quantize, two.dequantize, _vec(), step=two.step)
+
+
+def test_two_bit_step_is_two_thirds_of_the_scale() -> None:
+    """QcommCodec's 2-bit step is the level spacing 2 * scale / 3, so the bound is scale / 3
+    (not scale / 2, which the old ternary code met)."""
+    c = QcommCodec(QuantSpec(2, BS))
+    p = c.quantize(_vec(), 0)
+    want = p.scales.to(torch.float64).repeat_interleave(BS)[:200] * 2 / 3
+    assert torch.equal(c.step(p), want)
+    assert QcommCodec(QuantSpec(4, BS)).level_slack == 0.0 and c.level_slack == 6.0
+
+
+@pytest.mark.parametrize("flaw", ["ternary", "inner_half", "floor"])
+def test_two_bit_error_bound_fails(flaw: str) -> None:
+    """With the 2-bit step (bound scale/3), the ternary code (error up to scale/2), inner levels
+    at +-scale/2 (error up to scale/2 at v = 0) and floor rounding (up to 2 scale/3) fail.
+    The ternary code passes a bound of scale/2: the step, not the slack, makes it fail."""
+    codec = TwoBitCodec(flaw=flaw)
+    with pytest.raises(AssertionError, match=r"first element \d+: v="):
+        check_error_bound(codec.quantize, codec.dequantize, _vec(), step=codec.step,
+                          level_slack=6.0)
+    if flaw == "ternary":
+        check_error_bound(codec.quantize, codec.dequantize, _vec(),
+                          step=lambda p: p[1])  # step = scale: bound scale/2, met
+
+
+def test_two_bit_qcomm_codec_fails_when_broken() -> None:
+    """qcomm's own 2-bit payloads decoded with the inner levels at +-scale/2 (a decoder that
+    takes the code for a uniform grid over [-s, s] in halves) fail the error bound."""
+    c = QcommCodec(QuantSpec(2, BS))
+    v = _vec()
+    v[::BS] = 0.0  # v = 0 takes an inner level: off by scale/2 - scale/3 = scale/6 more
+
+    def wrong_inner(p):
+        d = c.dequantize(p).clone()
+        s = p.scales.repeat_interleave(BS)[: p.numel]
+        return torch.where(d.abs() < s, d * 1.5, d)
+
+    check_error_bound(c.quantize, c.dequantize, v, step=c.step, level_slack=c.level_slack)
+    with pytest.raises(AssertionError, match="level_slack"):
+        check_error_bound(c.quantize, wrong_inner, v, step=c.step, level_slack=c.level_slack)
 
 
 @pytest.mark.parametrize("codec", [ToyCodec("floor"), ToyCodec("stochastic"), ToyCodec(levels=8)],
@@ -122,7 +205,23 @@ def test_unbiased_passes() -> None:
     toy = ToyCodec("stochastic")
     check_unbiased(toy.quantize, toy.dequantize, _vec(), step=toy.step, num_seeds=300)
     c = QcommCodec(QuantSpec(2, BS, "stochastic"))
-    check_unbiased(c.quantize, c.dequantize, _vec(), step=c.step, num_seeds=300)
+    check_unbiased(c.quantize, c.dequantize, _vec(), step=c.step, num_seeds=300,
+                   level_slack=c.level_slack)
+    two = TwoBitCodec("stochastic")
+    check_unbiased(two.quantize, two.dequantize, _vec(), step=two.step, num_seeds=300)
+
+
+@pytest.mark.parametrize(("rounding", "flaw", "match"), [
+    ("nearest", "", "unbiased"),          # bias up to the step / 2: per element
+    ("stochastic", "biased", "pooled"),   # 0.1 * frac * step: seen pooled
+    ("stochastic", "inner_half", "support"),  # inner levels s apart: more than 2s/3
+    ("stochastic", "ternary", "support"),     # neighbours s apart
+])
+def test_two_bit_unbiased_fails(rounding: str, flaw: str, match: str) -> None:
+    codec = TwoBitCodec(rounding, flaw)
+    with pytest.raises(AssertionError, match=match):
+        check_unbiased(codec.quantize, codec.dequantize, _vec(), step=codec.step,
+                       num_seeds=300, level_slack=6.0)
 
 
 @pytest.mark.parametrize(("rounding", "match"), [

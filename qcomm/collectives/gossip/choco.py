@@ -47,21 +47,22 @@ distance to reach 1e-3 of its start (``-`` : not within 3000 rounds / diverged):
     bits  staleness 0               staleness 1               staleness 2
     8     0.5   17 /  15 /  62      0.3   23 /  20 /  99      0.2   32 /  28 / 147
     4     0.4   22 /  20 /  78      0.3   23 /  20 /  99      0.2   32 /  29 / 147
-    2     0.05 231 / 478 / 642      0.05 193 / 175 / 636      0.04 237 / 215 / 792
+    2     0.3   33 /  33 / 105      0.3   29 /  29 /  99      0.2   35 /  33 / 147
     1     0.1  492 / 464 / 434      0.05 574 / 488 / 628      0.05 550 / 485 / 624
 
     where the grid (ring of 4) stops converging:
     8 bits: staleness 0 converges up to gamma 1.0; staleness 1 diverges at 0.8 (0.6: 44 rounds,
             slowing); staleness 2 diverges at 0.5 (0.4: 77 rounds). 4 bits: as 8 bits where
             measured (staleness 0: up to 1.0).
-    2 bits: staleness 0: 0.1 does not reach 1e-3 in 600 rounds, 0.15 diverges (exponential of
-            8: 0.1 diverges); staleness 1: 0.1 converges (120), 0.3 diverges.
+    2 bits: staleness 0 converges up to 0.6 (240 rounds, slowing; exponential of 8: up to
+            0.5) and diverges at 0.8; staleness 1: up to 0.6 (407), diverges at 0.8;
+            staleness 2: up to 0.4 (227), diverges at 0.5 (all three graphs).
     1 bit:  rounds hardly depend on gamma in 0.05 .. 0.3 (454 .. 526 on the ring of 4 at
             staleness 0): the sign code, not the step, limits the rate.
 
-2 bits is far worse than DESIGN.md's simulation suggested (there: gamma <= 0.3 converges): the
-codec's 2-bit code is ternary absmax {-1, 0, 1} * max|v| with stochastic rounding, whose variance
-is about |v| * max|v|, larger than |v|^2. Prefer 4 bits. Gamma is validated to (0, 1] only;
+2 bits converges about as fast as 4 bits since the codec's 2-bit code uses all four levels
+{-1, -1/3, 1/3, 1} * max|v| (wire format version 2; the ternary code of version 1 needed gamma
+0.05 and hundreds of rounds). Gamma is validated to (0, 1] only;
 larger values within it are not refused, since divergence depends on the graph and the data
 (the table is evidence, not proof).
 
@@ -113,7 +114,7 @@ __all__ = ["CompressedGossip", "PeerTimeoutError", "consensus_distance", "defaul
 _DEFAULT_GAMMA: dict[tuple[int, int], float] = {
     (8, 0): 0.5, (8, 1): 0.3, (8, 2): 0.2,
     (4, 0): 0.4, (4, 1): 0.3, (4, 2): 0.2,
-    (2, 0): 0.05, (2, 1): 0.05, (2, 2): 0.04,
+    (2, 0): 0.3, (2, 1): 0.3, (2, 2): 0.2,
     (1, 0): 0.1, (1, 1): 0.05, (1, 2): 0.05,
 }
 
