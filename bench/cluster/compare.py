@@ -302,11 +302,14 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             "t->target s [min-max]", "final", "inter B/step (iface)", "(qcomm|formula)", "diff",
             "diff -hdr", "comm %")
     lines = []
+    notes: dict[int, str] = {}  # row -> status, printed after the row (it sizes no column)
     for r in rows:
         if r.get("status") != "ok":
-            lines.append((r.get("workload", "mnist1d"), r["layout"], r["rate"], r["method"],
-                          str(r.get("repeats", "")), r["status"], "", "", "", "", "", "", "",
-                          ""))
+            failed = r["status"].startswith("failed")
+            n = f"0/{r.get('repeats', 1)}" if failed else "-"
+            notes[len(lines)] = r["status"]
+            lines.append((r.get("workload", "mnist1d"), r["layout"], r["rate"], r["method"], n,
+                          *([""] * (len(head) - 5))))
             continue
         ref = r["inter_bytes_qcomm"] if r["inter_bytes_qcomm"] is not None else \
             r["inter_bytes_formula"]
@@ -332,8 +335,12 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
     out = ["  ".join(str(x).ljust(w) for x, w in zip(head, widths, strict=True))]
     out.append("  ".join("-" * w for w in widths))
-    out += ["  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True))
-            for line in lines]
+    for i, line in enumerate(lines):
+        if i in notes:
+            out.append("  ".join(str(x).ljust(w) for x, w in zip(line[:5], widths, strict=False))
+                       + "  " + notes[i])
+        else:
+            out.append("  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)))
     return "\n".join(out)
 
 
