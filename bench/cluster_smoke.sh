@@ -43,9 +43,11 @@ for name in want:
         continue
     diff, iface = r["bytes_rel_diff"], r["inter_bytes_iface"]
     ref = r["inter_bytes_qcomm"] if r["inter_bytes_qcomm"] is not None else r["inter_bytes_formula"]
+    ttt = r["time_to_target_s"]
     print(f"cluster_smoke: {r['workload']} {name}: finished; time to target "
-          f"{r['time_to_target_s']} s, final {r['metric']} {r['final']:.4f}; inter-node "
-          f"bytes/step: interface {iface}, {r['bytes_reference']} {ref}, apart {diff}")
+          f"{'never' if ttt is None else f'{ttt:.2f} s'}, final {r['metric']} {r['final']:.4f}; "
+          f"inter-node bytes/step: interface {iface}, {r['bytes_reference']} {ref}, apart "
+          f"{'-' if diff is None else f'{100 * diff:.2f}%'}")
     if diff is None or diff > 0.05:
         bad.append(f"{name}: inter-node bytes disagree by more than 5%")
 if bad:
