@@ -62,32 +62,6 @@ class CharTransformer(nn.Module):
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         return self.head(self.ln(self.blocks(x)))
 
-    def fragments(self, count: int) -> list[nn.Module]:
-        """The model cut into ``count`` consecutive pieces that hold every parameter once:
-        [embeddings + first blocks], ..., [last blocks + final norm + head]. Blocks are dealt
-        as evenly as possible (the first pieces get the extra ones).
-
-        Raises:
-            ValueError: ``count`` < 1 or more than the number of blocks.
-        """
-        blocks = list(self.blocks)
-        if not 1 <= count <= len(blocks):
-            raise ValueError(f"fragments must be in [1, {len(blocks)}] (one block at least "
-                             f"each), got {count}")
-        per, extra = divmod(len(blocks), count)
-        pieces: list[nn.Module] = []
-        start = 0
-        for i in range(count):
-            n = per + (1 if i < extra else 0)
-            mods: list[nn.Module] = blocks[start:start + n]
-            start += n
-            if i == 0:
-                mods = [self.tok, self.pos, *mods]
-            if i == count - 1:
-                mods = [*mods, self.ln, self.head]
-            pieces.append(nn.ModuleList(mods))
-        return pieces
-
 
 def lm_loss(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of ``windows`` (batch, context + 1) int64, in nats."""
