@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # CI smoke of the emulated cluster (bench/cluster/): 2 nodes x 1 proc joined by a 1gbit tbf
-# link, a few steps of two methods (ddp and assgd-4).
+# link. First the smallest MNIST-1D setting with three methods: ddp, one qcomm method (assgd-4)
+# and torchft's DiLoCo (torchft-diloco, two outer rounds in the 40-step window); then a small
+# character transformer (charlm: AdamW, validation loss) through torchft's streaming DiLoCo
+# (six fragment syncs in the 24-step window).
 # Passes when every run finished and, for qcomm methods, the inter-node bytes counted by the
-# interface counters and by qcomm's stats agree within 5% (torch methods: counters against the
-# algorithm's formula, same 5%). Needs root for network namespaces: without it, prints the
-# reason and "SKIPPED: not root" and exits 0 (that is the CI's skip).
+# interface counters and by qcomm's stats agree within 5% (torch and torchft methods: counters
+# against the algorithm's formula, same 5%). One repetition per method (--repeats 1) keeps CI
+# fast; the median-of-repetitions logic is unit-tested. Needs root for network namespaces:
+# without it, prints the reason and "SKIPPED: not root" and exits 0 (that is the CI's skip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,17 +23,12 @@ done
 
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-methods=ddp,assgd-4
 out=$(mktemp -d /tmp/qcb-smoke.XXXXXX)
 trap 'rm -rf "$out"' EXIT
 
-# The outer timeout bounds the whole smoke; compare.py removes its cluster on SIGTERM, and
-# its own per-run timeout (--timeout) bounds each torchrun.
-timeout --kill-after=20 240 "$PY" bench/cluster/compare.py \
-    --layouts 2x1 --rates 1gbit --methods "$methods" --steps 40 --warmup 3 \
-    --width 256 --target 0.3 --timeout 150 --out "$out" --strict --no-plots
-
-"$PY" - "$out/summary.json" "$methods" <<'EOF'
+# check DIR METHODS: every method finished, and its two inter-node byte counts agree.
+check() {
+    "$PY" - "$1/summary.json" "$2" <<'EOF'
 import json
 import sys
 
@@ -44,12 +43,30 @@ for name in want:
         continue
     diff, iface = r["bytes_rel_diff"], r["inter_bytes_iface"]
     ref = r["inter_bytes_qcomm"] if r["inter_bytes_qcomm"] is not None else r["inter_bytes_formula"]
-    print(f"cluster_smoke: {name}: finished; inter-node bytes/step: interface {iface}, "
-          f"{r['bytes_reference']} {ref}, apart {diff}")
+    ttt = r["time_to_target_s"]
+    print(f"cluster_smoke: {r['workload']} {name}: finished; time to target "
+          f"{'never' if ttt is None else f'{ttt:.2f} s'}, final {r['metric']} {r['final']:.4f}; "
+          f"inter-node bytes/step: interface {iface}, {r['bytes_reference']} {ref}, apart "
+          f"{'-' if diff is None else f'{100 * diff:.2f}%'}")
     if diff is None or diff > 0.05:
         bad.append(f"{name}: inter-node bytes disagree by more than 5%")
 if bad:
     print("cluster_smoke: FAILED\n  " + "\n  ".join(bad), file=sys.stderr)
     sys.exit(1)
-print("cluster_smoke: OK")
 EOF
+}
+
+# The outer timeouts bound each compare.py, which removes its cluster on SIGTERM; its own
+# per-run timeout (--timeout) bounds each torchrun.
+methods=ddp,assgd-4,torchft-diloco
+timeout --kill-after=20 300 "$PY" bench/cluster/compare.py --workload mnist1d \
+    --layouts 2x1 --rates 1gbit --methods "$methods" --steps 40 --warmup 3 --repeats 1 \
+    --width 256 --target 0.25 --timeout 150 --out "$out/mnist1d" --strict --no-plots
+check "$out/mnist1d" "$methods"
+
+methods=torchft-streaming-diloco
+timeout --kill-after=20 200 "$PY" bench/cluster/compare.py --workload charlm \
+    --layouts 2x1 --rates 1gbit --methods "$methods" --steps 24 --warmup 3 --repeats 1 \
+    --width 128 --depth 2 --target 3.0 --timeout 150 --out "$out/charlm" --strict --no-plots
+check "$out/charlm" "$methods"
+echo "cluster_smoke: OK"

@@ -4,7 +4,12 @@ A builder takes the (unwrapped, identically seeded) model and returns a :class:`
 module to call in the training loop (maybe DDP-wrapped), the optimizer, and the few hooks the
 workload needs around the timed window (complete in-flight traffic, make the final model, read
 qcomm's byte counters). The qcomm methods go through :func:`_qcomm_adapter`, the one place that
-knows qcomm's training APIs; when those are missing the methods report "unavailable".
+knows qcomm's training APIs; when those are missing the methods report "unavailable". torchft's
+DiLoCo lives in ``torchft_methods.py`` (imported only when such a method runs).
+
+Every method trains with the workload's optimizer (:func:`inner_optimizer`: SGD + momentum on
+MNIST-1D, AdamW on the transformer); a method that only exists for SGD (qcomm's ASSGD) says
+"n/a" on the other workloads (:func:`applicability`).
 
 The registry (:data:`METHODS`) and the byte formulas (:func:`expected_inter_bytes`) are pure
 Python, importable without torch.distributed, and unit-tested.
@@ -15,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import re
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +33,13 @@ class MethodInfo:
 
     Attributes:
         name: the command-line name.
-        family: ``"torch"`` (PyTorch's own DDP / hooks / averagers) or ``"qcomm"``.
         description: one line for the table.
+        family: ``"torch"`` (PyTorch's own DDP / hooks / averagers), ``"torchft"`` (the
+            ``torchft`` package) or ``"qcomm"``.
         bits: code width on the inter-node wire (32 for fp32, 16 for fp16), None when it varies.
-        needs: module qcomm must provide for the method to run (None for torch methods).
+        needs: what must be importable for the method to run: ``"module"`` or
+            ``"module:attribute"`` (None for torch methods).
+        workloads: the workloads it applies to (None: all).
     """
 
     name: str
@@ -38,12 +47,15 @@ class MethodInfo:
     description: str
     bits: int | None
     needs: str | None = None
+    workloads: tuple[str, ...] | None = None
 
 
-# qcomm variants by name: assgd-<bits>[-h<H>[f<F>]][-s<staleness>][-g<gamma x 100>]
-# [-m<outer momentum x 10>][-ddp], e.g. assgd-4-h8f4 (gossip every 8 steps in 4 fragments) or
-# assgd-2-h8f4-m5-ddp (outer momentum 0.5, node gradient mean by DDP).
-_VARIANT = re.compile(r"assgd-(?P<bits>[1248])(?:-h(?P<h>\d+)(?:f(?P<f>\d+))?)?"
+# qcomm variants by name: <kind>-<bits>[-h<H>[f<F>]][-s<staleness>][-g<gamma x 100>]
+# [-m<outer momentum x 10>][-ddp], kind "assgd" (SGD, MNIST-1D only) or "qcomm-hier" (the
+# workload's own optimizer, e.g. AdamW). E.g. assgd-4-h8f4 (gossip every 8 steps in 4
+# fragments) or qcomm-hier-2-h8f4-m5-ddp (outer momentum 0.5, node gradient mean by DDP).
+_VARIANT = re.compile(r"(?P<kind>assgd|qcomm-hier)-(?P<bits>[1248])"
+                      r"(?:-h(?P<h>\d+)(?:f(?P<f>\d+))?)?"
                       r"(?:-s(?P<s>\d+))?(?:-g(?P<g>\d+))?(?:-m(?P<m>\d))?(?P<ddp>-ddp)?")
 
 
@@ -52,7 +64,7 @@ def qcomm_variant(name: str) -> dict[str, Any] | None:
     m = _VARIANT.fullmatch(name)
     if m is None:
         return None
-    out: dict[str, Any] = {"bits": int(m["bits"]), "ddp": bool(m["ddp"])}
+    out: dict[str, Any] = {"kind": m["kind"], "bits": int(m["bits"]), "ddp": bool(m["ddp"])}
     if m["h"]:
         out["sync_every"] = int(m["h"])
         out["fragments"] = int(m["f"] or 1)
@@ -72,11 +84,15 @@ class _Registry(dict):
         opts = qcomm_variant(name)
         if opts is None:
             raise KeyError(name)
-        desc = ", ".join(f"{k}={v}" for k, v in opts.items() if k not in ("bits", "ddp"))
-        return MethodInfo(name, "qcomm", f"qcomm ASSGD {opts['bits']}-bit gossip"
+        desc = ", ".join(f"{k}={v}" for k, v in opts.items()
+                         if k not in ("kind", "bits", "ddp"))
+        sgd = opts["kind"] == "assgd"
+        what = "ASSGD" if sgd else "HierarchicalOptimizer"
+        return MethodInfo(name, "qcomm", f"qcomm {what} {opts['bits']}-bit gossip"
                           + (f" ({desc})" if desc else "")
                           + (", node mean by DDP" if opts["ddp"] else ""),
-                          opts["bits"], "qcomm.sgd")
+                          opts["bits"], "qcomm.sgd" if sgd else "qcomm.sgd:HierarchicalOptimizer",
+                          ("mnist1d",) if sgd else None)
 
     def __contains__(self, name: object) -> bool:
         return dict.__contains__(self, name) or (isinstance(name, str)
@@ -90,21 +106,33 @@ METHODS: dict[str, MethodInfo] = _Registry({
         MethodInfo("ddp-fp16", "torch", "DDP + fp16_compress_hook", 16),
         MethodInfo("ddp-powersgd", "torch", "DDP + PowerSGD hook (rank r, error feedback)", None),
         MethodInfo("localsgd", "torch", "post-local SGD + HierarchicalModelAverager", 32),
+        MethodInfo("torchft-diloco", "torchft",
+                   "torchft DiLoCo: H inner steps, outer Nesterov on the averaged delta", 32,
+                   "torchft"),
+        MethodInfo("torchft-streaming-diloco", "torchft",
+                   "torchft streaming DiLoCo: fragments synced in turn, overlapped", 32,
+                   "torchft"),
         MethodInfo("qcomm-hook", "qcomm", "DDP + qcomm hierarchical quantized hook (4 bit)", 4,
                    "qcomm.hooks"),
-        MethodInfo("assgd-8", "qcomm", "qcomm ASSGD, 8-bit gossip", 8, "qcomm.sgd"),
-        MethodInfo("assgd-4", "qcomm", "qcomm ASSGD, 4-bit gossip", 4, "qcomm.sgd"),
-        MethodInfo("assgd-2", "qcomm", "qcomm ASSGD, 2-bit gossip", 2, "qcomm.sgd"),
-        MethodInfo("assgd-1", "qcomm", "qcomm ASSGD, 1-bit gossip", 1, "qcomm.sgd"),
+        MethodInfo("qcomm-hier-4", "qcomm",
+                   "qcomm HierarchicalOptimizer around the workload's optimizer, 4-bit", 4,
+                   "qcomm.sgd:HierarchicalOptimizer"),
+        MethodInfo("assgd-8", "qcomm", "qcomm ASSGD, 8-bit gossip", 8, "qcomm.sgd", ("mnist1d",)),
+        MethodInfo("assgd-4", "qcomm", "qcomm ASSGD, 4-bit gossip", 4, "qcomm.sgd", ("mnist1d",)),
+        MethodInfo("assgd-2", "qcomm", "qcomm ASSGD, 2-bit gossip", 2, "qcomm.sgd", ("mnist1d",)),
+        MethodInfo("assgd-1", "qcomm", "qcomm ASSGD, 1-bit gossip", 1, "qcomm.sgd", ("mnist1d",)),
         MethodInfo("assgd-4-ddp", "qcomm",
                    "qcomm ASSGD, 4-bit gossip, node gradient mean by DDP in backward", 4,
-                   "qcomm.sgd"),
+                   "qcomm.sgd", ("mnist1d",)),
     )
 })
 
+FAMILIES = ("torch", "torchft", "qcomm")
+
 
 def parse_methods(spec: str) -> list[str]:
-    """``"all"``, ``"torch"``, ``"qcomm"`` or a comma list of names -> method names, in order.
+    """``"all"``, a family (``"torch"``, ``"torchft"``, ``"qcomm"``) or a comma list of names
+    -> method names, in order.
 
     Raises:
         ValueError: an unknown name (the message lists the known ones).
@@ -112,28 +140,47 @@ def parse_methods(spec: str) -> list[str]:
     spec = spec.strip()
     if spec in ("all", ""):
         return list(METHODS)
-    if spec in ("torch", "qcomm"):
+    if spec in FAMILIES:
         return [n for n, m in METHODS.items() if m.family == spec]
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n not in METHODS]
     if unknown:
-        raise ValueError(f"methods: unknown {unknown}; known: {list(METHODS)}, or all/torch/qcomm")
+        raise ValueError(f"methods: unknown {unknown}; known: {list(METHODS)}, or all or a "
+                         f"family {list(FAMILIES)}")
     return names
 
 
 def availability(name: str) -> tuple[bool, str]:
-    """Whether ``name`` can run here, and why not. Checks qcomm's modules without importing
-    torch.distributed machinery (the workload then imports them for real)."""
+    """Whether ``name`` can run here, and why not. A plain module is looked up without being
+    imported; a ``module:attribute`` need imports the module (the attribute may be missing from
+    a module that exists, e.g. a class not yet in this checkout)."""
     info = METHODS[name]
     if info.needs is None:
         return True, ""
+    module, _, attr = info.needs.partition(":")
     try:
-        found = importlib.util.find_spec(info.needs) is not None
+        found = importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
         found = False
     if not found:
-        return False, f"unavailable: {info.needs} is not in this checkout"
+        where = "installed" if info.family == "torchft" else "in this checkout"
+        return False, f"unavailable: {module} is not {where}"
+    if attr:
+        try:
+            getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            return False, (f"unavailable: {module}.{attr} cannot be imported "
+                           f"({type(exc).__name__}: {exc})")
     return True, ""
+
+
+def applicability(name: str, workload: str) -> tuple[bool, str]:
+    """Whether method ``name`` applies to ``workload``, and why not."""
+    info = METHODS[name]
+    if info.workloads is None or workload in info.workloads:
+        return True, ""
+    return False, (f"n/a on {workload}: {name} is an SGD optimizer, run on "
+                   f"{', '.join(info.workloads)} only")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,17 +245,78 @@ def localsgd_averages(first_step: int, steps: int, period: int) -> int:
     return last // period - (first_step - 1) // period
 
 
+def rail_allreduce_inter_bytes(nbytes: int, layout: Layout) -> float:
+    """Bytes one node sends to other nodes when each of its ranks allreduces ``nbytes`` with the
+    ranks of the same local rank on the other nodes (torchft: group rank r of every replica
+    group forms one process group, and a replica group is a node here).
+
+    Each rail is a Gloo ring of ``nodes`` ranks, one per node, so all of a rank's
+    ``2 (N-1)/N * nbytes`` cross nodes, and a node's ``procs`` ranks each send that much.
+    """
+    n = layout.nodes
+    if n <= 1:
+        return 0.0
+    return layout.procs * 2.0 * (n - 1) / n * nbytes
+
+
+def diloco_syncs(first_step: int, steps: int, period: int, delay: int = 0) -> list[int]:
+    """Which fragment syncs of torchft's DiLoCo start inside the optimizer steps
+    ``first_step .. first_step + steps - 1`` (0-based, counted from the DiLoCo's creation).
+
+    torchft syncs one fragment every ``period = sync_every / fragments`` inner steps; sync ``j``
+    (0-based) starts its allreduce ``delay`` steps before it is applied, i.e. right after step
+    ``j * period + period - delay - 1``, and is of fragment ``j % fragments`` (every sync
+    commits here, so torchft's step counter equals ``j``).
+    """
+    if period < 1 or not 0 <= delay < period:
+        raise ValueError(f"need period >= 1 and 0 <= delay < period, got {period}, {delay}")
+    last = first_step + steps - 1
+    out, j = [], 0
+    while (at := j * period + period - delay - 1) <= last:
+        if at >= first_step:
+            out.append(j)
+        j += 1
+    return out
+
+
+def diloco_inter_bytes(fragment_numel: Sequence[int], layout: Layout, sync_every: int,
+                       delay: int = 0, window: tuple[int, int] | None = None) -> float:
+    """Bytes per training step one node sends for torchft's (streaming) DiLoCo: every fragment's
+    fp32 pseudo-gradient is allreduced once per ``sync_every`` steps on every rail
+    (:func:`rail_allreduce_inter_bytes`). With ``window = (first_step, steps)`` the syncs that
+    start inside it are counted exactly (:func:`diloco_syncs`), else one round per period."""
+    frags = len(fragment_numel)
+    if frags < 1 or sync_every % frags:
+        raise ValueError(f"sync_every ({sync_every}) must be a multiple of the number of "
+                         f"fragments ({frags})")
+    if window is None:
+        return rail_allreduce_inter_bytes(sum(fragment_numel) * FP32, layout) / sync_every
+    first, steps = window
+    syncs = diloco_syncs(first, steps, sync_every // frags, delay)
+    sent = sum(fragment_numel[j % frags] for j in syncs)
+    return rail_allreduce_inter_bytes(sent * FP32, layout) / steps
+
+
 def expected_inter_bytes(name: str, shapes: Sequence[Sequence[int]], layout: Layout, *,
                          powersgd_rank: int = 4, localsgd_period: int = 8,
-                         window: tuple[int, int] | None = None) -> float | None:
+                         window: tuple[int, int] | None = None,
+                         diloco_sync_every: int = 16, fragment_numel: Sequence[int] | None = None,
+                         fragment_delay: int = 0) -> float | None:
     """Bytes per training step one node sends to other nodes, from the algorithm (payload only:
     no TCP/IP or Gloo framing), or None when the algorithm does not fix it (qcomm methods: their
     own stats count what they send).
 
     ``window = (first_step, steps)``: the optimizer steps measured (0-based); post-local SGD's
-    averaging then counts the averaging steps inside it exactly, else one per period.
+    averaging and DiLoCo's syncs then count the rounds inside it exactly, else one per period.
+    DiLoCo: ``fragment_numel`` is the parameters of each fragment (one fragment: the whole
+    model, the default), ``fragment_delay`` torchft's ``fragment_sync_delay``.
     """
     numel = sum(_prod(s) for s in shapes)
+    if name in ("torchft-diloco", "torchft-streaming-diloco"):
+        frags = list(fragment_numel) if fragment_numel else [numel]
+        if sum(frags) != numel:
+            raise ValueError(f"fragments hold {sum(frags)} parameters, the model {numel}")
+        return diloco_inter_bytes(frags, layout, diloco_sync_every, fragment_delay, window)
     if name == "ddp":
         return ring_allreduce_inter_bytes(numel * FP32, layout)
     if name == "ddp-fp16":
@@ -260,16 +368,30 @@ def agreement(counted: float, reference: float) -> float:
 
 @dataclass
 class Config:
-    """What every method gets, identical across methods."""
+    """What every method gets, identical across methods.
+
+    ``optimizer`` is the workload's: ``"sgd"`` (lr, momentum) or ``"adamw"`` (lr, betas
+    0.9/0.95, weight_decay). DiLoCo: ``diloco_sync_every`` inner steps per round (streaming:
+    each fragment once per round), ``streaming_fragments`` and ``streaming_delay`` (torchft's
+    ``fragment_sync_delay``: inner steps the allreduce of a fragment overlaps).
+    """
 
     lr: float
     momentum: float
     layout: Layout
     seed: int = 0
+    optimizer: str = "sgd"
+    weight_decay: float = 0.0
     powersgd_rank: int = 4
     localsgd_period: int = 8
     localsgd_warmup: int = 0
     hook_bits: int = 4
+    diloco_sync_every: int = 16
+    diloco_outer_lr: float = 0.7
+    diloco_outer_momentum: float = 0.9
+    streaming_fragments: int = 4
+    streaming_delay: int = 1
+    pg_timeout: float = 300.0
 
 
 @dataclass
@@ -285,6 +407,8 @@ class Built:
         comm_stats: qcomm's ``{"intra": bytes, "inter": bytes}`` sent by this rank so far, or
             None for methods without qcomm stats.
         close: releases resources.
+        context: entered around the training loop (warm-up and timed steps), left before
+            ``finalize`` (torchft's DiLoCo is such a context manager).
     """
 
     model: Any
@@ -295,12 +419,23 @@ class Built:
     comm_stats: Callable[[], dict[str, int] | None] = lambda: None
     close: Callable[[], None] = lambda: None
     notes: dict[str, Any] = field(default_factory=dict)
+    context: AbstractContextManager = field(default_factory=nullcontext)
 
 
-def _sgd(params, cfg: Config):
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def inner_optimizer(params, cfg: Config):
+    """The workload's optimizer over ``params``: SGD + momentum, or AdamW with the betas of
+    GPT-style training (0.9, 0.95) and decoupled weight decay."""
     import torch
 
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
+                                 weight_decay=cfg.weight_decay)
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
 
 
 def _average_all(module) -> None:
@@ -319,7 +454,7 @@ def build_ddp(module, cfg: Config) -> Built:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(module)
-    return Built(model, module, _sgd(model.parameters(), cfg))
+    return Built(model, module, inner_optimizer(model.parameters(), cfg))
 
 
 def build_ddp_fp16(module, cfg: Config) -> Built:
@@ -328,7 +463,7 @@ def build_ddp_fp16(module, cfg: Config) -> Built:
 
     model = DDP(module)
     model.register_comm_hook(None, fp16_compress_hook)
-    return Built(model, module, _sgd(model.parameters(), cfg))
+    return Built(model, module, inner_optimizer(model.parameters(), cfg))
 
 
 def build_ddp_powersgd(module, cfg: Config) -> Built:
@@ -349,14 +484,15 @@ def build_ddp_powersgd(module, cfg: Config) -> Built:
         random_seed=cfg.seed,
     )
     model.register_comm_hook(state, powersgd.powerSGD_hook)
-    return Built(model, module, _sgd(model.parameters(), cfg),
+    return Built(model, module, inner_optimizer(model.parameters(), cfg),
                  notes={"powersgd_rank": cfg.powersgd_rank})
 
 
 def build_localsgd(module, cfg: Config) -> Built:
     """torch's post-local SGD: gradients averaged inside the node every step (the hook's
     subgroup), parameters averaged over all ranks every ``localsgd_period`` steps by the
-    hierarchical model averager."""
+    hierarchical model averager. With AdamW it is "local AdamW": the same averaging around the
+    workload's optimizer (the averager does not care which optimizer stepped)."""
     from collections import OrderedDict
 
     import torch.distributed as dist
@@ -378,14 +514,18 @@ def build_localsgd(module, cfg: Config) -> Built:
         period_group_size_dict=OrderedDict([(cfg.localsgd_period, cfg.layout.world)]),
         warmup_steps=cfg.localsgd_warmup,
     )
-    opt = PostLocalSGDOptimizer(optim=_sgd(model.parameters(), cfg), averager=averager)
+    opt = PostLocalSGDOptimizer(optim=inner_optimizer(model.parameters(), cfg), averager=averager)
     return Built(model, module, opt, finalize=lambda: _average_all(module),
                  notes={"localsgd_period": cfg.localsgd_period})
 
 
 def _qcomm_adapter(name: str, module, cfg: Config) -> Built:
-    """The one place that knows qcomm's training APIs (qcomm.sgd.ASSGD, qcomm.hooks)."""
+    """The one place that knows qcomm's training APIs (qcomm.sgd.ASSGD,
+    qcomm.sgd.HierarchicalOptimizer, qcomm.hooks)."""
     opts = qcomm_variant(name)
+    if opts is not None and opts.pop("kind") == "qcomm-hier":
+        bits, ddp = opts.pop("bits"), opts.pop("ddp")
+        return _qcomm_hierarchical(module, cfg, bits=bits, ddp=ddp, **opts)
     if opts is not None:
         from qcomm.sgd import ASSGD
 
@@ -417,6 +557,29 @@ def _qcomm_adapter(name: str, module, cfg: Config) -> Built:
     raise ValueError(f"not a qcomm method: {name!r}")
 
 
+def _qcomm_hierarchical(module, cfg: Config, bits: int, ddp: bool = False,
+                        **comm: Any) -> Built:
+    """``HierarchicalOptimizer(<the workload's torch optimizer>, bits=..., ...)``: qcomm's
+    communication (intra-node mean, inter-node quantized gossip) around any torch optimizer,
+    with ASSGD's settings (ring, staleness 1). Imported here, when the method runs:
+    :func:`availability` reports the method as unavailable while qcomm.sgd has no such class."""
+    from qcomm.sgd import HierarchicalOptimizer
+
+    comm = {"graph": "ring", "staleness": 1, **comm}
+    opt = HierarchicalOptimizer(inner_optimizer(module.parameters(), cfg), bits=bits,
+                                procs_per_node=cfg.layout.procs, seed=cfg.seed, **comm)
+    # "-ddp": the node's gradient mean by DDP over the node's ranks, during backward.
+    model = opt.data_parallel(module) if ddp else module
+
+    def stats() -> dict[str, int]:
+        return dict(opt.stats()["bytes_sent"])
+
+    # flush: completes the gossip rounds in flight (collective; the workload calls it on every
+    # rank at the same step), so what stats() counted is on the wire when counters are read.
+    return Built(model, module, opt, flush=opt.flush, finalize=opt.average_parameters,
+                 comm_stats=stats, close=opt.close, notes={"bits": bits, **comm})
+
+
 def _qcomm_hook(module, cfg: Config) -> Built:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -433,7 +596,7 @@ def _qcomm_hook(module, cfg: Config) -> Built:
             return {"intra": 0, "inter": 0}
         return dict(state.stats.snapshot()["bytes_sent"])
 
-    return Built(model, module, _sgd(model.parameters(), cfg), comm_stats=stats,
+    return Built(model, module, inner_optimizer(model.parameters(), cfg), comm_stats=stats,
                  notes={"bits": cfg.hook_bits})
 
 
@@ -454,4 +617,8 @@ def build(name: str, module, cfg: Config) -> Built:
         raise RuntimeError(f"method {name}: {why}")
     if name in BUILDERS:
         return BUILDERS[name](module, cfg)
+    if METHODS[name].family == "torchft":
+        import torchft_methods  # this directory, like methods itself
+
+        return torchft_methods.build(name, module, cfg)
     return _qcomm_adapter(name, module, cfg)

@@ -1,20 +1,23 @@
-"""One rank of the cluster benchmark: MNIST-1D, an MLP, one method, a timed window of steps.
+"""One rank of the cluster benchmark: one workload, one method, a timed window of steps.
 
 Run under torchrun (one torchrun per emulated node, see netns.sh); compare.py builds the command.
-Every method gets the same model, initial weights, per-rank batches, batch size, lr schedule and
-step budget. What happens on each rank:
+The workload (workloads.py) is MNIST-1D with an MLP and SGD, or a character transformer on
+Python's stdlib source with AdamW. Every method gets the same model, initial weights, per-rank
+batches, batch size, optimizer and step budget. What happens on each rank:
 
-1. a compute-only baseline: ``--baseline-steps`` forward/backward/SGD steps on a throw-away copy
-   of the model, no communication, all ranks at once (so the CPU is as contended as in training);
-   ``1 - baseline / step time`` is the share of a step that is communication (or waiting for it);
+1. a compute-only baseline: ``--baseline-steps`` forward/backward/optimizer steps on a
+   throw-away copy of the model, no communication, all ranks at once (so the CPU is as
+   contended as in training); ``1 - baseline / step time`` is the share of a step that is
+   communication (or waiting for it);
 2. ``--warmup`` training steps, untimed (connection set-up, first-bucket rebuilds, allocator);
 3. barrier, then local rank 0 reads its node's interface counters (/proc/net/dev of the node's
    namespace) and every rank reads qcomm's byte counters;
-4. ``--steps`` timed training steps; rank 0 keeps a copy of its parameters every
-   ``--snapshot-every`` steps with the wall-clock time since the window opened;
+4. ``--steps`` timed training steps; rank 0 keeps a copy of its parameters at ``--snapshots``
+   evenly spaced steps with the wall-clock time since the window opened;
 5. traffic in flight is completed, barrier, counters read again;
 6. the final model is made (e.g. parameters averaged), rank 0 evaluates it and every snapshot on
-   the test set, and writes one JSON with every rank's numbers to ``--out``.
+   the held-out data (test accuracy or validation loss), and writes one JSON with every rank's
+   numbers to ``--out``.
 
 Progress goes to stdout as ``QCB_PROGRESS <done> <total>`` lines (rank 0), for compare.py's bar.
 """
@@ -30,30 +33,18 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import methods as M  # this directory is not a package; torchrun runs the file
+import workloads as W
 
 
 def _method_name(name: str) -> str:
     if name not in M.METHODS:
         raise argparse.ArgumentTypeError(f"unknown method {name!r}")
     return name
-
-
-def make_model(width: int, depth: int) -> nn.Module:
-    """MLP 40 -> width (x depth hidden layers, ReLU) -> 10."""
-    layers: list[nn.Module] = []
-    d = 40
-    for _ in range(depth):
-        layers += [nn.Linear(d, width), nn.ReLU()]
-        d = width
-    layers.append(nn.Linear(d, 10))
-    return nn.Sequential(*layers)
 
 
 def read_iface_bytes(iface: str) -> tuple[int, int, int]:
@@ -68,9 +59,12 @@ def read_iface_bytes(iface: str) -> tuple[int, int, int]:
     raise RuntimeError(f"interface {iface!r} not found in /proc/net/dev (set QCB_IFACE)")
 
 
-@torch.no_grad()
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    return float((model(x).argmax(1) == y).float().mean())
+def read_tcp_retransmits() -> int:
+    """TCP segments retransmitted so far by this network namespace (/proc/net/snmp is per
+    namespace): resent bytes count in tx_bytes but in no algorithm's formula."""
+    with open("/proc/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Tcp:")]
+    return int(rows[1][rows[0].index("RetransSegs")])
 
 
 def _write_profile(profiler, path: Path) -> None:
@@ -89,25 +83,68 @@ def _write_profile(profiler, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--method", required=True, type=_method_name,
-                   help=f"one of {list(M.METHODS)} or a qcomm variant such as assgd-4-h8f4")
-    p.add_argument("--data", required=True, help="npz with x, y, x_test, y_test (compare.py)")
-    p.add_argument("--out", required=True, help="JSON written by rank 0")
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--depth", type=int, default=3)
-    p.add_argument("--batch", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--steps", type=int, default=600, help="timed steps")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps (they train too)")
-    p.add_argument("--baseline-steps", type=int, default=20)
-    p.add_argument("--snapshot-every", type=int, default=0, help="0: about 60 snapshots")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--powersgd-rank", type=int, default=4)
-    p.add_argument("--localsgd-period", type=int, default=8)
-    p.add_argument("--pg-timeout", type=float, default=300.0)
+                   help=f"The method to train with: one of {list(M.METHODS)}, or a qcomm "
+                        "variant such as assgd-4-h8f4 (methods.py explains the names).")
+    p.add_argument("--workload", default="mnist1d", choices=list(W.WORKLOADS),
+                   help="What to train: MNIST-1D with an MLP and SGD, or the character "
+                        "transformer with AdamW.")
+    p.add_argument("--data", required=True,
+                   help="The workload's data file, an npz written by compare.py.")
+    p.add_argument("--out", required=True, help="The JSON file rank 0 writes.")
+    p.add_argument("--width", type=int, default=None,
+                   help="The model's width (MLP hidden units or transformer width); the "
+                        "workload's when left out.")
+    p.add_argument("--depth", type=int, default=None,
+                   help="Hidden layers (MLP) or blocks (transformer); the workload's when left "
+                        "out.")
+    p.add_argument("--heads", type=int, default=4, help="Attention heads of the transformer.")
+    p.add_argument("--context", type=int, default=64,
+                   help="Characters per training window of the transformer.")
+    p.add_argument("--eval-windows", type=int, default=256,
+                   help="How many fixed validation windows the loss is measured on.")
+    p.add_argument("--batch", type=int, default=None,
+                   help="Samples (or windows) per rank and step; the workload's when left out.")
+    p.add_argument("--lr", type=float, default=None, help="The learning rate; the workload's when "
+                   "left out.")
+    p.add_argument("--momentum", type=float, default=None,
+                   help="SGD's momentum; the workload's when left out.")
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help="AdamW's weight decay; the workload's when left out.")
+    p.add_argument("--steps", type=int, default=None,
+                   help="Timed steps; the workload's number when left out.")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="Untimed steps before the window (they train too).")
+    p.add_argument("--baseline-steps", type=int, default=20,
+                   help="Compute-only steps timed before training starts.")
+    p.add_argument("--snapshots", type=int, default=0,
+                   help="Parameter snapshots evaluated after the run; 0: 60 for mnist1d, 30 "
+                        "for charlm (its evaluation costs more).")
+    p.add_argument("--seed", type=int, default=0, help="The seed of weights and batches.")
+    p.add_argument("--powersgd-rank", type=int, default=4,
+                   help="The rank of PowerSGD's low-rank approximation.")
+    p.add_argument("--localsgd-period", type=int, default=8,
+                   help="Steps between the parameter averages of post-local SGD.")
+    p.add_argument("--diloco-sync-every", type=int, default=16,
+                   help="DiLoCo's inner steps per outer round (streaming: each fragment once "
+                        "per round).")
+    p.add_argument("--streaming-fragments", type=int, default=4,
+                   help="Streaming DiLoCo's number of fragments; it must divide "
+                        "--diloco-sync-every.")
+    p.add_argument("--streaming-delay", type=int, default=1,
+                   help="Streaming DiLoCo's fragment_sync_delay: inner steps a fragment's "
+                        "allreduce overlaps.")
+    p.add_argument("--pg-timeout", type=float, default=300.0,
+                   help="Seconds any collective may take before the run fails.")
     p.add_argument("--profile", action="store_true",
-                   help="cProfile the timed steps; top functions to OUT.prof<rank>.txt")
-    return p.parse_args(argv)
+                   help="cProfile the timed steps; top functions go to OUT.prof<rank>.txt.")
+    args = p.parse_args(argv)
+    info = W.WORKLOADS[args.workload]
+    for key in ("width", "depth", "batch", "lr", "momentum", "weight_decay", "steps"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(info, key))
+    if not args.snapshots:
+        args.snapshots = 60 if args.workload == "mnist1d" else 30
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,55 +158,54 @@ def main(argv: list[str] | None = None) -> None:
     layout = M.Layout(world // procs, procs)
     iface = os.environ.get("QCB_IFACE", "qceth0")
 
-    data = np.load(args.data)
-    x = torch.from_numpy(data["x"]).float()
-    y = torch.from_numpy(data["y"]).long()
-    x_test = torch.from_numpy(data["x_test"]).float()
-    y_test = torch.from_numpy(data["y_test"]).long()
+    total = args.warmup + args.steps
+    work = W.load(args.workload, Path(args.data), rank=rank, seed=args.seed, batch=args.batch,
+                  total_steps=total, args=args)
+    info = work.info
+    cfg = M.Config(lr=args.lr, momentum=args.momentum, layout=layout, seed=args.seed,
+                   optimizer=info.optimizer, weight_decay=args.weight_decay,
+                   powersgd_rank=args.powersgd_rank, localsgd_period=args.localsgd_period,
+                   localsgd_warmup=args.warmup, diloco_sync_every=args.diloco_sync_every,
+                   streaming_fragments=args.streaming_fragments,
+                   streaming_delay=args.streaming_delay, pg_timeout=args.pg_timeout)
 
     torch.manual_seed(args.seed)  # same initial weights on every rank and for every method
-    module = make_model(args.width, args.depth)
+    module = work.make_model()
     shapes = [list(p.shape) for p in module.parameters()]
     numel = sum(p.numel() for p in module.parameters())
-    total = args.warmup + args.steps
-    # Every rank draws its own batches; the stream depends on (seed, rank) only, so every
-    # method sees the same batches in the same order.
-    gen = torch.Generator().manual_seed(args.seed * 1009 + rank)
-    batches = torch.randint(0, x.shape[0], (total, args.batch), generator=gen)
 
     # 1. compute-only baseline on a copy (never touches the trained model's state)
-    shadow = make_model(args.width, args.depth)
+    shadow = work.make_model()
     shadow.load_state_dict(module.state_dict())
-    sgd = torch.optim.SGD(shadow.parameters(), lr=args.lr, momentum=args.momentum)
+    shadow_opt = M.inner_optimizer(shadow.parameters(), cfg)
     dist.barrier()
     base_times = []
     for i in range(args.baseline_steps):
-        idx = batches[i % total]
         t = time.perf_counter()
-        loss = nn.functional.cross_entropy(shadow(x[idx]), y[idx])
-        sgd.zero_grad(set_to_none=True)
+        loss = work.loss(shadow, i % total)
+        shadow_opt.zero_grad(set_to_none=True)
         loss.backward()
-        sgd.step()
+        shadow_opt.step()
         base_times.append(time.perf_counter() - t)
-    del shadow, sgd
+    del shadow, shadow_opt
     dist.barrier()
 
-    cfg = M.Config(lr=args.lr, momentum=args.momentum, layout=layout, seed=args.seed,
-                   powersgd_rank=args.powersgd_rank, localsgd_period=args.localsgd_period,
-                   localsgd_warmup=args.warmup)
     built = M.build(args.method, module, cfg)
     model, opt = built.model, built.optimizer
 
     def train_step(i: int) -> tuple[float, float]:
-        idx = batches[i]
         t0 = time.perf_counter()
-        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss = work.loss(model, i)
         opt.zero_grad(set_to_none=True)
         loss.backward()  # DDP methods communicate here (overlapped with backward)
         t1 = time.perf_counter()
-        opt.step()  # ASSGD / post-local SGD communicate here
+        opt.step()  # ASSGD / post-local SGD / DiLoCo (optimizer hooks) communicate here
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1
+
+    # Entered around warm-up and timed steps (torchft's DiLoCo hooks the optimizer here).
+    context = built.context
+    context.__enter__()
 
     # 2. warm-up
     for i in range(args.warmup):
@@ -179,8 +215,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # 3. open the window
     counters0 = read_iface_bytes(iface) if local_rank == 0 and layout.nodes > 1 else None
+    retrans0 = read_tcp_retransmits() if counters0 is not None else None
     stats0 = built.comm_stats()
-    snap_every = args.snapshot_every or max(1, args.steps // 60)
+    snap_steps = {round(k * args.steps / args.snapshots) for k in range(1, args.snapshots + 1)}
     snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
     step_times: list[float] = []
     fwd_bwd: list[float] = []
@@ -204,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         fwd_bwd.append(a)
         opt_times.append(b)
         if rank == 0:
-            if s % snap_every == 0 or s == args.steps:
+            if s in snap_steps:
                 elapsed = time.perf_counter() - t_open
                 # Parameters only: a copy of 2 MB costs ~1 ms, evaluation happens after the run.
                 snapshots.append((s, elapsed, {k: v.clone() for k, v in
@@ -220,10 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     built.flush()
     dist.barrier()
     counters1 = read_iface_bytes(iface) if counters0 is not None else None
+    retrans1 = read_tcp_retransmits() if counters0 is not None else None
     stats1 = built.comm_stats()
     t_window = time.perf_counter() - t_open
 
     # 6. final model, evaluation, results
+    context.__exit__(None, None, None)
     built.finalize()
     mine = {
         "rank": rank, "node": node, "local_rank": local_rank,
@@ -236,26 +275,29 @@ def main(argv: list[str] | None = None) -> None:
         "iface_tx_bytes": None if counters0 is None else counters1[0] - counters0[0],
         "iface_rx_bytes": None if counters0 is None else counters1[1] - counters0[1],
         "iface_tx_packets": None if counters0 is None else counters1[2] - counters0[2],
+        "tcp_retrans_segs": None if retrans0 is None else retrans1 - retrans0,
         "qcomm_bytes": None if stats0 is None else
         {k: stats1[k] - stats0[k] for k in stats1},
     }
     gathered: list[dict] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
     dist.gather_object(mine, gathered, dst=0)
     if rank == 0:
-        evaluator = make_model(args.width, args.depth)
+        evaluator = work.make_model()
+        metric = info.metric
         curve = []
         for s, elapsed, state in snapshots:
             evaluator.load_state_dict(state)
-            curve.append({"step": s, "time_s": elapsed,
-                          "test_acc": accuracy(evaluator, x_test, y_test)})
-        final_acc = accuracy(built.module, x_test, y_test)
+            curve.append({"step": s, "time_s": elapsed, metric: work.evaluate(evaluator)})
+        final = work.evaluate(built.module)
         result = {
             "method": args.method,
+            "workload": args.workload,
+            "metric": {"name": metric, "goal": info.goal},
             "layout": {"nodes": layout.nodes, "procs": layout.procs, "world": world},
-            "model": {"width": args.width, "depth": args.depth, "params": numel,
-                      "shapes": shapes},
+            "model": {**work.model_config, "params": numel, "shapes": shapes},
+            "data": work.data_config,
             "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
-            "final_test_acc": final_acc,
+            f"final_{metric}": final,
             "curve": curve,
             "ranks": gathered,
             "notes": built.notes,
@@ -263,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         tmp = Path(args.out).with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(args.out)
-        print(f"QCB_DONE {args.method} final_acc={final_acc:.4f}", flush=True)
+        print(f"QCB_DONE {args.method} final {metric}={final:.4f}", flush=True)
     built.close()
     dist.barrier()
     # Leave without tearing down the process group: with PowerSGD's hook a rank sometimes

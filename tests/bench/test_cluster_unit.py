@@ -1,5 +1,5 @@
 """Unit tests of the cluster benchmark's pure-Python parts: method registry, byte formulas,
-result parsing and target checks. No root, no namespaces, no processes."""
+result parsing, repetitions and target checks. No root, no namespaces, no processes."""
 
 from __future__ import annotations
 
@@ -38,12 +38,15 @@ def test_shapes_match_the_default_model():
 # registry
 
 
-def test_registry_has_the_issue_methods_in_order():
-    assert list(M.METHODS) == ["ddp", "ddp-fp16", "ddp-powersgd", "localsgd", "qcomm-hook",
+def test_registry_has_the_methods_in_order():
+    assert list(M.METHODS) == ["ddp", "ddp-fp16", "ddp-powersgd", "localsgd", "torchft-diloco",
+                               "torchft-streaming-diloco", "qcomm-hook", "qcomm-hier-4",
                                "assgd-8", "assgd-4", "assgd-2", "assgd-1", "assgd-4-ddp"]
-    assert {m.family for m in M.METHODS.values()} == {"torch", "qcomm"}
+    assert {m.family for m in M.METHODS.values()} == set(M.FAMILIES)
     assert all(m.needs is None for m in M.METHODS.values() if m.family == "torch")
-    assert all(m.needs for m in M.METHODS.values() if m.family == "qcomm")
+    assert all(m.needs for m in M.METHODS.values() if m.family != "torch")
+    assert M.METHODS["torchft-diloco"].needs == "torchft"
+    assert M.METHODS["qcomm-hier-4"].needs == "qcomm.sgd:HierarchicalOptimizer"
 
 
 def test_every_torch_method_has_a_builder():
@@ -55,7 +58,9 @@ def test_every_torch_method_has_a_builder():
 @pytest.mark.parametrize(("spec", "want"), [
     ("all", list(M.METHODS)),
     ("torch", ["ddp", "ddp-fp16", "ddp-powersgd", "localsgd"]),
-    ("qcomm", ["qcomm-hook", "assgd-8", "assgd-4", "assgd-2", "assgd-1", "assgd-4-ddp"]),
+    ("torchft", ["torchft-diloco", "torchft-streaming-diloco"]),
+    ("qcomm", ["qcomm-hook", "qcomm-hier-4", "assgd-8", "assgd-4", "assgd-2", "assgd-1",
+               "assgd-4-ddp"]),
     ("ddp, assgd-4", ["ddp", "assgd-4"]),
 ])
 def test_parse_methods(spec, want):
@@ -73,6 +78,40 @@ def test_availability_torch_always_qcomm_by_module(monkeypatch):
     ok, why = M.availability("assgd-4")
     assert not ok and "unavailable" in why and "qcomm.sgd" in why
     assert M.availability("ddp-fp16") == (True, "")
+
+
+def test_availability_torchft_names_the_package(monkeypatch):
+    monkeypatch.setattr(M.importlib.util, "find_spec", lambda name: None)
+    ok, why = M.availability("torchft-diloco")
+    assert not ok and why == "unavailable: torchft is not installed"
+
+
+def test_availability_of_a_missing_class_says_why(monkeypatch):
+    # The module exists, the class does not (yet): unavailable, with the import error.
+    import types
+
+    monkeypatch.setattr(M.importlib, "import_module", lambda name: types.ModuleType(name))
+    ok, why = M.availability("qcomm-hier-4")
+    assert not ok
+    assert why.startswith("unavailable: qcomm.sgd.HierarchicalOptimizer cannot be imported")
+    assert "AttributeError" in why
+
+
+def test_availability_of_a_present_class(monkeypatch):
+    import types
+
+    mod = types.ModuleType("qcomm.sgd")
+    mod.HierarchicalOptimizer = object
+    monkeypatch.setattr(M.importlib, "import_module", lambda name: mod)
+    assert M.availability("qcomm-hier-4") == (True, "")
+
+
+def test_applicability_keeps_assgd_on_mnist1d():
+    assert M.applicability("assgd-4", "mnist1d") == (True, "")
+    ok, why = M.applicability("assgd-4", "charlm")
+    assert not ok and why.startswith("n/a on charlm") and "SGD" in why
+    for name in ("ddp", "localsgd", "torchft-diloco", "qcomm-hook", "qcomm-hier-4"):
+        assert M.applicability(name, "charlm") == (True, "")
 
 
 def test_build_rejects_unknown_and_unavailable(monkeypatch):
@@ -127,6 +166,72 @@ def test_localsgd_formula_counts_the_window_exactly():
     assert got == pytest.approx(full * 4 / 30)
 
 
+@pytest.mark.parametrize(("nodes", "procs", "want"), [
+    (1, 4, 0.0),            # one node: no rail crosses a link
+    (2, 1, 1.0),            # each rail is a ring of 2: 2 (N-1)/N = 1, one rank per node
+    (2, 2, 2.0),            # two rails, each carrying the whole buffer
+    (4, 1, 1.5),
+    (4, 2, 3.0),
+])
+def test_rail_allreduce_inter_bytes(nodes, procs, want):
+    assert M.rail_allreduce_inter_bytes(1000, M.Layout(nodes, procs)) == pytest.approx(1000 * want)
+
+
+@pytest.mark.parametrize(("first", "steps", "period", "delay", "want"), [
+    (0, 16, 16, 0, [0]),          # plain DiLoCo: sync j after step 16j + 15
+    (5, 48, 16, 0, [0, 1, 2]),    # steps 5..52: after 15, 31, 47
+    (3, 40, 16, 0, [0, 1]),       # the CI smoke's window: steps 3..42
+    (16, 15, 16, 0, []),          # steps 16..30: the next sync is after 31
+    (5, 48, 4, 1, list(range(1, 13))),  # streaming, 4 fragments of H=16, delay 1: after 4j + 2
+    (0, 3, 4, 1, [0]),
+    (0, 2, 4, 1, []),
+])
+def test_diloco_syncs(first, steps, period, delay, want):
+    assert M.diloco_syncs(first, steps, period, delay) == want
+
+
+def test_diloco_syncs_rejects_a_delay_past_the_period():
+    with pytest.raises(ValueError, match="delay"):
+        M.diloco_syncs(0, 10, 4, 4)
+
+
+def test_diloco_bytes_per_step():
+    lay = M.Layout(2, 2)
+    # one round per 16 steps, every rank of the node sends the whole model on its rail
+    got = M.expected_inter_bytes("torchft-diloco", SHAPES, lay, diloco_sync_every=16)
+    assert got == pytest.approx(2 * 1.0 * 4 * NUMEL / 16)
+    # the window 5..52 holds 3 syncs of the whole model
+    got = M.expected_inter_bytes("torchft-diloco", SHAPES, lay, diloco_sync_every=16,
+                                 window=(5, 48))
+    assert got == pytest.approx(3 * 2 * 4 * NUMEL / 48)
+
+
+def test_streaming_diloco_counts_each_fragment_it_sends():
+    frags = [20_992, 262_656, 262_656, 5_130]  # the default MLP, one Linear per fragment
+    assert sum(frags) == NUMEL
+    lay = M.Layout(2, 1)
+    # period 4, delay 1: syncs j = 1..12 start in steps 5..52 -> fragments 1,2,3,0,1,2,3,0,...
+    got = M.expected_inter_bytes("torchft-streaming-diloco", SHAPES, lay, diloco_sync_every=16,
+                                 fragment_numel=frags, fragment_delay=1, window=(5, 48))
+    assert got == pytest.approx(3 * NUMEL * 4 / 48)
+    # a window of steps 5..10 holds syncs 1 and 2: fragments 1 and 2
+    got = M.expected_inter_bytes("torchft-streaming-diloco", SHAPES, lay, diloco_sync_every=16,
+                                 fragment_numel=frags, fragment_delay=1, window=(5, 6))
+    assert got == pytest.approx((262_656 + 262_656) * 4 / 6)
+    # without a window: every fragment once per 16 steps
+    got = M.expected_inter_bytes("torchft-streaming-diloco", SHAPES, lay, diloco_sync_every=16,
+                                 fragment_numel=frags, fragment_delay=1)
+    assert got == pytest.approx(NUMEL * 4 / 16)
+
+
+def test_diloco_formula_checks_its_fragments():
+    with pytest.raises(ValueError, match="fragments hold"):
+        M.expected_inter_bytes("torchft-streaming-diloco", SHAPES, M.Layout(2, 1),
+                               fragment_numel=[1, 2, 3, 4])
+    with pytest.raises(ValueError, match="multiple of the number of fragments"):
+        M.diloco_inter_bytes([1, 2, 3], M.Layout(2, 1), sync_every=16)
+
+
 def test_powersgd_numel_follows_torchs_rule():
     # (512, 40) rank 4: 512*40 = 20480 >= (552)*4*2 = 4416 -> compressed to 552*4
     # (10, 512) rank 4: 5120 >= 522*4*2 = 4176 -> compressed to 522*4
@@ -166,6 +271,7 @@ def _result(method="ddp", nodes=2, procs=2, steps=100, tx=1_000_000, qcomm=None,
             "iface_tx_bytes": tx * steps if r % procs == 0 else None,
             "iface_rx_bytes": tx * steps if r % procs == 0 else None,
             "iface_tx_packets": 10 * steps if r % procs == 0 else None,
+            "tcp_retrans_segs": 0 if r % procs == 0 else None,
             "qcomm_bytes": None if qcomm is None else {"intra": 7 * steps,
                                                        "inter": qcomm * steps},
         })
@@ -186,6 +292,15 @@ def test_time_to_target():
     assert C.time_to_target(curve, 0.7) == 5.0
     assert C.time_to_target(curve, 0.1) == 0.0
     assert C.time_to_target(curve, 0.81) is None
+
+
+def test_time_to_target_of_a_loss_looks_for_at_most():
+    curve = [{"step": 0, "time_s": 0.0, "val_loss": 4.8},
+             {"step": 10, "time_s": 3.0, "val_loss": 2.2},
+             {"step": 20, "time_s": 6.0, "val_loss": 1.9}]
+    assert C.time_to_target(curve, 2.2, "val_loss", "min") == 3.0
+    assert C.time_to_target(curve, 1.95, "val_loss", "min") == 6.0
+    assert C.time_to_target(curve, 1.5, "val_loss", "min") is None
 
 
 def test_summarize_torch_run_compares_counters_with_the_formula():
@@ -222,9 +337,85 @@ def test_summarize_single_node_has_no_counters():
     assert row["inter_bytes_iface"] is None and row["bytes_rel_diff"] is None
 
 
-def _row(method, ttt, acc, iface):
-    return {"method": method, "status": "ok", "time_to_target_s": ttt, "final_test_acc": acc,
-            "inter_bytes_iface": iface}
+def test_summarize_reads_the_workload_and_its_metric():
+    res = _result(curve=[{"step": 0, "time_s": 0.0, "val_loss": 4.8},
+                         {"step": 100, "time_s": 9.0, "val_loss": 1.8}])
+    res.update(workload="charlm", metric={"name": "val_loss", "goal": "min"}, final_val_loss=1.8)
+    del res["final_test_acc"]
+    row = C.summarize_run(res, target=1.9)
+    assert row["workload"] == "charlm" and row["metric"] == "val_loss" and row["goal"] == "min"
+    assert row["final"] == 1.8 and row["time_to_target_s"] == 9.0
+
+
+def test_summarize_torchft_run_uses_its_fragments():
+    res = _result("torchft-streaming-diloco", nodes=2, procs=1, steps=48)
+    res["config"].update(warmup=5, diloco_sync_every=16)
+    res["notes"] = {"sync_every": 16, "fragment_numel": [20_992, 262_656, 262_656, 5_130],
+                    "fragment_sync_delay": 1}
+    row = C.summarize_run(res, target=0.7)
+    assert row["bytes_reference"] == "formula"
+    assert row["inter_bytes_formula"] == pytest.approx(3 * NUMEL * 4 / 48)
+
+
+# ---------------------------------------------------------------------------------------------
+# repetitions
+
+
+def _rep(step, ttt, final=0.8, iface=100.0, diff=0.01):
+    return {"method": "ddp", "workload": "mnist1d", "layout": "2x2", "rate": "1gbit",
+            "status": "ok", "metric": "test_acc", "goal": "max", "step_median_s": step,
+            "samples_per_s": 1 / step, "time_to_target_s": ttt, "final": final,
+            "inter_bytes_iface": iface, "comm_fraction": 0.5, "loop_s": 10 * step,
+            "bytes_rel_diff": diff, "payload_rel_diff": diff / 2, "bytes_reference": "formula",
+            "inter_bytes_formula": 99.0, "inter_bytes_qcomm": None,
+            "curve": [{"step": 0, "time_s": 0.0, "test_acc": step}]}
+
+
+def test_aggregate_takes_medians_and_the_spread():
+    row = C.aggregate([_rep(0.3, 30.0, 0.80), _rep(0.1, 10.0, 0.82, diff=0.03),
+                       _rep(0.2, 20.0, 0.81)])
+    assert row["repeats"] == row["repeats_ok"] == 3
+    assert row["step_median_s"] == pytest.approx(0.2)
+    assert row["spread"]["step_median_s"] == [0.1, 0.3]
+    assert row["time_to_target_s"] == pytest.approx(20.0)
+    assert row["spread"]["time_to_target_s"] == [10.0, 30.0]
+    assert row["final"] == pytest.approx(0.81)
+    assert row["bytes_rel_diff"] == pytest.approx(0.03)  # the worst repetition
+    assert row["curve"][0]["test_acc"] == 0.2  # the median repetition's curve
+    assert len(row["per_repeat"]) == 3
+
+
+def test_aggregate_counts_never_as_slowest():
+    row = C.aggregate([_rep(0.1, None), _rep(0.2, 12.0), _rep(0.3, 14.0)])
+    assert row["time_to_target_s"] == pytest.approx(14.0)
+    assert row["spread"]["time_to_target_s"] == [12.0, 14.0]
+    row = C.aggregate([_rep(0.1, None), _rep(0.2, None), _rep(0.3, 14.0)])
+    assert row["time_to_target_s"] is None
+
+
+def test_aggregate_keeps_failed_repetitions_visible():
+    failed = {"method": "ddp", "workload": "mnist1d", "layout": "2x2", "rate": "1gbit",
+              "status": "failed (exit 124)"}
+    row = C.aggregate([_rep(0.1, 5.0), failed, _rep(0.3, 7.0)])
+    assert row["status"] == "ok" and row["repeats"] == 3 and row["repeats_ok"] == 2
+    assert row["failed_repeats"] == ["failed (exit 124)"]
+    assert row["step_median_s"] == pytest.approx(0.2)
+    only_failed = C.aggregate([failed])
+    assert only_failed["status"] == "failed (exit 124)" and only_failed["repeats_ok"] == 0
+
+
+def test_table_shows_repeats_and_spread():
+    row = {**C.aggregate([_rep(0.3, 30.0), _rep(0.1, 10.0), _rep(0.2, 20.0)])}
+    text = C.table([row])
+    assert "20.0 [10.0-30.0]" in text and "200.0 [100.0-300.0]" in text
+    row = C.aggregate([_rep(0.1, 5.0), {"method": "ddp", "workload": "mnist1d", "layout": "2x2",
+                                        "rate": "1gbit", "status": "failed (exit 1)"}])
+    assert " 1/2 " in C.table([row])
+
+
+def _row(method, ttt, final, iface, metric="test_acc", goal="max"):
+    return {"method": method, "status": "ok", "time_to_target_s": ttt, "final": final,
+            "inter_bytes_iface": iface, "metric": metric, "goal": goal}
 
 
 def test_check_targets_met_and_missed():
@@ -250,6 +441,17 @@ def test_check_targets_met_and_missed():
 def test_check_targets_without_assgd_cannot_judge():
     res = C.check_targets([_row("ddp", 40.0, 0.8, 3e6)])
     assert len(res) == 1 and res[0]["ok"] is None
+
+
+def test_check_targets_on_a_loss_counts_torchft_peers_and_reports_the_difference():
+    rows = [_row("ddp", 40.0, 1.80, 3e6, "val_loss", "min"),
+            _row("torchft-diloco", 12.0, 1.85, 3e5, "val_loss", "min"),
+            _row("qcomm-hier-4", 10.0, 1.83, 3e5, "val_loss", "min")]
+    res = {c["name"]: c for c in C.check_targets(rows, "qcomm-hier-4")}
+    assert res["time-to-target speedup over ddp"]["value"] == pytest.approx(4.0)
+    assert res["faster than torchft-diloco"]["ok"] is True
+    quality = res["final val_loss vs ddp (difference)"]
+    assert quality["ok"] is None and quality["value"] == pytest.approx(0.03)
 
 
 @pytest.mark.parametrize(("s", "nodes", "procs"), [("2x2", 2, 2), ("4X1", 4, 1)])
@@ -280,3 +482,56 @@ def test_table_lists_unavailable_methods():
              "status": "unavailable: qcomm.sgd is not in this checkout"}]
     text = C.table(rows)
     assert "unavailable" in text and "ddp" in text and "3.31 MB" in text
+
+
+def test_settings_fall_back_to_the_workload_defaults():
+    args = C.parse_args(["--workload", "charlm", "--steps", "40"])
+    s = C.settings("charlm", args)
+    assert s["steps"] == 40 and s["lr"] == C.W.WORKLOADS["charlm"].lr
+    assert s["target"] == C.W.WORKLOADS["charlm"].target
+    assert C.settings("mnist1d", args)["batch"] == 32
+
+
+def test_workload_command_carries_the_workload_and_diloco_settings(tmp_path):
+    args = C.parse_args(["--workload", "charlm", "--diloco-sync-every", "8"])
+    cmd = C.workload_command("charlm", "torchft-diloco", args, tmp_path / "d.npz",
+                             tmp_path / "o.json")
+    assert cmd[cmd.index("--workload") + 1] == "charlm"
+    assert cmd[cmd.index("--diloco-sync-every") + 1] == "8"
+    assert cmd[cmd.index("--lr") + 1] == str(C.W.WORKLOADS["charlm"].lr)
+
+
+def test_repeats_must_be_positive():
+    with pytest.raises(SystemExit):
+        C.parse_args(["--repeats", "0"])
+
+
+# ---------------------------------------------------------------------------------------------
+# qcomm variants by name
+
+
+@pytest.mark.parametrize(("name", "want"), [
+    ("assgd-4", {"kind": "assgd", "bits": 4, "ddp": False}),
+    ("assgd-2-h8f4", {"kind": "assgd", "bits": 2, "ddp": False, "sync_every": 8,
+                      "fragments": 4}),
+    ("assgd-4-h8-s2-g30-m5-ddp", {"kind": "assgd", "bits": 4, "ddp": True, "sync_every": 8,
+                                  "fragments": 1, "staleness": 2, "gamma": 0.3,
+                                  "outer_momentum": 0.5}),
+    ("qcomm-hier-4-h16f4", {"kind": "qcomm-hier", "bits": 4, "ddp": False, "sync_every": 16,
+                            "fragments": 4}),
+    ("assgd-3", None), ("assgd-4-x", None), ("ddp", None),
+])
+def test_qcomm_variant_names(name, want):
+    assert M.qcomm_variant(name) == want
+    assert (name in M.METHODS) == (want is not None or name == "ddp")
+
+
+def test_variants_resolve_to_registry_entries():
+    assgd = M.METHODS["assgd-2-h8f4"]
+    assert assgd.family == "qcomm" and assgd.bits == 2 and assgd.workloads == ("mnist1d",)
+    assert "sync_every=8" in assgd.description and "fragments=4" in assgd.description
+    hier = M.METHODS["qcomm-hier-4-h8f4-ddp"]
+    assert hier.workloads is None and hier.needs == "qcomm.sgd:HierarchicalOptimizer"
+    assert M.parse_methods("assgd-4-h8f4,ddp") == ["assgd-4-h8f4", "ddp"]
+    with pytest.raises(KeyError):
+        M.METHODS["assgd-16"]

@@ -1,0 +1,214 @@
+"""torchft's DiLoCo and streaming DiLoCo as benchmark methods (the real ``torchft`` package).
+
+Set up as torchft's documentation does, with one replica group per emulated node:
+
+- one lighthouse (``torchft._torchft.LighthouseServer``, what the ``torchft_lighthouse``
+  command runs), started by global rank 0 in node 0, ``min_replicas`` = the number of nodes;
+- per node a TCPStore (local rank 0 owns it) and, on every rank of the node, a
+  ``Manager(pg=ProcessGroupGloo(...), use_async_quorum=False, min_replica_size=nodes,
+  replica_id="qcb_node<k>", rank=local_rank, world_size=procs, store_addr/port,
+  lighthouse_addr)``;
+- ``DiLoCo(manager, fragments, inner_opt, outer_opts, sync_every=H, ...)`` entered as a
+  context manager around the training loop (workload.py enters ``Built.context``).
+
+Inside a node the ranks average gradients every step with torch DDP over a node-local process
+group (the replica group trains as one data-parallel replica). Between nodes torchft gives each
+group rank its own process group: group rank r of every node forms one Gloo ring ("rail"). With
+a replicated model inside the node (DDP), every rank therefore allreduces the *whole*
+pseudo-gradient on its rail: a node with P ranks sends P identical copies. torchft's intended
+multi-rank replica group is sharded (FSDP/HSDP, as in torchtitan), where each rank sends its
+shard only; that is not built here. The byte formula (methods.diloco_inter_bytes) counts what
+this setup sends.
+
+Outer optimizer as in the DiLoCo papers: SGD lr 0.7, momentum 0.9, Nesterov (one per fragment).
+The streaming form cuts the model into ``streaming_fragments`` contiguous fragments of about
+equal size (:func:`split_fragments`); torchft syncs one of them every ``H / fragments`` steps,
+its allreduce overlapping ``fragment_sync_delay`` inner steps. ``should_quantize=False``:
+torchft's quantized allreduce needs CUDA (Triton kernels).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import methods as M
+import torch
+import torch.distributed as dist
+from torch import nn
+
+OUTER_NESTEROV = True
+
+
+def node_address() -> str:
+    """The address this node reaches the master from (the kernel's source address for
+    MASTER_ADDR; in the emulated cluster, the node's qceth0 address). A UDP connect sends no
+    packet."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+        return s.getsockname()[0]
+
+
+def fragment_units(module: nn.Module) -> list[nn.Module]:
+    """The model's layers in order, the smallest pieces a fragment is made of: children that
+    hold parameters, with Sequential / ModuleList containers opened one level at a time."""
+    units: list[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, nn.Sequential | nn.ModuleList):
+            units += fragment_units(child)
+        elif any(True for _ in child.parameters()):
+            units.append(child)
+    return units
+
+
+def partition(sizes: list[int], count: int) -> list[int]:
+    """Cut ``sizes`` into ``count`` non-empty contiguous groups with the smallest possible
+    largest group (linear partition, dynamic programming); returns each group's length.
+
+    Raises:
+        ValueError: ``count`` < 1 or more than ``len(sizes)``.
+    """
+    n = len(sizes)
+    if not 1 <= count <= n:
+        raise ValueError(f"fragments must be in [1, {n}] (the model has {n} layers with "
+                         f"parameters), got {count}")
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    inf = float("inf")
+    # best[k][i]: smallest largest-group over the first i sizes cut into k groups
+    best = [[inf] * (n + 1) for _ in range(count + 1)]
+    cut = [[0] * (n + 1) for _ in range(count + 1)]
+    best[0][0] = 0
+    for k in range(1, count + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    lengths, i = [], n
+    for k in range(count, 0, -1):
+        j = cut[k][i]
+        lengths.append(i - j)
+        i = j
+    return lengths[::-1]
+
+
+def split_fragments(module: nn.Module, count: int) -> list[nn.Module]:
+    """``module`` as ``count`` contiguous fragments (ModuleLists of its layers) of about equal
+    parameter count, together holding every parameter exactly once.
+
+    Raises:
+        ValueError: ``count`` out of range, or parameters outside the layers found.
+    """
+    units = fragment_units(module)
+    sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+    total = sum(p.numel() for p in module.parameters())
+    if sum(sizes) != total:
+        raise ValueError(f"{type(module).__name__} holds {total} parameters, its layers "
+                         f"{sum(sizes)}: some sit outside a layer or are shared")
+    out, start = [], 0
+    for length in partition(sizes, count):
+        out.append(nn.ModuleList(units[start:start + length]))
+        start += length
+    return out
+
+
+def build(name: str, module: nn.Module, cfg: M.Config) -> M.Built:
+    """torchft-diloco or torchft-streaming-diloco around ``module`` (collective: every rank)."""
+    from torch.distributed import TCPStore
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torchft import Manager, ProcessGroupGloo
+    from torchft._torchft import LighthouseServer
+    from torchft.local_sgd import DiLoCo
+
+    layout = cfg.layout
+    rank = dist.get_rank()
+    node, local = divmod(rank, layout.procs)
+    timeout = timedelta(seconds=cfg.pg_timeout)
+    streaming = name == "torchft-streaming-diloco"
+
+    # Intra-node group for DDP (collective: every rank creates every node's group).
+    subgroup, _ = dist.new_subgroups(group_size=layout.procs)
+    addr = node_address()
+
+    lighthouse = None
+    box: list[Any] = [None]
+    if rank == 0:
+        # join_timeout only matters while not every heartbeating replica has joined a quorum;
+        # all nodes start together, so it never delays a round here.
+        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=layout.nodes,
+                                      join_timeout_ms=60_000, quorum_tick_ms=100)
+        box = [f"http://{addr}:{lighthouse.address().rsplit(':', 1)[1]}"]
+    dist.broadcast_object_list(box, src=0)
+    lighthouse_addr = box[0]
+
+    # The replica group's store: torchft's Manager keeps its own keys there, and the quorum
+    # hands the primary's store address to every group for the cross-node process groups, so
+    # it must listen on the node's routable address.
+    store = None
+    box = [None]
+    if local == 0:
+        store = TCPStore(host_name=addr, port=0, is_master=True, wait_for_workers=False)
+        box = [store.port]
+    dist.broadcast_object_list(box, src=node * layout.procs, group=subgroup)
+    store_port = box[0]
+
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+        min_replica_size=layout.nodes, use_async_quorum=False, timeout=timeout,
+        quorum_timeout=timeout, connect_timeout=timeout, rank=local, world_size=layout.procs,
+        store_addr=addr, store_port=store_port, lighthouse_addr=lighthouse_addr,
+        replica_id=f"qcb_node{node}", hostname=addr,
+        # Every rank starts from the same seeded weights: no checkpoint transfer at step 0.
+        init_sync=False,
+    )
+    model = DDP(module, process_group=subgroup) if layout.procs > 1 else module
+    inner = M.inner_optimizer(module.parameters(), cfg)
+    frags = split_fragments(module, cfg.streaming_fragments) if streaming else [module]
+    outer = [torch.optim.SGD(f.parameters(), lr=cfg.diloco_outer_lr,
+                             momentum=cfg.diloco_outer_momentum, nesterov=OUTER_NESTEROV)
+             for f in frags]
+    delay = cfg.streaming_delay if streaming else 0
+    diloco = DiLoCo(manager, frags, inner, outer, sync_every=cfg.diloco_sync_every,
+                    backup_device=torch.device("cpu"), pin_memory=False,
+                    should_quantize=False, fragment_sync_delay=delay)
+    # The first quorum configures the cross-node process groups (TCP connections); do it now,
+    # in the untimed set-up, as the other methods' first collective happens in the warm-up.
+    manager.start_quorum()
+
+    def flush() -> None:
+        # Complete a fragment allreduce in flight (started `delay` steps before it is applied)
+        # so that its bytes are on the wire before the interface counters are read. Only waits
+        # for the transfer; DiLoCo applies it at its usual step. torchft has no public call for
+        # this, hence the private attributes.
+        for frag in getattr(diloco, "_fragments", []):
+            for work in list(getattr(frag, "_allreduce_work", [])):
+                work.wait()
+
+    def close() -> None:
+        # Also what keeps the node's TCPStore alive until the end: a store dropped when build()
+        # returns takes the server down while the node's other ranks still use it.
+        nonlocal store
+        manager.shutdown(wait=False)
+        if lighthouse is not None:
+            lighthouse.shutdown()
+        store = None
+
+    numel = [sum(p.numel() for p in f.parameters()) for f in frags]
+    return M.Built(model, module, inner, flush=flush, finalize=lambda: M._average_all(module),
+                   close=close, context=diloco,
+                   notes={"sync_every": cfg.diloco_sync_every, "fragments": len(frags),
+                          "fragment_numel": numel, "fragment_sync_delay": delay,
+                          "outer": f"SGD lr {cfg.diloco_outer_lr} momentum "
+                                   f"{cfg.diloco_outer_momentum} nesterov",
+                          "should_quantize": False, "torchft": torchft_version(),
+                          "intra_node": "DDP" if layout.procs > 1 else "none (1 rank)"})
+
+
+def torchft_version() -> str:
+    from importlib.metadata import version
+
+    return version("torchft")
