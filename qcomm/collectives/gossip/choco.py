@@ -100,7 +100,13 @@ from qcomm.collectives.errors import CorruptPayloadError, PeerTimeoutError
 from qcomm.collectives.memory import MemoryGroup
 from qcomm.collectives.primitives import all_reduce, group_size
 from qcomm.collectives.stats import CommStats
-from qcomm.compress import QuantSpec, dequant_accumulate, packed_nbytes, quantize
+from qcomm.compress import (
+    WIRE_FORMAT_VERSION,
+    QuantSpec,
+    dequant_accumulate,
+    packed_nbytes,
+    quantize,
+)
 from qcomm.kernels.counter_hash import check_seed
 
 from .graphs import check_graph, neighbours
@@ -460,15 +466,18 @@ class CompressedGossip:
         without applying them). Tensors are references, like torch's state_dicts.
 
         Returns:
-            ``{"config": {...}, "gamma", "seed", "rounds_started", "rounds_applied",
-            "hat_own" | "hat_pub" | "mix_acc": float32 [numel] or None before the first step,
-            "in_flight": [(round, uint8 [degree + 1, nbytes])]}``.
+            ``{"config": {...}, "wire_format": int, "gamma", "seed", "rounds_started",
+            "rounds_applied", "hat_own" | "hat_pub" | "mix_acc" | "momentum": float32 [numel]
+            or None before the first step (momentum: without outer momentum),
+            "in_flight": [(round, uint8 [degree + 1, nbytes + 8])]}`` (each row a payload and
+            its seal).
         """
         for r in self._in_flight:
             if r.handle is not None:
                 r.handle.wait(self.timeout_s)
                 r.handle = None
-        return {"config": self._config(), "gamma": self.gamma, "seed": self.seed,
+        return {"config": self._config(), "wire_format": WIRE_FORMAT_VERSION,
+                "gamma": self.gamma, "seed": self.seed,
                 "rounds_started": self.rounds_started, "rounds_applied": self.rounds_applied,
                 "hat_own": self._hat_own, "hat_pub": self._hat_pub, "mix_acc": self._mix_acc,
                 "momentum": self._momentum,
@@ -483,6 +492,15 @@ class CompressedGossip:
         if state["config"] != self._config():
             raise ValueError(f"state was saved with config {state['config']}, this gossip has "
                              f"{self._config()}")
+        # Payloads in flight are bytes of the wire format they were saved with (states before
+        # the version was recorded are format 1). Formats 1 and 2 differ only in the 2-bit code.
+        saved_format = int(state.get("wire_format", 1))
+        if saved_format != WIRE_FORMAT_VERSION and (
+                saved_format > WIRE_FORMAT_VERSION or self.spec.bits == 2) and state["in_flight"]:
+            raise ValueError(f"state holds {self.spec.bits}-bit messages in wire format "
+                             f"{saved_format}, which this version (format {WIRE_FORMAT_VERSION}) "
+                             "decodes differently; restart the gossip state (world-size change "
+                             "mode 'reinit') or resume with the version that saved it")
         if self._in_flight and any(r.handle is not None for r in self._in_flight):
             raise RuntimeError("load_state_dict with rounds of this instance in flight")
         copy = lambda t: None if t is None else t.detach().clone()
