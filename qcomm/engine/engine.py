@@ -297,45 +297,46 @@ class AveragingEngine:
         else:
             self.setup()
             self._check_frozen()
-            if self._gossip is not None and self.round_due(self.steps):
-                self._verify_due_round()
             topo = self._topology
-            finite, node_finite = node_mean_and_vote(
+            round_error, round_mask = None, None
+            if self._gossip is not None and self.round_due(self.steps):
+                # Before anything of this step changes: receive and verify the round this
+                # step applies; the node agrees on it with the gradient mean (one collective).
+                round_error = self._receive_due_round()
+                round_mask = 1 << topo.local_rank if round_error is not None else 0
+            finite, node_finite, failed = node_mean_and_vote(
                 grads, topo, self._intra, grads_are_node_means=self._ddp_intra,
                 quantized=self.options.intra_spec is not None,
                 skip_across_nodes=self.options.on_nonfinite == "skip" and topo.num_nodes > 1,
-                timeout_s=self.options.timeout_s)
+                timeout_s=self.options.timeout_s, round_mask=round_mask)
+            if round_error is not None:
+                raise round_error
+            if failed:
+                raise self._node_mate_failed(failed)
         if not finite:
             self._nonfinite(node_finite)
         self._grads_synced, self._go = True, finite
         return finite
 
-    def _verify_due_round(self) -> None:
-        """Before anything of this step changes: wait for and verify the gossip round this
-        step will apply, and agree inside the node. A rank whose rail failed raises its own
-        error; its node-mates raise one naming it (they would otherwise update their copy of
-        the model alone, then wait for it in the all-gather)."""
-        error: PeerError | None = None
+    def _receive_due_round(self) -> PeerError | None:
+        """Wait for and verify the gossip round this step will apply; the error, if any (raised
+        by the caller once the node has agreed, so that no rank of the node updates its copy of
+        the model alone and then waits for the others in the all-gather)."""
         try:
             self._gossip.verify_next()
         except PeerError as e:
-            error = e
+            return e
+        return None
+
+    def _node_mate_failed(self, mask: int) -> PeerError:
+        """The error of a rank whose node-mate(s) in ``mask`` could not use the round."""
         topo = self._topology
-        if topo.procs_per_node > 1:
-            device = self._flat.flat.device
-            flag = torch.tensor([topo.rank + 1 if error is not None else 0], device=device,
-                                dtype=torch.int64)
-            all_reduce(flag, topo.intra_group, "max", timeout_s=self.options.timeout_s,
-                       link="intra", operation="vote on the gossip round")
-            failed = int(flag.item()) - 1
-            if error is None and failed >= 0:
-                round_ = self._gossip.rounds_started - self._gossip.staleness
-                error = PeerError(
-                    f"gossip round {round_}: rank {failed} of this node could not receive or "
-                    "verify its rail's messages; nothing of this step was applied",
-                    f"gossip round {round_}", [failed], "intra")
-        if error is not None:
-            raise error
+        ranks = [topo.node_ranks[i] for i in range(topo.procs_per_node) if mask >> i & 1]
+        round_ = self._gossip.rounds_started - self._gossip.staleness
+        return PeerError(
+            f"gossip round {round_}: ranks {ranks} of this node could not receive or verify "
+            "their rails' messages; nothing of this step was applied",
+            f"gossip round {round_}", ranks, "intra")
 
     def _nonfinite(self, node_finite: bool) -> None:
         """Raise, or count the skip."""

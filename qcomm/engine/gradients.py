@@ -49,12 +49,14 @@ class NonFiniteGradientError(FloatingPointError):
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """True when no tensor holds NaN or +-Inf. One host sync per device, whatever the number of
     tensors (tensors may live on several devices)."""
-    # Not a sum-based test: the sum of finite values can overflow to Inf (a false alarm).
+    # Each tensor's min and max (one reduction pass, no temporary the size of the tensor;
+    # NaN propagates into both, +-Inf shows in one): finite exactly when the tensor is. Not a
+    # sum-based test: the sum of finite values can overflow to Inf (a false alarm).
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
-            by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
-    return all(bool(torch.stack(flags).all()) for flags in by_device.values())
+            by_device.setdefault(t.device, []).extend(torch.aminmax(t))
+    return all(bool(torch.isfinite(torch.stack(ends)).all()) for ends in by_device.values())
 
 
 def _flag(finite: bool, grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -65,19 +67,24 @@ def _flag(finite: bool, grads: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _vote(finite: bool, grads: Sequence[torch.Tensor], group: object, link: str,
-          timeout_s: float | None) -> bool:
-    """True when every member of ``group`` saw finite gradients."""
-    flag = _flag(finite, grads)
-    all_reduce(flag, group, "max", timeout_s=timeout_s, link=link,
+          timeout_s: float | None, mask: int = 0) -> tuple[bool, int]:
+    """``(every member of group saw finite gradients, OR of the members' masks)``: one
+    2-element all-reduce (sum: the masks are distinct powers of two)."""
+    device = grads[0].device if grads else torch.device("cpu")
+    flags = torch.tensor([0 if finite else 1, mask], dtype=torch.int64, device=device)
+    all_reduce(flags, group, "sum", timeout_s=timeout_s, link=link,
                operation="vote on finite gradients")
-    return flag.item() == 0.0
+    bad, total = flags.tolist()
+    return bad == 0, total
 
 
 def node_mean_and_vote(grads: Sequence[torch.Tensor], topology: Topology,
                        intra: IntraNodeAllreduce | None, *, grads_are_node_means: bool,
                        quantized: bool, skip_across_nodes: bool,
-                       timeout_s: float | None = None) -> tuple[bool, bool]:
-    """Replace ``grads`` by the node's mean (unless they are already) and agree on finiteness.
+                       timeout_s: float | None = None,
+                       round_mask: int | None = None) -> tuple[bool, bool, int]:
+    """Replace ``grads`` by the node's mean (unless they are already) and agree on finiteness,
+    and on the gossip round this step applies.
 
     Args:
         grads: this rank's gradients, the same shapes on every rank of the node.
@@ -87,20 +94,39 @@ def node_mean_and_vote(grads: Sequence[torch.Tensor], topology: Topology,
         quantized: the intra-node mean goes through the codec (``intra_bits``).
         skip_across_nodes: ``on_nonfinite="skip"`` with several nodes: the nodes vote too.
         timeout_s: how long each collective waits for the other ranks.
+        round_mask: when this step applies a gossip round, ``2**local_rank`` if this rank
+            could not receive or verify it, else 0; None when no round is due. The node ORs
+            the masks, riding on a collective the step runs anyway where there is one (the
+            full-precision mean carries it as one more float), else in the vote.
 
     Returns:
-        ``(go, locally_finite)``: ``go`` is True when every rank that must agree saw finite
-        gradients (the step goes ahead); ``locally_finite`` says whether this node's own
-        gradients were finite (for the error message).
+        ``(go, locally_finite, failed_mask)``: ``go`` is True when every rank that must agree
+        saw finite gradients; ``locally_finite`` says whether this node's own gradients were
+        finite (for the error message); ``failed_mask`` ORs the node's ``round_mask`` (0
+        without a round or when alone on the node).
     """
-    if intra is not None and not quantized and not grads_are_node_means:
-        intra.mean_(grads)
+    alone = intra is None
+    mask = 0 if round_mask is None else round_mask
+    failed = 0
+    if not alone and not quantized and not grads_are_node_means:
+        if round_mask is None:
+            intra.mean_(grads)
+        else:
+            # One more element in the mean: sum / L of distinct powers of two, recovered
+            # exactly (masks stay far below 2**24) by scaling back and rounding.
+            device = grads[0].device if grads else torch.device("cpu")
+            carrier = torch.tensor([float(mask)], dtype=torch.float32, device=device)
+            intra.mean_([*grads, carrier])
+            failed = round(carrier.item() * topology.procs_per_node)
     finite = all_finite(grads)
-    if intra is not None and quantized and not grads_are_node_means:
-        finite = _vote(finite, grads, topology.intra_group, "intra", timeout_s)
+    if not alone and (quantized or (grads_are_node_means and round_mask is not None)):
+        voted_finite, failed = _vote(finite, grads, topology.intra_group, "intra", timeout_s,
+                                     mask)
+        # DDP's mean propagates NaN like ours: the finite verdict is the node's already.
+        finite = voted_finite if quantized else finite
     node_finite = finite
     if skip_across_nodes:
-        finite = _vote(finite, grads, topology.rail_group, "inter", timeout_s)
-    if finite and intra is not None and quantized and not grads_are_node_means:
+        finite, _ = _vote(finite, grads, topology.rail_group, "inter", timeout_s)
+    if finite and not failed and not alone and quantized and not grads_are_node_means:
         intra.mean_(grads)
-    return finite, node_finite
+    return finite, node_finite, failed if not alone else 0
