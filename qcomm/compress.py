@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 
 from qcomm.kernels import reference
-from qcomm.kernels.counter_hash import check_seed
 from qcomm.kernels.wire_format import (
     INPUT_DTYPES,
     WIRE_FORMAT_VERSION,
@@ -46,6 +45,8 @@ from qcomm.kernels.wire_format import (
     packed_nbytes,
     split_payload,
 )
+from qcomm.seeds import draw_seed
+from qcomm.validation import check_seed
 
 __all__ = [
     "WIRE_FORMAT_VERSION",
@@ -237,7 +238,7 @@ def _resolve_seed(seed: int | None, spec: QuantSpec) -> int:
         if spec.rounding == "nearest":
             return 0
         # Drawn from torch's default generator, so torch.manual_seed makes runs reproducible.
-        return int(torch.randint(0, 2**62, (1,)).item())
+        return draw_seed()
     return check_seed(seed)
 
 

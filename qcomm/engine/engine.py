@@ -46,6 +46,7 @@ from qcomm.engine.flat import FlatParams
 from qcomm.engine.gradients import NonFiniteGradientError, all_finite, node_mean_and_vote
 from qcomm.engine.options import CommOptions
 from qcomm.engine.state import EngineStateFile, check_loadable, geometry
+from qcomm.seeds import rail_seed
 
 __all__ = ["AveragingEngine"]
 
@@ -185,7 +186,7 @@ class AveragingEngine:
                 stats=self.comm_stats, fragments=opts.fragments,
                 outer_momentum=opts.outer_momentum,
                 # One random stream per rail (rails quantize different shards).
-                seed=(opts.seed * 1_000_003 + topo.local_rank) % 2**63,
+                seed=rail_seed(opts.seed, topo.local_rank),
             )
             self._shard = torch.empty(flat.shard_numel, dtype=torch.float32,
                                       device=flat.flat.device)

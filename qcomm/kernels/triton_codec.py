@@ -36,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qcomm.kernels.counter_hash import check_seed
 from qcomm.kernels.wire_format import (
     INPUT_DTYPES,
     QuantSpec,
@@ -44,6 +43,7 @@ from qcomm.kernels.wire_format import (
     num_blocks,
     packed_nbytes,
 )
+from qcomm.validation import check_seed
 
 __all__ = ["dequant_accumulate_into", "dequantize_into", "quantize_into"]
 

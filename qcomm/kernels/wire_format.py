@@ -95,6 +95,8 @@ from typing import Literal
 
 import torch
 
+from qcomm.validation import check_choice, check_instance, check_int, fail
+
 WIRE_FORMAT_VERSION = 2
 """Version of the byte layout and arithmetic of a payload (see the module docstring)."""
 
@@ -126,20 +128,15 @@ class QuantSpec:
     rounding: Rounding = "nearest"
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
-            raise TypeError(f"bits must be an int in {SUPPORTED_BITS}, got {self.bits!r}")
-        if self.bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
-        bs = self.block_size
-        if isinstance(bs, bool) or not isinstance(bs, int):
-            raise TypeError(f"block_size must be an int power of two, got {bs!r}")
-        if not (MIN_BLOCK_SIZE <= bs <= MAX_BLOCK_SIZE) or bs & (bs - 1):
-            raise ValueError(
-                f"block_size must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
-                f"got {bs}"
-            )
-        if self.rounding not in ROUNDING_MODES:
-            raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {self.rounding!r}")
+        # An int first (TypeError for 2.0 or True), then one of the allowed values.
+        check_int("bits", self.bits, what=f"one of {SUPPORTED_BITS}")
+        check_choice("bits", self.bits, SUPPORTED_BITS)
+        what = f"a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]"
+        bs = check_int("block_size", self.block_size, low=MIN_BLOCK_SIZE, high=MAX_BLOCK_SIZE,
+                       what=what)
+        if bs & (bs - 1):
+            fail("block_size", what, bs)
+        check_choice("rounding", self.rounding, ROUNDING_MODES)
 
     @property
     def max_level(self) -> int:
@@ -159,9 +156,7 @@ class QuantSpec:
 
 
 def _check_spec(spec: object) -> QuantSpec:
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"spec must be a QuantSpec, got {type(spec).__name__}")
-    return spec
+    return check_instance("spec", spec, QuantSpec)  # type: ignore[return-value]
 
 
 def num_blocks(numel: int, spec: QuantSpec) -> int:
@@ -178,10 +173,10 @@ def packed_nbytes(numel: int, spec: QuantSpec) -> int:
     """Exact payload length in bytes for ``numel`` values under ``spec`` (0 for numel 0).
 
     Raises:
-        ValueError: ``numel`` is not a non-negative int. TypeError: ``spec`` is not a QuantSpec.
+        TypeError: ``numel`` is not an int, or ``spec`` is not a QuantSpec. ValueError:
+            ``numel`` is negative.
     """
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    check_int("numel", numel, low=0)
     return codes_nbytes(numel, spec) + SCALE_NBYTES * num_blocks(numel, spec)
 
 

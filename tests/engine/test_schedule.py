@@ -136,7 +136,8 @@ def test_resume_mid_period_is_bit_exact(nodes: int, ppn: int, momentum: float) -
 def test_schedule_options_are_validated_by_name() -> None:
     model = mlp(0)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="fragments must divide sync_every"):
+    with pytest.raises(ValueError, match="fragments must be an int >= 1 dividing sync_every=8, "
+                                         "got 3"):
         HierarchicalOptimizer(inner, sync_every=8, fragments=3)
     with pytest.raises(ValueError, match="sync_every must be an int >= 1"):
         HierarchicalOptimizer(inner, sync_every=0)

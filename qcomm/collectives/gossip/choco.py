@@ -88,7 +88,6 @@ collective) and keep the run deterministic. Re-measure on real nodes with the GP
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -107,7 +106,19 @@ from qcomm.compress import (
     packed_nbytes,
     quantize,
 )
-from qcomm.kernels.counter_hash import check_seed
+from qcomm.kernels.wire_format import SUPPORTED_BITS
+from qcomm.seeds import gossip_message_seed
+from qcomm.validation import (
+    check_choice,
+    check_fragments,
+    check_gamma,
+    check_instance,
+    check_int,
+    check_outer_momentum,
+    check_seed,
+    check_staleness,
+    check_timeout,
+)
 
 from .graphs import check_graph, neighbours
 from .integrity import SEAL_NBYTES, bad_messages, seal_
@@ -130,19 +141,12 @@ def default_gamma(bits: int, staleness: int) -> float:
     late (table in the module docstring; about half the largest gamma that converged in the
     measurement, so that a graph or data set a little harsher than the measured ones still
     converges)."""
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f"bits must be one of (1, 2, 4, 8), got {bits!r}")
+    check_choice("bits", bits, SUPPORTED_BITS)
+    check_staleness(staleness)
     if staleness <= 2:
         return _DEFAULT_GAMMA[(bits, staleness)]
     # Beyond the measured range: shrink like 1 / staleness (the delay-stability rule of thumb).
     return _DEFAULT_GAMMA[(bits, 2)] * 2.0 / staleness
-
-
-def round_seed(seed: int, round: int, member: int) -> int:
-    """The stochastic-rounding seed of ``member``'s message of ``round``: a 64-bit hash of
-    ``(seed, round, member)`` (distinct streams for every message, reproducible runs)."""
-    h = hashlib.blake2b(f"qcomm-gossip:{seed}:{round}:{member}".encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little")
 
 
 @dataclass
@@ -221,40 +225,20 @@ class CompressedGossip:
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
                  outer_momentum: float = 0.0, transport: Transport | None = None) -> None:
-        # hyperparameters (checked, then fixed)
+        # hyperparameters (checked with the limits every layer shares, then fixed)
         self.graph = check_graph(graph)
         self.mixing = check_mixing(mixing)
-        if not isinstance(spec, QuantSpec):
-            raise TypeError(f"spec must be a qcomm.compress.QuantSpec, got {type(spec).__name__}")
-        self.spec = spec
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
-            raise ValueError(f"numel must be an int >= 1, got {numel!r}")
-        self.numel = numel
-        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-            raise ValueError(f"staleness must be an int >= 0, got {staleness!r}")
-        self.staleness = staleness
-        if gamma is None:
-            gamma = default_gamma(spec.bits, staleness)
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (
-                0.0 < gamma <= 1.0):
-            raise ValueError(f"gamma must be a float in (0, 1], got {gamma!r}")
-        self.gamma = float(gamma)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
-                timeout_s > 0 and math.isfinite(timeout_s)):
-            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
-        self.timeout_s = float(timeout_s)
+        self.spec = check_instance("spec", spec, QuantSpec)
+        self.numel = check_int("numel", numel, low=1)
+        self.staleness = check_staleness(staleness)
+        self.gamma = check_gamma(default_gamma(spec.bits, self.staleness) if gamma is None
+                                 else gamma)
+        self.timeout_s = check_timeout(timeout_s)
         self.seed = check_seed(seed)
-        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 \
-                or numel % fragments:
-            raise ValueError(f"fragments must be an int >= 1 dividing numel={numel}, "
-                             f"got {fragments!r}")
-        self.fragments = fragments
+        self.fragments = check_fragments(fragments, self.numel, "numel")
         self.fragment_numel = numel // fragments
-        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) \
-                or not 0.0 <= outer_momentum < 1.0:
-            raise ValueError(f"outer_momentum must be a float in [0, 1), got {outer_momentum!r}")
-        self.outer_momentum = float(outer_momentum)
-        self.stats = stats if stats is not None else CommStats()
+        self.outer_momentum = check_outer_momentum(outer_momentum)
+        self.stats = check_instance("stats", stats, CommStats, allow_none=True) or CommStats()
 
         if transport is not None:
             if group is not None:
@@ -365,7 +349,8 @@ class CompressedGossip:
         payloads = torch.empty(len(self.peers) + 1, self.message_nbytes, dtype=torch.uint8,
                                device=x.device)
         mine = payloads[0, :self.nbytes]
-        quantize(self._scratch, self.spec, seed=round_seed(self.seed, t, self.member), out=mine)
+        quantize(self._scratch, self.spec, seed=gossip_message_seed(self.seed, t, self.member),
+                 out=mine)
         seal_(payloads[0], t, self.member)
         dequant_accumulate(mine, own, self.spec)
         handle = self.transport.exchange(t, payloads[0], payloads[1:])
