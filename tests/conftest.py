@@ -31,3 +31,16 @@ def device() -> str:
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return "cuda"
     return "cpu"
+
+
+@pytest.fixture(scope="session")
+def gloo():
+    """Gloo worlds kept for the whole session, one per world size:
+    ``gloo.run(fn, world_size, args=(...))`` runs ``fn(rank, world_size, *args)`` on every rank
+    of it (see :class:`qcomm.testing.multiprocess.WorldPools`). A body that fails breaks its
+    world, and the next test of that size gets a fresh one."""
+    from qcomm.testing.multiprocess import WorldPools
+
+    pools = WorldPools()
+    yield pools
+    pools.close()
