@@ -13,7 +13,6 @@ from qcomm.collectives.memory import MemoryWorld
 from qcomm.collectives.topology import Topology
 from qcomm.compress import QuantSpec, packed_nbytes
 from qcomm.sgd import HierarchicalOptimizer
-from qcomm.testing.multiprocess import run_world
 from tests.engine.problems import mlp, mlp_loss
 
 LAYOUTS = [(2, 2), (4, 1)]
@@ -152,8 +151,8 @@ def _gloo_body(rank: int, world: int) -> list:
                                            outer_momentum=0.5)["own"]]
 
 
-def test_fragmented_gossip_over_gloo_matches_in_memory() -> None:
-    over_gloo = run_world(_gloo_body, 4, timeout_s=120)
+def test_fragmented_gossip_over_gloo_matches_in_memory(gloo) -> None:
+    over_gloo = gloo.run(_gloo_body, 4)
     world = MemoryWorld(4, timeout_s=30)
     threads = torch.get_num_threads()
     try:
