@@ -38,6 +38,9 @@ import torch
 from qcomm.kernels import reference
 from qcomm.kernels.wire_format import (
     INPUT_DTYPES,
+    MAX_BLOCK_SIZE,
+    MIN_BLOCK_SIZE,
+    SUPPORTED_BITS,
     WIRE_FORMAT_VERSION,
     QuantSpec,
     codes_nbytes,
@@ -46,7 +49,7 @@ from qcomm.kernels.wire_format import (
     split_payload,
 )
 from qcomm.seeds import draw_seed
-from qcomm.validation import check_seed
+from qcomm.validation import check_instance, check_seed, check_tensor
 
 __all__ = [
     "WIRE_FORMAT_VERSION",
@@ -181,48 +184,61 @@ def _kernels(device: torch.device):
 
 
 def _check_spec(spec: object) -> QuantSpec:
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"spec must be a qcomm.compress.QuantSpec, got {type(spec).__name__}")
-    return spec
+    return check_instance("spec", spec, QuantSpec,
+                          what="a qcomm.compress.QuantSpec")  # type: ignore[return-value]
 
 
 def _check_float_tensor(t: object, name: str, dtypes: Sequence[torch.dtype]) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"{name} must have dtype in ({allowed}), got {t.dtype}")
-    return t
+    return check_tensor(name, t, dtypes=dtypes)
 
 
 def _check_buffer(buf: object, name: str, like: torch.Tensor) -> torch.Tensor:
     """An fp32 buffer with ``like``'s numel and device, contiguous (written in place)."""
-    buf = _check_float_tensor(buf, name, (torch.float32,))
+    buf = check_tensor(name, buf, dtypes=(torch.float32,))
     if buf.numel() != like.numel():
         raise ValueError(f"{name} must have numel {like.numel()} (like x), got {buf.numel()}")
     if buf.device != like.device:
         raise ValueError(f"{name} must be on {like.device} (like x), got {buf.device}")
-    if not buf.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (it is updated in place)")
-    return buf
+    return check_tensor(name, buf, contiguous=True, why="it is updated in place")
+
+
+def _fitting_specs(nbytes: int, numel: int, spec: QuantSpec) -> list[str]:
+    """The other (bits, block_size) under which ``numel`` values take ``nbytes`` bytes."""
+    out = []
+    for bits in SUPPORTED_BITS:
+        bs = MIN_BLOCK_SIZE
+        while bs <= MAX_BLOCK_SIZE:
+            if (bits, bs) != (spec.bits, spec.block_size) and packed_nbytes(
+                    numel, QuantSpec(bits, bs, spec.rounding)) == nbytes:
+                out.append(f"bits={bits}, block_size={bs}")
+            bs *= 2
+    return out
+
+
+def _length_mismatch(name: str, nbytes: int, numel: int, spec: QuantSpec) -> str:
+    """Why a payload of ``nbytes`` bytes is not one of ``numel`` values under ``spec``: the
+    lengths, and the specs the length would fit (a payload made with another spec is the
+    usual cause), or that it fits none (a truncated or foreign buffer)."""
+    want = packed_nbytes(numel, spec)
+    head = (f"{name} must be packed_nbytes({numel}, spec) = {want} bytes per message for "
+            f"{numel} values with bits={spec.bits}, block_size={spec.block_size}, got {nbytes}")
+    fits = _fitting_specs(nbytes, numel, spec)
+    if fits:
+        return f"{head}; {nbytes} bytes fit {numel} values under {' or '.join(fits)}: was it " \
+               f"quantized with another spec?"
+    return f"{head}; the payload does not match this spec (numel, bits, block size) nor any " \
+           f"other spec for {numel} values: a truncated or foreign buffer?"
 
 
 def _check_payload_tensor(p: object, name: str, numel: int, spec: QuantSpec,
                           ndim: int) -> torch.Tensor:
-    if not isinstance(p, torch.Tensor):
-        raise TypeError(f"{name} must be a uint8 torch.Tensor, got {type(p).__name__}")
-    if p.dtype != torch.uint8:
-        raise TypeError(f"{name} must have dtype uint8, got {p.dtype}")
-    want = packed_nbytes(numel, spec)
-    if p.dim() != ndim or p.shape[-1] != want:
+    p = check_tensor(name, p, dtypes=(torch.uint8,))
+    if p.dim() != ndim:
         shape = "[nbytes]" if ndim == 1 else "[K, nbytes]"
-        raise ValueError(
-            f"{name} must have shape {shape} with nbytes = packed_nbytes({numel}, spec) = "
-            f"{want}, got {tuple(p.shape)}"
-        )
-    if not p.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    return p
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(p.shape)}")
+    if p.shape[-1] != packed_nbytes(numel, spec):
+        raise ValueError(_length_mismatch(name, p.shape[-1], numel, spec))
+    return check_tensor(name, p, contiguous=True)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -353,12 +369,8 @@ def dequantize(packed: Packed, *, out: torch.Tensor | None = None,
             raise TypeError(f"dtype must be one of {INPUT_DTYPES}, got {dtype}")
         out = torch.empty(packed.shape, dtype=dtype, device=device)
     else:
-        _check_float_tensor(out, "out", INPUT_DTYPES)
-        if out.numel() != packed.numel or out.device != device or not out.is_contiguous():
-            raise ValueError(
-                f"out must be a contiguous tensor of {packed.numel} elements on {device}, got "
-                f"{out.numel()} elements on {out.device}"
-            )
+        check_tensor("out", out, dtypes=INPUT_DTYPES, numel=packed.numel, device=device,
+                     contiguous=True, why="it is written in place")
     _raise_if_nonfinite(packed.scales, "packed", "carries")
     _kernels(device).dequantize_into(packed.payload, packed.spec, out.view(-1))
     return out
@@ -388,9 +400,8 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
             still overflow.
     """
     spec = _check_spec(spec)
-    out = _check_float_tensor(out, "out", (torch.float32,))
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous (it is updated in place)")
+    out = check_tensor("out", out, dtypes=(torch.float32,), contiguous=True,
+                       why="it is updated in place")
     if isinstance(payloads, torch.Tensor) and payloads.dim() == 1:
         payloads = payloads.unsqueeze(0)
     payloads = _check_payload_tensor(payloads, "payloads", out.numel(), spec, ndim=2)

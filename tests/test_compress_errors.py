@@ -382,3 +382,38 @@ def test_dequant_accumulate_near_the_limit_is_not_an_error() -> None:
     dequant_accumulate(torch.stack([plus, minus]), out, spec4)
     d = dequantize(Packed.from_payload(plus, 32, spec4))
     assert torch.equal(out, (torch.ones(32) + d) - d)
+
+
+# ---------------------------------------------------------------------------------------------
+# messages that say what is wrong
+
+
+def test_non_contiguous_out_is_named_as_such() -> None:
+    p = quantize(torch.randn(512), QuantSpec(4, 128))
+    with pytest.raises(ValueError, match=r"out must be contiguous \(it is written in place\), "
+                                         r"got a non-contiguous tensor of shape \(512,\)"):
+        dequantize(p, out=torch.zeros(1024)[::2])
+    with pytest.raises(ValueError, match="out must have 512 elements, got 511"):
+        dequantize(p, out=torch.zeros(511))
+    with pytest.raises(ValueError, match="out must be on meta, got cpu"):
+        dequantize(Packed.from_payload(p.payload.to("meta"), 512, QuantSpec(4, 128)),
+                   out=torch.zeros(512))
+
+
+def test_payload_of_another_spec_names_the_spec_it_fits() -> None:
+    p = quantize(torch.randn(512), QuantSpec(4, 128))
+    with pytest.raises(ValueError) as info:
+        Packed.from_payload(p.payload, 512, QuantSpec(2, 128))
+    msg = str(info.value)
+    assert msg.startswith("payload must be packed_nbytes(512, spec) = 144 bytes per message "
+                          "for 512 values with bits=2, block_size=128, got 272"), msg
+    assert "272 bytes fit 512 values under bits=4, block_size=128" in msg
+    with pytest.raises(ValueError, match="fit 512 values under bits=4, block_size=128"):
+        dequant_accumulate(p.payload, torch.zeros(512), QuantSpec(8, 32))
+
+
+def test_payload_that_fits_no_spec_says_so() -> None:
+    p = quantize(torch.randn(512), QuantSpec(4, 128))
+    with pytest.raises(ValueError, match=r"does not match this spec \(numel, bits, block size\) "
+                                         r"nor any other spec for 512 values"):
+        Packed.from_payload(p.payload[:-1], 512, QuantSpec(4, 128))
