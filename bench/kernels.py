@@ -254,10 +254,10 @@ class Runner:
         self.baseline = load_baseline(args.baseline) if args.baseline else None
 
     @property
-    def kernels(self):
-        """The backend module the public API dispatches to, called directly for the kernel row.
+    def kernels(self) -> compress.CodecBackend:
+        """The backend the public API dispatches to, called directly for the kernel row.
         Resolved on use, so a backend that fails to import fails its rows, not the run."""
-        return compress._kernels(self.device)
+        return compress.backend_for(self.device)
 
     def spec(self, bits: int) -> QuantSpec:
         return QuantSpec(bits=bits, block_size=self.args.block_size, rounding=self.args.rounding)

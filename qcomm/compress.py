@@ -16,8 +16,10 @@ The byte layout, the rounding rules and the scale definitions are in
 must agree on it); the random stream of stochastic rounding is in
 :mod:`qcomm.kernels.counter_hash`. CUDA tensors run the fused Triton kernels
 (:mod:`qcomm.kernels.triton_codec`), CPU tensors run the bit-identical torch reference
-(:mod:`qcomm.kernels.reference`). ``QCOMM_BACKEND=reference|triton`` forces one (``triton`` on CPU
-tensors needs ``TRITON_INTERPRET=1``).
+(:mod:`qcomm.kernels.reference`); both implement :class:`qcomm.kernels.backend.CodecBackend`, and
+:func:`backend_for` chooses one per device type, once. ``QCOMM_BACKEND=reference|triton`` forces
+one (``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``). Triton is optional (the ``gpu``
+extra): without it CUDA tensors run the reference, with a warning.
 
 Non-finite input never leaks: a block holding NaN or Inf gets a NaN scale inside the kernel (no
 extra pass over the data); :func:`quantize` then raises :class:`NonFiniteError`, returns no
@@ -30,12 +32,13 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from qcomm.kernels import reference
+from qcomm.kernels.backend import GPU_EXTRA_HINT, CodecBackend, ReferenceBackend, TritonBackend
 from qcomm.kernels.wire_format import (
     INPUT_DTYPES,
     MAX_BLOCK_SIZE,
@@ -49,7 +52,7 @@ from qcomm.kernels.wire_format import (
     split_payload,
 )
 from qcomm.seeds import draw_seed
-from qcomm.validation import check_instance, check_seed, check_tensor
+from qcomm.validation import check_choice, check_instance, check_seed, check_tensor
 
 __all__ = [
     "WIRE_FORMAT_VERSION",
@@ -58,6 +61,7 @@ __all__ = [
     "NonFiniteError",
     "Packed",
     "QuantSpec",
+    "backend_for",
     "backend_name",
     "codes_nbytes",
     "dequant_accumulate",
@@ -65,6 +69,7 @@ __all__ = [
     "num_blocks",
     "packed_nbytes",
     "quantize",
+    "reset_backends",
 ]
 
 BACKENDS = ("reference", "triton")
@@ -144,39 +149,69 @@ class Packed:
                    dtype)
 
 
-def backend_name(device: torch.device) -> str:
-    """The backend that runs codec calls on ``device``: ``"triton"`` or ``"reference"``."""
-    forced = os.environ.get("QCOMM_BACKEND", "").strip().lower()
-    if forced not in ("", "auto", *BACKENDS):
-        raise ValueError(f"QCOMM_BACKEND must be one of {('auto', *BACKENDS)}, got {forced!r}")
+# The backend of each device type, chosen on the first codec call on that type (the
+# environment is read then, once) and kept: a codec call costs a dict lookup, not an
+# environment read and an import attempt.
+_backends: dict[str, CodecBackend] = {}
+_warned_no_triton = False
+
+
+def backend_for(device: torch.device) -> CodecBackend:
+    """The backend that runs codec calls on ``device``'s type (chosen once, then cached).
+
+    ``QCOMM_BACKEND`` (read at the first call per device type): unset or ``auto`` picks the
+    Triton kernels for CUDA tensors when triton is installed, else the reference (CUDA tensors
+    without triton run the reference on the GPU, with a warning naming the ``gpu`` extra: same
+    bytes, slower); ``reference`` forces the reference; ``triton`` forces the kernels (CPU
+    tensors then need ``TRITON_INTERPRET=1``).
+
+    Raises:
+        ValueError: ``QCOMM_BACKEND`` is none of the above, or ``triton`` on a CPU tensor
+            without the interpreter.
+        ImportError: ``QCOMM_BACKEND=triton`` without triton installed.
+    """
+    backend = _backends.get(device.type)
+    if backend is None:
+        backend = _backends[device.type] = _choose_backend(device.type)
+    return backend
+
+
+def _choose_backend(device_type: str) -> CodecBackend:
+    global _warned_no_triton
+    forced = check_choice("QCOMM_BACKEND",
+                          os.environ.get("QCOMM_BACKEND", "").strip().lower() or "auto",
+                          ("auto", *BACKENDS))
     if forced == "reference":
-        return "reference"
+        return ReferenceBackend()
     if forced == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "QCOMM_BACKEND=triton on a CPU tensor needs TRITON_INTERPRET=1 "
                 "(Triton compiles for CUDA devices only)"
             )
-        return "triton"
-    if device.type == "cuda" and _triton_available():
-        return "triton"
-    return "reference"
-
-
-def _triton_available() -> bool:
+        return TritonBackend()
+    if device_type != "cuda":
+        return ReferenceBackend()
     try:
-        import triton  # noqa: F401
+        return TritonBackend()
     except ImportError:
-        return False
-    return True
+        if not _warned_no_triton:
+            _warned_no_triton = True
+            warnings.warn(f"qcomm: triton is not installed, so CUDA tensors run the pure-torch "
+                          f"codec (the same bytes, slower); for the fused kernels: "
+                          f"{GPU_EXTRA_HINT}", RuntimeWarning, stacklevel=4)
+        return ReferenceBackend()
 
 
-def _kernels(device: torch.device):
-    if backend_name(device) == "triton":
-        from qcomm.kernels import triton_codec
+def reset_backends() -> None:
+    """Forget the backends chosen so far: the next codec call reads ``QCOMM_BACKEND`` again
+    (for programs and tests that change it at run time)."""
+    _backends.clear()
 
-        return triton_codec
-    return reference
+
+def backend_name(device: torch.device) -> str:
+    """The backend that runs codec calls on ``device``: ``"triton"`` or ``"reference"``."""
+    return backend_for(device).name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +367,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, error: torch.Tensor | None = N
     residual_out = error_out
     if error is not None and error_out is None:
         residual_out = torch.empty_like(error)  # scratch: error stays intact until we know
-    _kernels(x.device).quantize_into(
+    backend_for(x.device).quantize_into(
         flat, spec, out,
         error.view(-1) if error is not None else None,
         residual_out.view(-1) if residual_out is not None else None,
@@ -372,7 +407,7 @@ def dequantize(packed: Packed, *, out: torch.Tensor | None = None,
         check_tensor("out", out, dtypes=INPUT_DTYPES, numel=packed.numel, device=device,
                      contiguous=True, why="it is written in place")
     _raise_if_nonfinite(packed.scales, "packed", "carries")
-    _kernels(device).dequantize_into(packed.payload, packed.spec, out.view(-1))
+    backend_for(device).dequantize_into(packed.payload, packed.spec, out.view(-1))
     return out
 
 
@@ -422,7 +457,7 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
     bound = _accumulate_bound(scales, w, spec)  # one host sync, as the finite check alone
     if not math.isfinite(bound):
         _raise_if_nonfinite(scales, "payloads", "carry")
-    kernels = _kernels(out.device)
+    kernels = backend_for(out.device)
     # (the float32 sums and products may round up by (k + 3) ulps over the float64 bound)
     if bound * (1 + (k + 3) * 2.0**-24) <= _FLT32_MAX:
         kernels.dequant_accumulate_into(payloads, spec, out.view(-1), w)

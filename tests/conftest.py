@@ -22,6 +22,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _fresh_codec_backend():
+    """qcomm.compress chooses a backend once per device type and keeps it; tests that set
+    QCOMM_BACKEND (monkeypatch) get a fresh choice, and leave none behind."""
+    from qcomm.compress import reset_backends
+
+    reset_backends()
+    yield
+    reset_backends()
+
+
 @pytest.fixture(scope="session")
 def device() -> str:
     """Where kernel tests put tensors: CUDA when a GPU runs compiled Triton, else CPU tensors

@@ -100,6 +100,21 @@ from qcomm.validation import check_choice, check_instance, check_int, fail
 WIRE_FORMAT_VERSION = 2
 """Version of the byte layout and arithmetic of a payload (see the module docstring)."""
 
+# The constants of the arithmetic below, one source for every backend (the Triton kernels
+# import them as constexprs).
+ROUND_MAGIC = 12582912.0
+"""1.5 * 2**23: ``(t + ROUND_MAGIC) - ROUND_MAGIC`` rounds float32 ``t`` to the nearest integer,
+ties to even, for ``|t| < 2**22``: the same exact operation on every backend (Triton has no
+portable rint), and unlike ``torch.round`` it never yields -0.0, which would change the sign of
+a zero residual."""
+ONE_THIRD = 0.3333333432674408
+"""fl(1/3) = 0x3EAAAAAB, the inner level of the 2-bit code."""
+TWO_THIRDS = 0.6666666865348816
+"""fl(2/3) = 2 * ONE_THIRD exactly: the spacing of the 2-bit levels in units of the scale."""
+NAN_F32_BITS = 0x7FC00000
+"""The quiet NaN torch writes for ``float("nan")``: the scale of a non-finite block, these exact
+bytes on every device."""
+
 SUPPORTED_BITS = (1, 2, 4, 8)
 MIN_BLOCK_SIZE = 32
 MAX_BLOCK_SIZE = 4096
