@@ -41,6 +41,7 @@ from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
+from qcomm.deprecation import DeprecatedKeys
 from qcomm.engine.agreement import check_agreement, fingerprint
 from qcomm.engine.flat import FlatParams
 from qcomm.engine.gradients import NonFiniteGradientError, all_finite, node_mean_and_vote
@@ -452,9 +453,11 @@ class AveragingEngine:
             dict with ``steps`` (applied), ``skipped_steps``, ``bytes_sent`` and
             ``messages_sent`` (``{"intra": int, "inter": int}``), ``staleness`` (rounds a gossip
             round stays in flight), ``gossip_rounds`` (started), ``fragment_rounds`` (rounds
-            started per fragment, a list of ``fragments`` ints), ``gossip_step`` (gamma) and
-            ``consensus_distance`` (``sqrt(mean_i ||x_i - mean x||^2)`` over nodes, float, or
-            None when not asked for or with one node).
+            started per fragment, a list of ``fragments`` ints), ``gamma`` (the gossip's
+            consensus step, None without gossip) and ``consensus_distance`` (``sqrt(mean_i
+            ||x_i - mean x||^2)`` over nodes, float, or None when not asked for or with one
+            node). ``gossip_step`` is a deprecated alias of ``gamma`` (reading it warns; it
+            goes in the next release).
         """
         snap = self.comm_stats.snapshot()
         g = self._gossip
@@ -467,7 +470,8 @@ class AveragingEngine:
             "gossip_rounds": g.rounds_started if g is not None else 0,
             "fragment_rounds": _per_fragment(g.rounds_started if g is not None else 0,
                                              self.options.fragments),
-            "gossip_step": g.gamma if g is not None else None,
+            "gamma": g.gamma if g is not None else None,
+            "gossip_step": g.gamma if g is not None else None,  # deprecated alias of gamma
             "consensus_distance": None,
         }
         if consensus and g is not None:
@@ -476,7 +480,7 @@ class AveragingEngine:
             x = self._flat.load_from_params()
             out["consensus_distance"] = float(consensus_distance(
                 x, self._topology.rail_group, timeout_s=self.options.timeout_s))
-        return out
+        return DeprecatedKeys(out, {"gossip_step": "gamma"})
 
     def flush(self) -> None:
         """Wait for the gossip rounds in flight and apply them to the public copies (parameters

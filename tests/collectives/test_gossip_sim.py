@@ -160,7 +160,7 @@ def test_flush_applies_everything_and_keeps_antisymmetry() -> None:
 
 def _member(**kw) -> CompressedGossip:
     return CompressedGossip([0, 1, 2], None, NUMEL,
-                            transport=MemoryTransport(MemoryHub(3), 0, [1, 2]), **kw)
+                            _transport=MemoryTransport(MemoryHub(3), 0, [1, 2]), **kw)
 
 
 @pytest.mark.parametrize(("kw", "exc", "match"), [
@@ -180,9 +180,10 @@ def test_bad_arguments(kw: dict, exc: type, match: str) -> None:
 
 def test_bad_numel_and_x() -> None:
     with pytest.raises(ValueError, match="numel"):
-        CompressedGossip([0, 1], None, 0, transport=MemoryTransport(MemoryHub(2), 0, [1]))
+        CompressedGossip([0, 1], None, 0, _transport=MemoryTransport(MemoryHub(2), 0, [1]))
     with pytest.raises(ValueError, match="peers"):  # transport inconsistent with the graph
-        CompressedGossip([0, 1, 2], None, NUMEL, transport=MemoryTransport(MemoryHub(3), 0, [1]))
+        CompressedGossip([0, 1, 2], None, NUMEL,
+                         _transport=MemoryTransport(MemoryHub(3), 0, [1]))
     g = _member(gamma=0.5, staleness=1)
     with pytest.raises(TypeError, match="float32"):
         g.step(torch.zeros(NUMEL, dtype=torch.float64))

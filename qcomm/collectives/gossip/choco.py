@@ -106,6 +106,7 @@ from qcomm.compress import (
     packed_nbytes,
     quantize,
 )
+from qcomm.deprecation import deprecated_names, warn_deprecated
 from qcomm.kernels.wire_format import SUPPORTED_BITS
 from qcomm.seeds import gossip_message_seed
 from qcomm.validation import (
@@ -211,8 +212,9 @@ class CompressedGossip:
             (``u = mu * u + c; x += c + mu * u`` with ``c = gamma * (m_i - hat_pub_i)``, one
             ``u`` per element); 0 (default) is plain CHOCO. The corrections sum to zero over
             the members, so ``u`` does too and the average stays preserved.
-        transport: internal/testing: an in-process :class:`~.transport.Transport`; then
-            ``group_ranks`` is ``list(range(n))``, ``group`` is None and not used.
+        transport: deprecated (it goes in the next release): an in-process transport; the
+            simulator (:class:`~.simulate.GossipSimulator`) is how to run members in one
+            process.
 
     Buffers (fp32 ``[numel]`` x 3 (x 4 with momentum), plus ``staleness + 1`` rounds of uint8
     ``[degree + 1, packed_nbytes(numel / F, spec)]``) are created on the first :meth:`step`, on
@@ -224,7 +226,15 @@ class CompressedGossip:
                  spec: QuantSpec = QuantSpec(4, 128, "stochastic"),  # noqa: B008 (frozen)
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
-                 outer_momentum: float = 0.0, transport: Transport | None = None) -> None:
+                 outer_momentum: float = 0.0, transport: Transport | None = None,
+                 _transport: Transport | None = None) -> None:
+        # _transport: an in-process Transport (the simulator's); then group_ranks is
+        # list(range(n)) and group is None and unused. Not public: the simulator and the
+        # in-memory world are the public ways to run members in one process.
+        if transport is not None:
+            warn_deprecated("CompressedGossip(transport=...)",
+                            "qcomm.collectives.gossip.GossipSimulator (members in one process)")
+            _transport = _transport or transport
         # hyperparameters (checked with the limits every layer shares, then fixed)
         self.graph = check_graph(graph)
         self.mixing = check_mixing(mixing)
@@ -238,15 +248,16 @@ class CompressedGossip:
         self.fragments = check_fragments(fragments, self.numel, "numel")
         self.fragment_numel = numel // fragments
         self.outer_momentum = check_outer_momentum(outer_momentum)
-        self.stats = check_instance("stats", stats, CommStats, allow_none=True) or CommStats()
+        check_instance("stats", stats, CommStats, allow_none=True)
+        self.stats = stats if stats is not None else CommStats()
 
-        if transport is not None:
+        if _transport is not None:
             if group is not None:
                 raise ValueError("group must be None when a transport is given")
-            if list(group_ranks) != list(range(transport.size)):
-                raise ValueError(f"group_ranks must be list(range({transport.size})) with an "
+            if list(group_ranks) != list(range(_transport.size)):
+                raise ValueError(f"group_ranks must be list(range({_transport.size})) with an "
                                  f"in-process transport, got {group_ranks!r}")
-            self.group_ranks, self.member = list(group_ranks), transport.member
+            self.group_ranks, self.member = list(group_ranks), _transport.member
         else:
             self.group_ranks, self.member = _check_group(group_ranks, group)
         self.group = group
@@ -257,17 +268,18 @@ class CompressedGossip:
         # Row 0 is our own payload, then the neighbours in `peers` order.
         self._weights = torch.stack([w[self.member, self.member]] +
                                     [w[self.member, p] for p in self.peers])
-        if transport is None and isinstance(group, MemoryGroup):
-            transport = MemoryTransport(group.hub, self.member, self.peers, self.stats,
-                                        level="inter",
-                                        peer_ranks=[self.group_ranks[p] for p in self.peers])
-        elif transport is None:
-            transport = GlooTransport(self.group_ranks, group, self.member, self.peers,
-                                      self.stats, level="inter")
-        elif transport.peers != self.peers:
-            raise ValueError(f"transport.peers {transport.peers} != the graph's {self.peers}")
-        self.transport = transport
-        self.transport_level = getattr(transport, "level", "inter")
+        if _transport is None and isinstance(group, MemoryGroup):
+            _transport = MemoryTransport(group.hub, self.member, self.peers, self.stats,
+                                         level="inter",
+                                         peer_ranks=[self.group_ranks[p] for p in self.peers])
+        elif _transport is None:
+            _transport = GlooTransport(self.group_ranks, group, self.member, self.peers,
+                                       self.stats, level="inter")
+        elif _transport.peers != self.peers:
+            raise ValueError(f"the transport's peers {_transport.peers} != the graph's "
+                             f"{self.peers}")
+        self.transport = _transport
+        self.transport_level = getattr(_transport, "level", "inter")
         self.nbytes = packed_nbytes(self.fragment_numel, spec)
         self.message_nbytes = self.nbytes + SEAL_NBYTES  # what crosses the link per message
 
@@ -539,3 +551,7 @@ def consensus_distance(x: torch.Tensor, group: dist.ProcessGroup | None, *,
     sq = torch.sum((v - mean) ** 2).reshape(1)
     all_reduce(sq, group, timeout_s=timeout_s, operation="consensus distance")
     return math.sqrt(float(sq) / n)
+
+
+__getattr__ = deprecated_names(__name__, {
+    "round_seed": ("qcomm.seeds.gossip_message_seed", gossip_message_seed)})
