@@ -32,58 +32,26 @@ Round t - tau is applied at step t exactly, never earlier even if it has arrived
 than t + tau" allows it, and it makes runs reproducible bit for bit (the same numbers in the
 in-process simulator, over Gloo, and after a checkpoint restore).
 
-Why two copies (DESIGN.md, "Asynchronous CHOCO"): compressing against a delayed x_hat_i counts the
-same difference twice and diverges; mixing with an own copy fresher than the neighbours' breaks
-the antisymmetry of the mixing term and with it average preservation.
+Why two copies: compressing against a delayed x_hat_i would count the same difference twice
+(the own message of round t would be compressed again before round t is applied) and diverges;
+mixing with an own copy fresher than the neighbours' copies of it would break the antisymmetry
+of the mixing term, and with it the preservation of the average. docs/design.md gives the
+argument in full.
 
-Default gamma (:func:`default_gamma`), measured with the in-process simulator
-(:mod:`.simulate`, same code path as over Gloo): zero updates, x_i ~ N(0, 1) i.i.d., 4096 floats
-per member, blocks of 128, stochastic rounding, uniform weights. Rounds for the consensus
-distance to reach 1e-3 of its start (``-`` : not within 3000 rounds / diverged):
+Default gamma (:func:`default_gamma`): about half the largest gamma that converged when
+measured with the in-process simulator (:mod:`.simulate`, the same code path as over Gloo) on a
+ring of 4, an exponential graph of 8 and a ring of 8, so that a graph or data a little harsher
+than those still converges. It shrinks with staleness (a stale correction overshoots sooner)
+and is smallest at 1 bit, where the sign code, not the step, limits the rate. Gamma is
+validated to (0, 1] only: larger values within it are not refused, since divergence depends
+on the graph and the data (the measurement is evidence, not proof). The table and how to
+re-measure it (``bench/tune_gamma.py``): docs/gossip_tuning.md.
 
-    python -m qcomm.collectives.gossip.tune_gamma --bits 8 4 2 1   (the gamma grid)
-
-    default gamma and rounds to 1e-3 (ring of 4 / exponential of 8 / ring of 8):
-    bits  staleness 0               staleness 1               staleness 2
-    8     0.5   17 /  15 /  62      0.3   23 /  20 /  99      0.2   32 /  28 / 147
-    4     0.4   22 /  20 /  78      0.3   23 /  20 /  99      0.2   32 /  29 / 147
-    2     0.3   33 /  33 / 105      0.3   29 /  29 /  99      0.2   35 /  33 / 147
-    1     0.1  492 / 464 / 434      0.05 574 / 488 / 628      0.05 550 / 485 / 624
-
-    where the grid (ring of 4) stops converging:
-    8 bits: staleness 0 converges up to gamma 1.0; staleness 1 diverges at 0.8 (0.6: 44 rounds,
-            slowing); staleness 2 diverges at 0.5 (0.4: 77 rounds). 4 bits: as 8 bits where
-            measured (staleness 0: up to 1.0).
-    2 bits: staleness 0 converges up to 0.6 (240 rounds, slowing; exponential of 8: up to
-            0.5) and diverges at 0.8; staleness 1: up to 0.6 (407), diverges at 0.8;
-            staleness 2: up to 0.4 (227), diverges at 0.5 (all three graphs).
-    1 bit:  rounds hardly depend on gamma in 0.05 .. 0.3 (454 .. 526 on the ring of 4 at
-            staleness 0): the sign code, not the step, limits the rate.
-
-2 bits converges about as fast as 4 bits since the codec's 2-bit code uses all four levels
-{-1, -1/3, 1/3, 1} * max|v| (wire format version 2; the ternary code of version 1 needed gamma
-0.05 and hundreds of rounds). Gamma is validated to (0, 1] only;
-larger values within it are not refused, since divergence depends on the graph and the data
-(the table is evidence, not proof).
-
-Progress while the caller computes: non-blocking ``isend``/``irecv`` (Gloo's own I/O threads move
-the bytes), chosen over a communication thread by measurement:
-
-    python bench/gossip_progress.py --steps 12
-    (3 procs, 1M floats, 4 bits, staleness 1, a 20 ms sleep as the compute phase; ms per step /
-    of it blocked in the round's wait; torch 2.13 CPU, 2 cores shared with other jobs)
-
-    compute-only        22.1 /   0.0
-    nonblocking       1215.1 /   0.05
-    thread            1393.4 / 432.9
-    nonblocking again  687.6 /  86.3    (same mode, rerun: the CPU was shared, so noisy)
-
-On this machine a step is dominated by the CPU reference codec (quantize + decode of 1M floats),
-so total step times vary 2x between identical runs. What is not noise: with non-blocking ops the
-round has arrived by the time it is applied (waits of 0.05-86 ms), with the thread it had not
-(433 ms): the worker thread competes for the GIL and the cores with the caller's codec work, and
-it serializes rounds. Non-blocking ops also need no second process group (new_group is
-collective) and keep the run deterministic. Re-measure on real nodes with the GPU codec.
+Progress while the caller computes: non-blocking ``isend``/``irecv`` posted from the caller's
+thread, which Gloo's own I/O threads carry out, and no communication thread of ours. A thread
+competes for the GIL and the cores with the caller's codec work and serializes rounds, while
+non-blocking ops need no second process group (``new_group`` is collective) and keep the run
+deterministic; the measurement (``bench/gossip_progress.py``) is in docs/gossip_tuning.md.
 """
 
 from __future__ import annotations
@@ -128,7 +96,8 @@ from .transport import GlooTransport, MemoryTransport, RoundHandle, Transport
 
 __all__ = ["CompressedGossip", "PeerTimeoutError", "consensus_distance", "default_gamma"]
 
-# (bits, staleness) -> default gamma; staleness > 2 uses the staleness-2 entry scaled down.
+# (bits, staleness) -> default gamma (docs/gossip_tuning.md); staleness > 2 uses the staleness-2
+# entry scaled down.
 _DEFAULT_GAMMA: dict[tuple[int, int], float] = {
     (8, 0): 0.5, (8, 1): 0.3, (8, 2): 0.2,
     (4, 0): 0.4, (4, 1): 0.3, (4, 2): 0.2,
@@ -139,9 +108,9 @@ _DEFAULT_GAMMA: dict[tuple[int, int], float] = {
 
 def default_gamma(bits: int, staleness: int) -> float:
     """The default consensus step size for ``bits``-bit messages applied ``staleness`` rounds
-    late (table in the module docstring; about half the largest gamma that converged in the
-    measurement, so that a graph or data set a little harsher than the measured ones still
-    converges)."""
+    late: about half the largest gamma that converged in the measurement of
+    docs/gossip_tuning.md, so that a graph or data set a little harsher than the measured ones
+    still converges."""
     check_choice("bits", bits, SUPPORTED_BITS)
     check_staleness(staleness)
     if staleness <= 2:
