@@ -71,7 +71,7 @@ def _rel(p: Path) -> str:
 
 
 def test_the_lists_cover_bench() -> None:
-    assert LIBRARIES <= {_rel(p) for p in SCRIPTS}
+    assert {_rel(p) for p in SCRIPTS} >= LIBRARIES
 
 
 @pytest.mark.parametrize("script", [_rel(p) for p in SCRIPTS if _rel(p) not in LIBRARIES])
