@@ -21,12 +21,12 @@ from qcomm.compress import QuantSpec, packed_nbytes
 NUMEL = 512
 EPS32 = 2.0**-24  # unit roundoff of float32
 
-# Issue test 3: with zero updates and the DEFAULT gamma, the consensus distance falls
-# geometrically to <= 1e-3 of its start within ROUND_BOUND[bits][staleness] rounds, for
-# bits 8/4/2/1 (error feedback is built into CHOCO: q = Q(x - x_hat)), staleness 0/1/2, ring
-# (4 nodes) and exponential (6 nodes) graphs. Bounds: the measured rounds (module docstring of
-# qcomm.collectives.gossip.choco: at most 32 / 35 / 574 rounds for 8-4 / 2 / 1 bits on the
-# ring of 4) with margin for other seeds and sizes.
+# With zero updates and the DEFAULT gamma, the consensus distance falls geometrically to
+# <= 1e-3 of its start within ROUND_BOUND[bits][staleness] rounds, for bits 8/4/2/1 (error
+# feedback is built into CHOCO: q = Q(x - x_hat)), staleness 0/1/2, ring (4 nodes) and
+# exponential (6 nodes) graphs. Bounds: the measured rounds (docs/gossip_tuning.md: at most
+# 32 / 35 / 574 rounds for 8-4 / 2 / 1 bits on the ring of 4) with margin for other seeds and
+# sizes.
 ROUND_BOUND = {8: (120, 120, 120), 4: (120, 120, 120), 2: (120, 120, 120),
                1: (800, 800, 800)}
 GRAPH_CASES = [("ring", 4), ("exponential", 6)]
