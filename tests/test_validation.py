@@ -36,23 +36,20 @@ def _gossip(**kw: object) -> None:
     GossipSimulator(3, 64, **kw)
 
 
+# Every constructor that takes a seed.
+SEEDED: list[Callable[[object], object]] = [
+    lambda v: CommOptions(seed=v),
+    lambda v: _gossip(seed=v),
+    lambda v: IntraNodeAllreduce(LONE, seed=v),
+    lambda v: HierarchicalAllreduce(LONE, seed=v),
+    lambda v: HierarchicalQuantState(seed=v),
+    lambda v: quantize(X, QuantSpec(4, 32, "stochastic"), seed=v),
+]
+
 # option -> (bad value, expected exception, expected message, constructors taking the option)
 SHARED: dict[str, tuple[object, type, str, list[Callable[[object], object]]]] = {
-    "seed": (-1, ValueError, "seed must be an int in [0, 2**64), got -1", [
-        lambda v: CommOptions(seed=v),
-        lambda v: _gossip(seed=v),
-        lambda v: IntraNodeAllreduce(LONE, seed=v),
-        lambda v: HierarchicalAllreduce(LONE, seed=v),
-        lambda v: HierarchicalQuantState(seed=v),
-        lambda v: quantize(X, QuantSpec(4, 32, "stochastic"), seed=v),
-    ]),
-    "seed type": (1.5, TypeError, "seed must be an int in [0, 2**64), got 1.5", [
-        lambda v: CommOptions(seed=v),
-        lambda v: _gossip(seed=v),
-        lambda v: IntraNodeAllreduce(LONE, seed=v),
-        lambda v: HierarchicalQuantState(seed=v),
-        lambda v: quantize(X, QuantSpec(4, 32, "stochastic"), seed=v),
-    ]),
+    "seed": (-1, ValueError, "seed must be an int in [0, 2**64), got -1", SEEDED),
+    "seed type": (1.5, TypeError, "seed must be an int in [0, 2**64), got 1.5", SEEDED),
     "timeout_s": (0, ValueError, "timeout_s must be a finite float > 0, got 0", [
         lambda v: CommOptions(timeout_s=v),
         lambda v: _gossip(timeout_s=v),

@@ -28,20 +28,24 @@ from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.compress import QuantSpec, packed_nbytes
 from tests.collectives.test_intra import (
+    ASYNC_OK,
     BLOCK,
-    CODEC_CASES,
     SHAPES,
     SMALL_BUCKET_MB,
     U,
     abs_sum64,
     as64,
+    assert_exact_and_identical,
+    assert_within_bound,
+    async_body,
     bitwise_same_across,
-    check_async,
+    codec_cases,
     codec_error_bound,
     make_tensors,
     max_excess,
     mean64,
     per_block,
+    wrong_world_body,
 )
 from tests.worlds import topology
 
@@ -107,10 +111,7 @@ shapes = pytest.mark.parametrize(("world", "ppn"), list(SHAPE_IDS), ids=list(SHA
 
 @shapes
 def test_full_precision_mean_is_exact_and_the_same_on_every_rank(gloo, world, ppn):
-    for rank, r in enumerate(gloo.run(_full_precision_body, world, args=(ppn,))):
-        assert r["vs_exact"] <= 0, (rank, r["vs_exact"])
-        assert r["vs_all_reduce"] <= 0, (rank, r["vs_all_reduce"])
-        assert r["identical"], rank
+    assert_exact_and_identical(gloo.run(_full_precision_body, world, args=(ppn,)))
 
 
 @shapes
@@ -120,18 +121,10 @@ def test_full_precision_bytes_per_level(gloo, world, ppn):
         assert got == want, (rank, got, want)
 
 
-def _async_body(rank: int, world_size: int, ppn: int) -> dict:
-    topo = topology(ppn)
-    blocking = make_tensors(rank, 1)
-    HierarchicalAllreduce(topo, bucket_mb=SMALL_BUCKET_MB).mean_(blocking)
-    return check_async(HierarchicalAllreduce(topo, bucket_mb=SMALL_BUCKET_MB), rank, blocking)
-
-
 @shapes
 def test_async_leaves_tensors_alone_until_wait(gloo, world, ppn):
-    for rank, r in enumerate(gloo.run(_async_body, world, args=(ppn,))):
-        assert r == {"async_untouched": True, "async_equal_blocking": True,
-                     "async_completed": True}, rank
+    for rank, r in enumerate(gloo.run(async_body, world, args=(ppn, HierarchicalAllreduce))):
+        assert r == ASYNC_OK, rank
 
 
 def _codec_body(rank: int, world_size: int, ppn: int, case: tuple) -> dict:
@@ -159,12 +152,9 @@ def _codec_body(rank: int, world_size: int, ppn: int, case: tuple) -> dict:
 
 
 @shapes
-@pytest.mark.parametrize("case", CODEC_CASES, ids=lambda c: f"{c[0]}bit-{c[1]}-{c[3] and 'async'}")
+@codec_cases
 def test_codec_mean_within_its_bound(gloo, world, ppn, case):
-    for rank, r in enumerate(gloo.run(_codec_body, world, args=(ppn, case))):
-        assert r["excess"] <= 0, (rank, r)
-        assert r["identical"], rank
-        assert r["bytes"][0] == r["bytes"][1], (rank, r["bytes"])
+    assert_within_bound(gloo.run(_codec_body, world, args=(ppn, case)))
 
 
 def _bf16_body(rank: int, world_size: int, ppn: int) -> float:
@@ -273,17 +263,9 @@ def test_empty_tensors_send_nothing(gloo, world, ppn):
     assert gloo.run(_empty_body, world, args=(ppn,)) == [{"intra": 0, "inter": 0}] * world
 
 
-def _wrong_world_body(rank: int, world_size: int) -> str:
-    try:
-        HierarchicalAllreduce(Topology(1, rank=0, world_size=world_size + 1)).mean_(
-            [torch.zeros(2)])
-    except RuntimeError as e:
-        return str(e)
-    raise AssertionError("a topology of another world was accepted")
-
-
 def test_topology_of_another_world_raises_before_communicating(gloo):
-    assert all("world_size 5" in msg for msg in gloo.run(_wrong_world_body, 4))
+    msgs = gloo.run(wrong_world_body, 4, args=(HierarchicalAllreduce, 1))
+    assert all("world_size 5" in msg for msg in msgs)
 
 
 _TOPO = Topology(2, rank=0, world_size=4)

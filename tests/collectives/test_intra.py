@@ -202,13 +202,20 @@ def _full_precision_body(rank: int, world_size: int, ppn: int) -> dict:
     }
 
 
-@layouts
-def test_full_precision_mean_is_exact_and_the_same_on_every_rank(gloo, world, ppn):
-    for rank, r in enumerate(gloo.run(_full_precision_body, world, args=(ppn,))):
-        assert r["completed"], rank
+def assert_exact_and_identical(reports: list[dict]) -> None:
+    """Every rank's full-precision mean within its bounds of the exact mean and of
+    dist.all_reduce, and the same bytes on every rank."""
+    for rank, r in enumerate(reports):
         assert r["vs_exact"] <= 0, (rank, r["vs_exact"])
         assert r["vs_all_reduce"] <= 0, (rank, r["vs_all_reduce"])
         assert r["identical"], rank
+
+
+@layouts
+def test_full_precision_mean_is_exact_and_the_same_on_every_rank(gloo, world, ppn):
+    reports = gloo.run(_full_precision_body, world, args=(ppn,))
+    assert_exact_and_identical(reports)
+    assert all(r["completed"] for r in reports)
 
 
 @layouts
@@ -218,18 +225,22 @@ def test_full_precision_bytes_and_messages(gloo, world, ppn):
         assert r["messages"][0] == r["messages"][1], rank
 
 
-def _async_body(rank: int, world_size: int, ppn: int) -> dict:
+def async_body(rank: int, world_size: int, ppn: int, allreduce: type) -> dict:
+    """``check_async`` of ``allreduce`` (IntraNodeAllreduce or HierarchicalAllreduce) against
+    its own blocking result."""
     topo = topology(ppn)
     blocking = make_tensors(rank, 1)
-    IntraNodeAllreduce(topo, bucket_mb=SMALL_BUCKET_MB).mean_(blocking)
-    return check_async(IntraNodeAllreduce(topo, bucket_mb=SMALL_BUCKET_MB), rank, blocking)
+    allreduce(topo, bucket_mb=SMALL_BUCKET_MB).mean_(blocking)
+    return check_async(allreduce(topo, bucket_mb=SMALL_BUCKET_MB), rank, blocking)
+
+
+ASYNC_OK = {"async_untouched": True, "async_equal_blocking": True, "async_completed": True}
 
 
 @layouts
 def test_async_leaves_tensors_alone_until_wait(gloo, world, ppn):
-    for rank, r in enumerate(gloo.run(_async_body, world, args=(ppn,))):
-        assert r == {"async_untouched": True, "async_equal_blocking": True,
-                     "async_completed": True}, rank
+    for rank, r in enumerate(gloo.run(async_body, world, args=(ppn, IntraNodeAllreduce))):
+        assert r == ASYNC_OK, rank
 
 
 def _bf16_body(rank: int, world_size: int, ppn: int) -> float:
@@ -266,18 +277,28 @@ def _codec_body(rank: int, world_size: int, ppn: int, case: tuple) -> dict:
     return {
         "excess": max_excess(tq, mean64(_node_inputs(topo, call)), bound),
         "identical": bitwise_same_across(tq, topo.intra_group, ppn),
-        "bytes": st.bytes_sent["intra"],
-        "bytes_formula": sum((ppn - 1) * packed_nbytes(b.numel, spec) for b in plan),
+        "bytes": (st.bytes_sent["intra"],
+                  sum((ppn - 1) * packed_nbytes(b.numel, spec) for b in plan)),
     }
 
 
-@layouts
-@pytest.mark.parametrize("case", CODEC_CASES, ids=lambda c: f"{c[0]}bit-{c[1]}-{c[3] and 'async'}")
-def test_codec_mean_within_its_bound(gloo, world, ppn, case):
-    for rank, r in enumerate(gloo.run(_codec_body, world, args=(ppn, case))):
+codec_cases = pytest.mark.parametrize("case", CODEC_CASES,
+                                      ids=lambda c: f"{c[0]}bit-{c[1]}-{c[3] and 'async'}")
+
+
+def assert_within_bound(reports: list[dict]) -> None:
+    """Every rank's codec mean within the bound, the same bytes on every rank, and the bytes
+    sent as the formula says (``r["bytes"]``: (counted, formula))."""
+    for rank, r in enumerate(reports):
         assert r["excess"] <= 0, (rank, r)
         assert r["identical"], rank
-        assert r["bytes"] == r["bytes_formula"], (rank, r)
+        assert r["bytes"][0] == r["bytes"][1], (rank, r["bytes"])
+
+
+@layouts
+@codec_cases
+def test_codec_mean_within_its_bound(gloo, world, ppn, case):
+    assert_within_bound(gloo.run(_codec_body, world, args=(ppn, case)))
 
 
 def _error_feedback_body(rank: int, world_size: int, ppn: int) -> dict:
@@ -378,17 +399,17 @@ def test_single_stage_handle_completes_by_polling(gloo, world, ppn):
     assert all(gloo.run(_polled_body, world, args=(ppn,)))
 
 
-def _wrong_world_body(rank: int, world_size: int) -> str:
+def wrong_world_body(rank: int, world_size: int, allreduce: type, extra: int) -> str:
+    """The error of ``allreduce`` on a topology of ``world_size + extra`` ranks."""
     try:
-        IntraNodeAllreduce(Topology(1, rank=0, world_size=world_size + 2)).mean_(
-            [torch.zeros(4)])
+        allreduce(Topology(1, rank=0, world_size=world_size + extra)).mean_([torch.zeros(4)])
     except RuntimeError as e:
         return str(e)
     raise AssertionError("a topology of another world was accepted")
 
 
 def test_topology_of_another_world_raises_before_communicating(gloo):
-    for msg in gloo.run(_wrong_world_body, 2):
+    for msg in gloo.run(wrong_world_body, 2, args=(IntraNodeAllreduce, 2)):
         assert "world_size 4" in msg
 
 
