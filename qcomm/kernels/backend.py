@@ -18,6 +18,7 @@ device, the seed an int in [0, 2**64). Backends do not check them again.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -109,7 +110,9 @@ class TritonBackend(_ModuleBackend):
 
     def __init__(self) -> None:
         try:
-            from qcomm.kernels import triton_codec
+            # import_module, not "from qcomm.kernels import ...": that would accept a module
+            # object left on the package by an earlier import even when triton is gone now.
+            triton_codec = importlib.import_module("qcomm.kernels.triton_codec")
         except ImportError as e:
             raise ImportError(f"qcomm's Triton backend needs triton, which is not installed: "
                               f"{GPU_EXTRA_HINT}") from e
