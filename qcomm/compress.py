@@ -46,13 +46,14 @@ from qcomm.kernels.wire_format import (
     SUPPORTED_BITS,
     WIRE_FORMAT_VERSION,
     QuantSpec,
+    check_spec,
     codes_nbytes,
     num_blocks,
     packed_nbytes,
     split_payload,
 )
 from qcomm.seeds import draw_seed
-from qcomm.validation import check_choice, check_instance, check_seed, check_tensor
+from qcomm.validation import check_choice, check_seed, check_tensor
 
 __all__ = [
     "WIRE_FORMAT_VERSION",
@@ -218,11 +219,6 @@ def backend_name(device: torch.device) -> str:
 # argument checks: each names the argument and what is allowed
 
 
-def _check_spec(spec: object) -> QuantSpec:
-    return check_instance("spec", spec, QuantSpec,
-                          what="a qcomm.compress.QuantSpec")  # type: ignore[return-value]
-
-
 def _check_float_tensor(t: object, name: str, dtypes: Sequence[torch.dtype]) -> torch.Tensor:
     return check_tensor(name, t, dtypes=dtypes)
 
@@ -344,7 +340,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, error: torch.Tensor | None = N
         TypeError, ValueError: a bad argument (named in the message).
     """
     x = _check_float_tensor(x, "x", INPUT_DTYPES)
-    spec = _check_spec(spec)
+    spec = check_spec(spec)
     if error is not None:
         error = _check_buffer(error, "error", x)
     if error_out is not None:
@@ -434,7 +430,7 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
             in the bound: an ``out`` already within one decoded term of the float32 limit can
             still overflow.
     """
-    spec = _check_spec(spec)
+    spec = check_spec(spec)
     out = check_tensor("out", out, dtypes=(torch.float32,), contiguous=True,
                        why="it is updated in place")
     if isinstance(payloads, torch.Tensor) and payloads.dim() == 1:

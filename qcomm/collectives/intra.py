@@ -56,6 +56,7 @@ from qcomm.compress import (
     QuantSpec,
     packed_nbytes,
 )
+from qcomm.kernels.wire_format import check_spec
 from qcomm.seeds import derive
 from qcomm.validation import (
     check_bucket_mb,
@@ -81,7 +82,7 @@ def check_common_args(topology: object, bucket_mb: object, spec: object, stats: 
     """Validate constructor arguments; returns (bucket capacity in bytes, stats)."""
     check_instance("topology", topology, Topology)
     bucket_mb = check_bucket_mb(bucket_mb)
-    check_instance("spec", spec, QuantSpec, allow_none=True)
+    check_spec(spec, allow_none=True)
     check_instance("stats", stats, CommStats, allow_none=True)
     check_seed(seed)
     return max(1, int(bucket_mb * MIB)), (stats if stats is not None else CommStats())

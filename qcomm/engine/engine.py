@@ -48,6 +48,7 @@ from qcomm.engine.gradients import NonFiniteGradientError, all_finite, node_mean
 from qcomm.engine.options import CommOptions
 from qcomm.engine.state import EngineStateFile, check_loadable, geometry
 from qcomm.seeds import rail_seed
+from qcomm.validation import check_instance
 
 __all__ = ["AveragingEngine"]
 
@@ -70,11 +71,9 @@ class AveragingEngine:
 
     def __init__(self, owner: Any, options: CommOptions, *,
                  topology: Topology | None = None) -> None:
-        if not isinstance(options, CommOptions):
-            raise TypeError(f"options must be a CommOptions, got {type(options).__name__}")
-        if topology is not None and not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a qcomm.collectives.Topology or None, "
-                            f"got {type(topology).__name__}")
+        check_instance("options", options, CommOptions, what="a qcomm.engine.CommOptions")
+        check_instance("topology", topology, Topology, allow_none=True,
+                       what="a qcomm.collectives.Topology")
         self.options = options
         self.owner = owner
         self._topology_arg = topology

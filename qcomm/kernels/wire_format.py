@@ -170,18 +170,21 @@ class QuantSpec:
         return self.bits + 8 * SCALE_NBYTES / self.block_size
 
 
-def _check_spec(spec: object) -> QuantSpec:
-    return check_instance("spec", spec, QuantSpec)  # type: ignore[return-value]
+def check_spec(spec: object, *, allow_none: bool = False) -> QuantSpec | None:
+    """``spec`` if it is a QuantSpec (or None when allowed), else TypeError naming the public
+    class (every layer checks a spec with this)."""
+    return check_instance("spec", spec, QuantSpec, allow_none=allow_none,
+                          what="a qcomm.compress.QuantSpec")  # type: ignore[return-value]
 
 
 def num_blocks(numel: int, spec: QuantSpec) -> int:
     """Number of scale blocks, ceil(numel / block_size)."""
-    return -(-numel // _check_spec(spec).block_size)
+    return -(-numel // check_spec(spec).block_size)
 
 
 def codes_nbytes(numel: int, spec: QuantSpec) -> int:
     """Bytes of the packed-codes section, padded to a multiple of 4 (scale alignment)."""
-    return 4 * (-(-numel * _check_spec(spec).bits // 32))
+    return 4 * (-(-numel * check_spec(spec).bits // 32))
 
 
 def packed_nbytes(numel: int, spec: QuantSpec) -> int:

@@ -75,7 +75,7 @@ from qcomm.compress import (
     quantize,
 )
 from qcomm.deprecation import deprecated_names, warn_deprecated
-from qcomm.kernels.wire_format import SUPPORTED_BITS
+from qcomm.kernels.wire_format import SUPPORTED_BITS, check_spec
 from qcomm.seeds import gossip_message_seed
 from qcomm.validation import (
     check_choice,
@@ -207,7 +207,7 @@ class CompressedGossip:
         # hyperparameters (checked with the limits every layer shares, then fixed)
         self.graph = check_graph(graph)
         self.mixing = check_mixing(mixing)
-        self.spec = check_instance("spec", spec, QuantSpec)
+        self.spec = check_spec(spec)
         self.numel = check_int("numel", numel, low=1)
         self.staleness = check_staleness(staleness)
         self.gamma = check_gamma(default_gamma(spec.bits, self.staleness) if gamma is None
