@@ -243,3 +243,11 @@ def write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
     os.replace(tmp, path)
+
+
+if __name__ == "__main__":  # a library: say so rather than exit silently
+    print(
+        "bench/common.py is a library of qcomm's benchmarks (sizes, timers, the copy baseline, "
+        "tables, JSON), imported by bench/kernels.py and bench/checksum.py; it runs nothing. See "
+        "bench/README.md."
+    )

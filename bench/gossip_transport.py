@@ -50,10 +50,18 @@ def _body(rank: int, world: int, nbytes: int, rounds: int) -> dict[str, list[flo
 def main() -> None:
     from qcomm.testing.multiprocess import run_world
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--procs", type=int, default=3)
-    ap.add_argument("--nbytes", type=int, default=packed_nbytes(1_000_000, QuantSpec(4, 128)))
-    ap.add_argument("--rounds", type=int, default=200, help="rounds per order")
+    nbytes = packed_nbytes(1_000_000, QuantSpec(4, 128))
+    ap = argparse.ArgumentParser(
+        description="Receives before sends, or sends before receives? Measures the round "
+                    "latency of the gossip transport (Gloo over loopback, ring neighbours) in "
+                    "both orders, alternating, and prints their medians and ratio from rank 0.")
+    ap.add_argument("--procs", type=int, default=3,
+                    help="Local processes, one per emulated node (default 3).")
+    ap.add_argument("--nbytes", type=int, default=nbytes,
+                    help=f"Bytes per message (default {nbytes}: the 4-bit payload of 1M "
+                         f"floats).")
+    ap.add_argument("--rounds", type=int, default=200,
+                    help="Rounds per order (default 200).")
     a = ap.parse_args()
     res = run_world(_body, a.procs, args=(a.nbytes, a.rounds), timeout_s=600)
     print(f"torch {torch.__version__}, {a.procs} procs (ring, Gloo over loopback), "

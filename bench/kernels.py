@@ -254,10 +254,10 @@ class Runner:
         self.baseline = load_baseline(args.baseline) if args.baseline else None
 
     @property
-    def kernels(self):
-        """The backend module the public API dispatches to, called directly for the kernel row.
+    def kernels(self) -> compress.CodecBackend:
+        """The backend the public API dispatches to, called directly for the kernel row.
         Resolved on use, so a backend that fails to import fails its rows, not the run."""
-        return compress._kernels(self.device)
+        return compress.backend_for(self.device)
 
     def spec(self, bits: int) -> QuantSpec:
         return QuantSpec(bits=bits, block_size=self.args.block_size, rounding=self.args.rounding)
@@ -512,37 +512,47 @@ def table_rows(rows: list[dict]) -> list[list[object]]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Benchmark qcomm's quantize+EF and dequant_accumulate against a same-run "
-                    "copy baseline and eager / torch.compile'd torch composites.")
-    p.add_argument("--sizes", help=f"comma-separated element counts, K/M/G = 2**10/20/30 "
-                   f"(default: GPU {GPU_SIZES}; CPU {CPU_SIZES}; --quick {QUICK_SIZES})")
-    p.add_argument("--bits", default="1,2,4,8", help="bit widths (default 1,2,4,8)")
-    p.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")
-    p.add_argument("--impls", help=f"subset of {','.join(IMPLS)} (default all but baseline, "
-                   "which --baseline adds; --quick leaves out compiled)")
+        description="Benchmark qcomm's quantize with fused error feedback and its "
+                    "dequant_accumulate against a same-run copy baseline and against eager and "
+                    "torch.compile'd torch composites of the same math. Prints the table and "
+                    "writes JSON; bench/README.md explains the rows.")
+    p.add_argument("--sizes", help=f"Comma-separated element counts, K/M/G = 2**10/20/30 "
+                   f"(default: GPU {GPU_SIZES}; CPU {CPU_SIZES}; --quick {QUICK_SIZES}).")
+    p.add_argument("--bits", default="1,2,4,8", help="Bit widths (default 1,2,4,8).")
+    p.add_argument("--ops", default=",".join(OPS),
+                   help=f"The operations, a subset of {','.join(OPS)} (default both).")
+    p.add_argument("--impls", help=f"The implementations, a subset of {','.join(IMPLS)} "
+                   "(default all but baseline, which --baseline adds; --quick leaves out "
+                   "compiled).")
     p.add_argument("--baseline", type=Path, metavar="PATH",
-                   help="another version of qcomm/kernels/reference.py to time as the "
-                        "'baseline' row (e.g. git show REV:qcomm/kernels/reference.py > old.py)")
-    p.add_argument("--k", type=int, default=4, help="payloads per dequant_accumulate (default 4)")
-    p.add_argument("--repeat", type=int, help="timed calls per row (default: CUDA 20, CPU 5)")
-    p.add_argument("--warmup", type=int, help="untimed calls first (default: CUDA 3, CPU 1)")
-    p.add_argument("--block-size", type=int, default=128, help="elements per scale (128)")
-    p.add_argument("--rounding", choices=("nearest", "stochastic"), default="nearest")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+                   help="Another version of qcomm/kernels/reference.py to time as the "
+                        "'baseline' row (e.g. git show REV:qcomm/kernels/reference.py > old.py).")
+    p.add_argument("--k", type=int, default=4,
+                   help="Payloads per dequant_accumulate (default 4).")
+    p.add_argument("--repeat", type=int, help="Timed calls per row (default: CUDA 20, CPU 5).")
+    p.add_argument("--warmup", type=int, help="Untimed calls first (default: CUDA 3, CPU 1).")
+    p.add_argument("--block-size", type=int, default=128,
+                   help="Elements per scale (default 128).")
+    p.add_argument("--rounding", choices=("nearest", "stochastic"), default="nearest",
+                   help="The codec's rounding mode (default nearest).")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="Where to run (default auto: CUDA when available, else CPU).")
     p.add_argument("--compile-dynamic", choices=("auto", "yes", "no"), default="auto",
-                   help="torch.compile with dynamic shapes (auto: yes on CUDA, no on CPU)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default torch's); 1 gives "
-                   "steadier CPU figures on a shared machine")
-    p.add_argument("--json", type=Path, help="output JSON (default bench/out/kernels-<dev>.json)")
+                   help="torch.compile with dynamic shapes (auto: yes on CUDA, no on CPU).")
+    p.add_argument("--threads", type=int, help="Torch CPU threads (default torch's); 1 gives "
+                   "steadier CPU figures on a shared machine.")
+    p.add_argument("--json", type=Path,
+                   help="Output JSON (default bench/out/kernels-<device>.json).")
     p.add_argument("--quick", action="store_true",
-                   help=f"smoke run: sizes {QUICK_SIZES}, repeat 2, warmup 1, no torch.compile")
+                   help=f"A smoke run: sizes {QUICK_SIZES}, repeat 2, warmup 1, no "
+                        f"torch.compile.")
     p.add_argument("--check-targets", action="store_true",
-                   help="on CUDA: PASS/FAIL per target (>= 85%% of copy at >= 64M elements, "
-                        ">= 3x eager) for the kernel rows; exit 1 on a FAIL")
+                   help="On CUDA: PASS/FAIL per target (>= 85%% of copy at >= 64M elements, "
+                        ">= 3x eager) for the kernel rows; exit 1 on a FAIL.")
     p.add_argument("--time-budget", type=float, metavar="S",
-                   help="start no new (op, bits, size) group after S seconds; the rest are "
-                        "skipped (sizes run largest first)")
-    p.add_argument("--verbose", action="store_true", help="print tracebacks of failed rows")
+                   help="Start no new (op, bits, size) group after S seconds; the rest are "
+                        "skipped (sizes run largest first).")
+    p.add_argument("--verbose", action="store_true", help="Print tracebacks of failed rows.")
     args = p.parse_args(argv)
 
     try:

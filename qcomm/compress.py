@@ -16,8 +16,10 @@ The byte layout, the rounding rules and the scale definitions are in
 must agree on it); the random stream of stochastic rounding is in
 :mod:`qcomm.kernels.counter_hash`. CUDA tensors run the fused Triton kernels
 (:mod:`qcomm.kernels.triton_codec`), CPU tensors run the bit-identical torch reference
-(:mod:`qcomm.kernels.reference`). ``QCOMM_BACKEND=reference|triton`` forces one (``triton`` on CPU
-tensors needs ``TRITON_INTERPRET=1``).
+(:mod:`qcomm.kernels.reference`); both implement :class:`qcomm.kernels.backend.CodecBackend`, and
+:func:`backend_for` chooses one per device type, once. ``QCOMM_BACKEND=reference|triton`` forces
+one (``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``). Triton is optional (the ``gpu``
+extra): without it CUDA tensors run the reference, with a warning.
 
 Non-finite input never leaks: a block holding NaN or Inf gets a NaN scale inside the kernel (no
 extra pass over the data); :func:`quantize` then raises :class:`NonFiniteError`, returns no
@@ -30,22 +32,28 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from qcomm.kernels import reference
-from qcomm.kernels.counter_hash import check_seed
+from qcomm.kernels.backend import GPU_EXTRA_HINT, CodecBackend, ReferenceBackend, TritonBackend
 from qcomm.kernels.wire_format import (
     INPUT_DTYPES,
+    MAX_BLOCK_SIZE,
+    MIN_BLOCK_SIZE,
+    SUPPORTED_BITS,
     WIRE_FORMAT_VERSION,
     QuantSpec,
+    check_spec,
     codes_nbytes,
     num_blocks,
     packed_nbytes,
     split_payload,
 )
+from qcomm.seeds import draw_seed
+from qcomm.validation import check_choice, check_seed, check_tensor
 
 __all__ = [
     "WIRE_FORMAT_VERSION",
@@ -54,6 +62,7 @@ __all__ = [
     "NonFiniteError",
     "Packed",
     "QuantSpec",
+    "backend_for",
     "backend_name",
     "codes_nbytes",
     "dequant_accumulate",
@@ -61,6 +70,7 @@ __all__ = [
     "num_blocks",
     "packed_nbytes",
     "quantize",
+    "reset_backends",
 ]
 
 BACKENDS = ("reference", "triton")
@@ -140,88 +150,126 @@ class Packed:
                    dtype)
 
 
-def backend_name(device: torch.device) -> str:
-    """The backend that runs codec calls on ``device``: ``"triton"`` or ``"reference"``."""
-    forced = os.environ.get("QCOMM_BACKEND", "").strip().lower()
-    if forced not in ("", "auto", *BACKENDS):
-        raise ValueError(f"QCOMM_BACKEND must be one of {('auto', *BACKENDS)}, got {forced!r}")
+# The backend of each device type, chosen on the first codec call on that type (the
+# environment is read then, once) and kept: a codec call costs a dict lookup, not an
+# environment read and an import attempt.
+_backends: dict[str, CodecBackend] = {}
+_warned_no_triton = False
+
+
+def backend_for(device: torch.device) -> CodecBackend:
+    """The backend that runs codec calls on ``device``'s type (chosen once, then cached).
+
+    ``QCOMM_BACKEND`` (read at the first call per device type): unset or ``auto`` picks the
+    Triton kernels for CUDA tensors when triton is installed, else the reference (CUDA tensors
+    without triton run the reference on the GPU, with a warning naming the ``gpu`` extra: same
+    bytes, slower); ``reference`` forces the reference; ``triton`` forces the kernels (CPU
+    tensors then need ``TRITON_INTERPRET=1``).
+
+    Raises:
+        ValueError: ``QCOMM_BACKEND`` is none of the above, or ``triton`` on a CPU tensor
+            without the interpreter.
+        ImportError: ``QCOMM_BACKEND=triton`` without triton installed.
+    """
+    backend = _backends.get(device.type)
+    if backend is None:
+        backend = _backends[device.type] = _choose_backend(device.type)
+    return backend
+
+
+def _choose_backend(device_type: str) -> CodecBackend:
+    global _warned_no_triton
+    forced = check_choice("QCOMM_BACKEND",
+                          os.environ.get("QCOMM_BACKEND", "").strip().lower() or "auto",
+                          ("auto", *BACKENDS))
     if forced == "reference":
-        return "reference"
+        return ReferenceBackend()
     if forced == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "QCOMM_BACKEND=triton on a CPU tensor needs TRITON_INTERPRET=1 "
                 "(Triton compiles for CUDA devices only)"
             )
-        return "triton"
-    if device.type == "cuda" and _triton_available():
-        return "triton"
-    return "reference"
-
-
-def _triton_available() -> bool:
+        return TritonBackend()
+    if device_type != "cuda":
+        return ReferenceBackend()
     try:
-        import triton  # noqa: F401
+        return TritonBackend()
     except ImportError:
-        return False
-    return True
+        if not _warned_no_triton:
+            _warned_no_triton = True
+            warnings.warn(f"qcomm: triton is not installed, so CUDA tensors run the pure-torch "
+                          f"codec (the same bytes, slower); for the fused kernels: "
+                          f"{GPU_EXTRA_HINT}", RuntimeWarning, stacklevel=4)
+        return ReferenceBackend()
 
 
-def _kernels(device: torch.device):
-    if backend_name(device) == "triton":
-        from qcomm.kernels import triton_codec
+def reset_backends() -> None:
+    """Forget the backends chosen so far: the next codec call reads ``QCOMM_BACKEND`` again
+    (for programs and tests that change it at run time)."""
+    _backends.clear()
 
-        return triton_codec
-    return reference
+
+def backend_name(device: torch.device) -> str:
+    """The backend that runs codec calls on ``device``: ``"triton"`` or ``"reference"``."""
+    return backend_for(device).name
 
 
 # ---------------------------------------------------------------------------------------------
 # argument checks: each names the argument and what is allowed
 
 
-def _check_spec(spec: object) -> QuantSpec:
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"spec must be a qcomm.compress.QuantSpec, got {type(spec).__name__}")
-    return spec
-
-
 def _check_float_tensor(t: object, name: str, dtypes: Sequence[torch.dtype]) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"{name} must have dtype in ({allowed}), got {t.dtype}")
-    return t
+    return check_tensor(name, t, dtypes=dtypes)
 
 
 def _check_buffer(buf: object, name: str, like: torch.Tensor) -> torch.Tensor:
     """An fp32 buffer with ``like``'s numel and device, contiguous (written in place)."""
-    buf = _check_float_tensor(buf, name, (torch.float32,))
+    buf = check_tensor(name, buf, dtypes=(torch.float32,))
     if buf.numel() != like.numel():
         raise ValueError(f"{name} must have numel {like.numel()} (like x), got {buf.numel()}")
     if buf.device != like.device:
         raise ValueError(f"{name} must be on {like.device} (like x), got {buf.device}")
-    if not buf.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (it is updated in place)")
-    return buf
+    return check_tensor(name, buf, contiguous=True, why="it is updated in place")
+
+
+def _fitting_specs(nbytes: int, numel: int, spec: QuantSpec) -> list[str]:
+    """The other (bits, block_size) under which ``numel`` values take ``nbytes`` bytes."""
+    out = []
+    for bits in SUPPORTED_BITS:
+        bs = MIN_BLOCK_SIZE
+        while bs <= MAX_BLOCK_SIZE:
+            if (bits, bs) != (spec.bits, spec.block_size) and packed_nbytes(
+                    numel, QuantSpec(bits, bs, spec.rounding)) == nbytes:
+                out.append(f"bits={bits}, block_size={bs}")
+            bs *= 2
+    return out
+
+
+def _length_mismatch(name: str, nbytes: int, numel: int, spec: QuantSpec) -> str:
+    """Why a payload of ``nbytes`` bytes is not one of ``numel`` values under ``spec``: the
+    lengths, and the specs the length would fit (a payload made with another spec is the
+    usual cause), or that it fits none (a truncated or foreign buffer)."""
+    want = packed_nbytes(numel, spec)
+    head = (f"{name} must be packed_nbytes({numel}, spec) = {want} bytes per message for "
+            f"{numel} values with bits={spec.bits}, block_size={spec.block_size}, got {nbytes}")
+    fits = _fitting_specs(nbytes, numel, spec)
+    if fits:
+        return f"{head}; {nbytes} bytes fit {numel} values under {' or '.join(fits)}: was it " \
+               f"quantized with another spec?"
+    return f"{head}; the payload does not match this spec (numel, bits, block size) nor any " \
+           f"other spec for {numel} values: a truncated or foreign buffer?"
 
 
 def _check_payload_tensor(p: object, name: str, numel: int, spec: QuantSpec,
                           ndim: int) -> torch.Tensor:
-    if not isinstance(p, torch.Tensor):
-        raise TypeError(f"{name} must be a uint8 torch.Tensor, got {type(p).__name__}")
-    if p.dtype != torch.uint8:
-        raise TypeError(f"{name} must have dtype uint8, got {p.dtype}")
-    want = packed_nbytes(numel, spec)
-    if p.dim() != ndim or p.shape[-1] != want:
+    p = check_tensor(name, p, dtypes=(torch.uint8,))
+    if p.dim() != ndim:
         shape = "[nbytes]" if ndim == 1 else "[K, nbytes]"
-        raise ValueError(
-            f"{name} must have shape {shape} with nbytes = packed_nbytes({numel}, spec) = "
-            f"{want}, got {tuple(p.shape)}"
-        )
-    if not p.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    return p
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(p.shape)}")
+    if p.shape[-1] != packed_nbytes(numel, spec):
+        raise ValueError(_length_mismatch(name, p.shape[-1], numel, spec))
+    return check_tensor(name, p, contiguous=True)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -237,7 +285,7 @@ def _resolve_seed(seed: int | None, spec: QuantSpec) -> int:
         if spec.rounding == "nearest":
             return 0
         # Drawn from torch's default generator, so torch.manual_seed makes runs reproducible.
-        return int(torch.randint(0, 2**62, (1,)).item())
+        return draw_seed()
     return check_seed(seed)
 
 
@@ -292,7 +340,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, error: torch.Tensor | None = N
         TypeError, ValueError: a bad argument (named in the message).
     """
     x = _check_float_tensor(x, "x", INPUT_DTYPES)
-    spec = _check_spec(spec)
+    spec = check_spec(spec)
     if error is not None:
         error = _check_buffer(error, "error", x)
     if error_out is not None:
@@ -315,7 +363,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, error: torch.Tensor | None = N
     residual_out = error_out
     if error is not None and error_out is None:
         residual_out = torch.empty_like(error)  # scratch: error stays intact until we know
-    _kernels(x.device).quantize_into(
+    backend_for(x.device).quantize_into(
         flat, spec, out,
         error.view(-1) if error is not None else None,
         residual_out.view(-1) if residual_out is not None else None,
@@ -352,14 +400,10 @@ def dequantize(packed: Packed, *, out: torch.Tensor | None = None,
             raise TypeError(f"dtype must be one of {INPUT_DTYPES}, got {dtype}")
         out = torch.empty(packed.shape, dtype=dtype, device=device)
     else:
-        _check_float_tensor(out, "out", INPUT_DTYPES)
-        if out.numel() != packed.numel or out.device != device or not out.is_contiguous():
-            raise ValueError(
-                f"out must be a contiguous tensor of {packed.numel} elements on {device}, got "
-                f"{out.numel()} elements on {out.device}"
-            )
+        check_tensor("out", out, dtypes=INPUT_DTYPES, numel=packed.numel, device=device,
+                     contiguous=True, why="it is written in place")
     _raise_if_nonfinite(packed.scales, "packed", "carries")
-    _kernels(device).dequantize_into(packed.payload, packed.spec, out.view(-1))
+    backend_for(device).dequantize_into(packed.payload, packed.spec, out.view(-1))
     return out
 
 
@@ -386,10 +430,9 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
             in the bound: an ``out`` already within one decoded term of the float32 limit can
             still overflow.
     """
-    spec = _check_spec(spec)
-    out = _check_float_tensor(out, "out", (torch.float32,))
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous (it is updated in place)")
+    spec = check_spec(spec)
+    out = check_tensor("out", out, dtypes=(torch.float32,), contiguous=True,
+                       why="it is updated in place")
     if isinstance(payloads, torch.Tensor) and payloads.dim() == 1:
         payloads = payloads.unsqueeze(0)
     payloads = _check_payload_tensor(payloads, "payloads", out.numel(), spec, ndim=2)
@@ -410,7 +453,7 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
     bound = _accumulate_bound(scales, w, spec)  # one host sync, as the finite check alone
     if not math.isfinite(bound):
         _raise_if_nonfinite(scales, "payloads", "carry")
-    kernels = _kernels(out.device)
+    kernels = backend_for(out.device)
     # (the float32 sums and products may round up by (k + 3) ulps over the float64 bound)
     if bound * (1 + (k + 3) * 2.0**-24) <= _FLT32_MAX:
         kernels.dequant_accumulate_into(payloads, spec, out.view(-1), w)

@@ -4,29 +4,63 @@ For users who keep ``DistributedDataParallel``::
 
     from qcomm.hooks import HierarchicalQuantState, hierarchical_quantized_hook
 
-    state = HierarchicalQuantState(procs_per_node=8, bits=4)
+    state = HierarchicalQuantState(procs_per_node=8, bits=4, start_iter=10)
     ddp_model.register_comm_hook(state, hierarchical_quantized_hook)
+    ...                                   # train
+    state.close()                         # before destroy_process_group()
 
 Each gradient bucket is averaged with :class:`qcomm.collectives.hierarchical.
 HierarchicalAllreduce`: full precision inside a node, ``bits``-bit payloads with error feedback
 between nodes (each local rank carries one shard on its rail), all-gather inside the node.
 
-The state object follows PyTorch's ``PowerSGDState``: hyperparameters apart from runtime objects,
-runtime objects created lazily on the first hook call (every rank calls the hook for bucket 0
-at the same point of the first backward, so creating the process groups there is safe), and
-pickling keeps the hyperparameters and the error-feedback residuals but never a process group.
+What PowerSGD's hook offers, this one offers too:
+
+* ``process_group``: the group DDP averages over (None: the default group);
+* a warm-up, ``start_iter`` (PowerSGD's ``start_powerSGD_iter``): the first ``start_iter``
+  iterations average in full precision with DDP's own allreduce, which also lets DDP rebuild
+  its buckets before any error-feedback residual is created for them;
+* a future that completes when the communication does, so the rest of the backward pass runs
+  while a bucket is in flight.
+
+How the future completes without blocking anything. A hierarchical mean runs in three dependent
+stages (intra-node reduce-scatter, rail all-gather, intra-node all-gather), and collectives on
+one process group must be issued in the same order on every rank. The hook therefore hands each
+bucket to one worker thread per state, which issues every collective of the state's groups, in
+bucket order (DDP calls the hook in bucket order on every rank), waits on the
+:class:`~qcomm.collectives.handles.Handle` and resolves the bucket's future from the handle's
+completion (or failure). Neither the hook nor any future callback waits; the groups belong to
+the state alone, so no other thread issues collectives on them. DDP waits on the futures at the
+end of backward, as for its own allreduce.
+
+The state object follows PyTorch's ``PowerSGDState``: hyperparameters apart from runtime
+objects, runtime objects created lazily on the first hook call (every rank calls the hook for
+bucket 0 at the same point of the first backward, so creating the process groups there is
+safe), and pickling keeps the hyperparameters, the iteration count and the error-feedback
+residuals but never a process group or a thread.
 """
 
 # No "from __future__ import annotations": DDP checks the hook's annotations at runtime
 # (bucket must be dist.GradBucket, the return a torch.futures.Future), strings fail that check.
+import logging
+import queue
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from qcomm.compress import QuantSpec
+from qcomm.validation import (
+    check_bucket_mb,
+    check_int,
+    check_seed,
+    check_timeout,
+    fail,
+)
 
 __all__ = ["HierarchicalQuantState", "hierarchical_quantized_hook"]
+
+log = logging.getLogger("qcomm")
 
 
 class HierarchicalQuantState:
@@ -35,40 +69,56 @@ class HierarchicalQuantState:
     Args:
         procs_per_node: ranks per node; None reads ``LOCAL_WORLD_SIZE`` (see
             :class:`qcomm.collectives.topology.Topology`).
+        process_group: the process group DDP averages over: None or the default group (the
+            node groups and rails are built over the whole job, so DDP must run on all of it).
+            The warm-up's full-precision allreduce runs on it.
         bits: inter-node code width, 1, 2, 4 or 8.
         block_size: elements per quantization scale, a power of two in [32, 4096].
         rounding: ``"stochastic"`` (default) or ``"nearest"``.
-        seed: base seed of stochastic rounding.
+        seed: base seed of stochastic rounding, an int in [0, 2**64).
         bucket_mb: the allreduce's internal bucket size (DDP buckets larger than this are cut).
+        start_iter: iterations averaged in full precision (DDP's own allreduce) before the
+            quantized hierarchy starts, an int >= 0 (PowerSGD's ``start_powerSGD_iter``).
+        timeout_s: how long a bucket waits for the other ranks, a finite float > 0; None: the
+            process group's own timeout.
 
     Attributes:
+        iter: iterations completed (counted when DDP's last bucket of an iteration is hooked).
         stats: :class:`qcomm.collectives.stats.CommStats` of bytes sent per level, or None
-            before the first hook call.
+            before the first quantized bucket (warm-up allreduces are DDP's bytes, not counted).
     """
 
-    # Hyperparameters: the only fields that survive pickling, with the residuals.
-    _HPARAMS = ("procs_per_node", "bits", "block_size", "rounding", "seed", "bucket_mb")
+    # Hyperparameters: the only fields that survive pickling, with the residuals and `iter`.
+    _HPARAMS = ("procs_per_node", "bits", "block_size", "rounding", "seed", "bucket_mb",
+                "start_iter", "timeout_s")
 
-    def __init__(self, procs_per_node: int | None = None, *, bits: int = 4,
-                 block_size: int = 128, rounding: str = "stochastic", seed: int = 0,
-                 bucket_mb: float = 25.0) -> None:
-        if procs_per_node is not None and (
-                isinstance(procs_per_node, bool) or not isinstance(procs_per_node, int)
-                or procs_per_node < 1):
-            raise ValueError(f"procs_per_node must be None or an int >= 1, got {procs_per_node!r}")
+    def __init__(self, procs_per_node: int | None = None, *,
+                 process_group: Any = None, bits: int = 4, block_size: int = 128,
+                 rounding: str = "stochastic", seed: int = 0, bucket_mb: float = 25.0,
+                 start_iter: int = 0, timeout_s: float | None = None) -> None:
+        self.procs_per_node = check_int("procs_per_node", procs_per_node, low=1,
+                                        allow_none=True)
+        if process_group is not None and not (dist.is_available()
+                                              and process_group is dist.group.WORLD):
+            fail("process_group", "None or the default group (node groups and rails are built "
+                 "over the whole job)", process_group)
+        self.process_group = process_group
         self.spec = QuantSpec(bits, block_size, rounding)  # validates bits/block_size/rounding
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
-        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not (
-                bucket_mb > 0):
-            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
-        self.procs_per_node = procs_per_node
         self.bits, self.block_size, self.rounding = bits, block_size, rounding
-        self.seed = seed
-        self.bucket_mb = bucket_mb
+        self.seed = check_seed(seed)
+        self.bucket_mb = check_bucket_mb(bucket_mb)
+        self.start_iter = check_int("start_iter", start_iter, low=0)
+        self.timeout_s = check_timeout(timeout_s, allow_none=True)
+        self.iter = 0
+        self.stats = None
         self._allreduce: Any = None
         self._pending: dict | None = None
-        self.stats = None
+        self._worker: _Worker | None = None
+
+    @property
+    def warming_up(self) -> bool:
+        """True while buckets are averaged in full precision (``iter < start_iter``)."""
+        return self.iter < self.start_iter
 
     def allreduce(self) -> Any:  # HierarchicalAllreduce (imported lazily)
         """The :class:`HierarchicalAllreduce` (created on first use; collective then)."""
@@ -81,12 +131,35 @@ class HierarchicalQuantState:
             _ = topo.intra_group  # creates every group, on every rank, here
             self.stats = self.stats if self.stats is not None else CommStats()
             engine = HierarchicalAllreduce(topo, spec=self.spec, bucket_mb=self.bucket_mb,
-                                           stats=self.stats, seed=self.seed)
+                                           stats=self.stats, seed=self.seed,
+                                           timeout_s=self.timeout_s)
             if self._pending is not None:
                 engine.load_state_dict(self._pending)
                 self._pending = None
             self._allreduce = engine
         return self._allreduce
+
+    def _submit(self, tensor: torch.Tensor, key: str) -> torch.futures.Future:
+        """Hand one bucket to the worker; its future completes with the averaged tensor."""
+        if self._worker is None:
+            self._worker = _Worker(self.allreduce(), self.timeout_s)
+        return self._worker.submit(tensor, key)
+
+    def _count(self, bucket: dist.GradBucket) -> None:
+        # Bucket 0 is the last one DDP hands over in an iteration (as PowerSGD counts).
+        if bucket.is_last():
+            self.iter += 1
+            if self.iter == self.start_iter and self.start_iter:
+                log.info("qcomm: hierarchical quantized averaging starts after %d "
+                         "full-precision iterations", self.iter)
+
+    def close(self) -> None:
+        """Finish the buckets in flight and stop the worker thread (call it before
+        ``destroy_process_group()``). The state stays usable: the next hook call restarts
+        the worker. Idempotent."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     def __getstate__(self) -> dict:
         state = {k: getattr(self, k) for k in self._HPARAMS}
@@ -94,12 +167,63 @@ class HierarchicalQuantState:
                         else self._pending)
         state["allreduce_state"] = engine_state
         state["stats"] = self.stats
+        state["iter"] = self.iter
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(**{k: state[k] for k in self._HPARAMS})
+        self.__init__(**{k: state[k] for k in self._HPARAMS if k in state})
         self._pending = state.get("allreduce_state")
         self.stats = state.get("stats")
+        self.iter = state.get("iter", 0)
+
+
+class _Worker:
+    """One thread that averages buckets in the order they were submitted: it is the only
+    issuer of collectives on the state's process groups (see the module docstring)."""
+
+    def __init__(self, allreduce: Any, timeout_s: float | None) -> None:
+        self._allreduce = allreduce
+        self._timeout_s = timeout_s
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="qcomm-ddp-hook", daemon=True)
+        self._thread.start()
+
+    def submit(self, tensor: torch.Tensor, key: str) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        self._queue.put((tensor, key, fut))
+        return fut
+
+    def _run(self) -> None:
+        failed: BaseException | None = None
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            tensor, key, fut = item
+            if failed is not None:  # the groups are in an unknown state: fail fast
+                fut.set_exception(failed)
+                continue
+            try:
+                handle = self._allreduce.mean_([tensor], async_op=True, key=key)
+                handle.wait(self._timeout_s)
+            except BaseException as e:  # delivered to DDP through the future
+                failed = e
+                fut.set_exception(e)
+            else:
+                fut.set_result(tensor)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+def _allreduce_fp(state: HierarchicalQuantState, tensor: torch.Tensor
+                  ) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own averaging (divide, then allreduce, asynchronous), for the warm-up."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    tensor.div_(dist.get_world_size(group))
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def hierarchical_quantized_hook(state: HierarchicalQuantState,
@@ -112,18 +236,22 @@ def hierarchical_quantized_hook(state: HierarchicalQuantState,
             in place.
 
     Returns:
-        A completed future holding the averaged flat buffer. The allreduce runs inside the
-        hook (its later stages are driven by the caller's thread, see
-        :mod:`qcomm.collectives.handles`), so it does not overlap the rest of the backward pass.
+        A future that completes with the averaged flat buffer once its communication has
+        finished (the hook itself returns at once, so backward goes on meanwhile); it carries
+        the exception (e.g. :class:`~qcomm.collectives.errors.PeerTimeoutError`) if the
+        communication failed. During the warm-up (``state.start_iter``) it is DDP's own
+        full-precision allreduce.
 
     Error feedback keeps one residual per DDP bucket (keyed by bucket index and size: DDP
     rebuilds its buckets after the first iteration, and the few residuals of that first layout
-    are then left unused).
+    are then left unused; a warm-up of one iteration or more avoids creating them).
     """
     if not isinstance(state, HierarchicalQuantState):
         raise TypeError(f"state must be a HierarchicalQuantState, got {type(state).__name__}")
     tensor = bucket.buffer()
-    state.allreduce().mean_([tensor], key=f"bucket{bucket.index()}:{tensor.numel()}")
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(tensor)
+    if state.warming_up:
+        fut = _allreduce_fp(state, tensor)
+    else:
+        fut = state._submit(tensor, key=f"bucket{bucket.index()}:{tensor.numel()}")
+    state._count(bucket)
     return fut

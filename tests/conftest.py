@@ -22,6 +22,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _fresh_codec_backend():
+    """qcomm.compress chooses a backend once per device type and keeps it; tests that set
+    QCOMM_BACKEND (monkeypatch) get a fresh choice, and leave none behind."""
+    from qcomm.compress import reset_backends
+
+    reset_backends()
+    yield
+    reset_backends()
+
+
 @pytest.fixture(scope="session")
 def device() -> str:
     """Where kernel tests put tensors: CUDA when a GPU runs compiled Triton, else CPU tensors
@@ -31,3 +42,16 @@ def device() -> str:
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return "cuda"
     return "cpu"
+
+
+@pytest.fixture(scope="session")
+def gloo():
+    """Gloo worlds kept for the whole session, one per world size:
+    ``gloo.run(fn, world_size, args=(...))`` runs ``fn(rank, world_size, *args)`` on every rank
+    of it (see :class:`qcomm.testing.multiprocess.WorldPools`). A body that fails breaks its
+    world, and the next test of that size gets a fresh one."""
+    from qcomm.testing.multiprocess import WorldPools
+
+    pools = WorldPools()
+    yield pools
+    pools.close()

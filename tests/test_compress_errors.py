@@ -382,3 +382,106 @@ def test_dequant_accumulate_near_the_limit_is_not_an_error() -> None:
     dequant_accumulate(torch.stack([plus, minus]), out, spec4)
     d = dequantize(Packed.from_payload(plus, 32, spec4))
     assert torch.equal(out, (torch.ones(32) + d) - d)
+
+
+# ---------------------------------------------------------------------------------------------
+# messages that say what is wrong
+
+
+def test_non_contiguous_out_is_named_as_such() -> None:
+    p = quantize(torch.randn(512), QuantSpec(4, 128))
+    with pytest.raises(ValueError, match=r"out must be contiguous \(it is written in place\), "
+                                         r"got a non-contiguous tensor of shape \(512,\)"):
+        dequantize(p, out=torch.zeros(1024)[::2])
+    with pytest.raises(ValueError, match="out must have 512 elements, got 511"):
+        dequantize(p, out=torch.zeros(511))
+    with pytest.raises(ValueError, match="out must be on meta, got cpu"):
+        dequantize(Packed.from_payload(p.payload.to("meta"), 512, QuantSpec(4, 128)),
+                   out=torch.zeros(512))
+
+
+def test_payload_of_another_spec_names_the_spec_it_fits() -> None:
+    p = quantize(torch.randn(512), QuantSpec(4, 128))
+    with pytest.raises(ValueError) as info:
+        Packed.from_payload(p.payload, 512, QuantSpec(2, 128))
+    msg = str(info.value)
+    assert msg.startswith("payload must be packed_nbytes(512, spec) = 144 bytes per message "
+                          "for 512 values with bits=2, block_size=128, got 272"), msg
+    assert "272 bytes fit 512 values under bits=4, block_size=128" in msg
+    with pytest.raises(ValueError, match="fit 512 values under bits=4, block_size=128"):
+        dequant_accumulate(p.payload, torch.zeros(512), QuantSpec(8, 32))
+
+
+def test_payload_that_fits_no_spec_says_so() -> None:
+    p = quantize(torch.randn(512), QuantSpec(4, 128))
+    with pytest.raises(ValueError, match=r"does not match this spec \(numel, bits, block size\) "
+                                         r"nor any other spec for 512 values"):
+        Packed.from_payload(p.payload[:-1], 512, QuantSpec(4, 128))
+
+
+# ---------------------------------------------------------------------------------------------
+# backends: an interface, chosen once per device type; triton optional
+
+
+def test_backend_is_chosen_once_per_device_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qcomm.compress import backend_for, reset_backends
+    from qcomm.kernels.backend import CodecBackend, ReferenceBackend
+
+    cpu = torch.device("cpu")
+    first = backend_for(cpu)
+    assert isinstance(first, ReferenceBackend) and isinstance(first, CodecBackend)
+    monkeypatch.setenv("QCOMM_BACKEND", "bogus")  # read once: later changes are not seen...
+    assert backend_for(cpu) is first
+    quantize(torch.zeros(10), SPEC)
+    reset_backends()  # ...until the choice is forgotten
+    with pytest.raises(ValueError, match="QCOMM_BACKEND must be one of"):
+        backend_for(cpu)
+
+
+def _without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # "import triton" now fails
+    monkeypatch.delitem(sys.modules, "qcomm.kernels.triton_codec", raising=False)
+
+
+def test_without_triton_cuda_tensors_fall_back_to_the_reference(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from qcomm import compress
+    from qcomm.kernels.backend import ReferenceBackend, TritonBackend
+
+    _without_triton(monkeypatch)
+    with pytest.raises(ImportError, match=r"pip install 'qcomm\[gpu\]'"):
+        TritonBackend()
+    monkeypatch.setattr(compress, "_warned_no_triton", False)
+    with pytest.warns(RuntimeWarning, match=r"triton is not installed.*qcomm\[gpu\]"):
+        backend = compress._choose_backend("cuda")
+    assert isinstance(backend, ReferenceBackend)
+
+
+def test_forcing_triton_without_it_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    _without_triton(monkeypatch)
+    monkeypatch.setenv("QCOMM_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ImportError, match=r"needs triton.*pip install 'qcomm\[gpu\]'"):
+        quantize(torch.zeros(10), SPEC)
+
+
+def test_the_cpu_path_never_imports_triton() -> None:
+    """Every layer imports, and the codec runs on CPU tensors, where triton cannot be
+    imported (a CPU-only install without the gpu extra)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, qcomm.sgd, qcomm.hooks, qcomm.testing.properties\n"
+            "from qcomm.compress import QuantSpec, dequantize, quantize\n"
+            "x = torch.randn(1000)\n"
+            "p = quantize(x, QuantSpec(4, 128, 'stochastic'), seed=1)\n"
+            "assert (dequantize(p) - x).abs().max() < 1\n"
+            "assert 'qcomm.kernels.triton_codec' not in sys.modules\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

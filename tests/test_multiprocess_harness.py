@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from qcomm.testing.multiprocess import WorldError, run_world
+from qcomm.testing.multiprocess import WorldError, WorldPool, run_world
 
 
 def _sum_ranks(rank: int, world_size: int, n: int) -> float:
@@ -58,3 +58,24 @@ def test_run_world_returns_tensors_by_value():
     """Tensors come back by value even though the children have exited."""
     out = run_world(_returns_tensor, 2, timeout_s=60)
     assert [t.tolist() for t in out] == [[0.0] * 3, [1.0] * 3]
+
+
+def _pid(rank: int, world_size: int) -> int:
+    return os.getpid()
+
+
+def test_pool_runs_many_calls_in_one_world():
+    with WorldPool(2) as pool:
+        first = pool.run(_pid)
+        assert pool.run(_sum_ranks, args=(2,)) == [1.0, 1.0]
+        assert pool.run(_pid) == first and pool.starts == 1
+
+
+def test_pool_restarts_after_a_failure():
+    with WorldPool(2) as pool:
+        first = pool.run(_pid)
+        with pytest.raises(WorldError, match="boom on purpose"):
+            pool.run(_rank1_raises)
+        second = pool.run(_pid)
+        assert pool.starts == 2 and set(first).isdisjoint(second)
+        assert pool.run(_sum_ranks, args=(3,)) == [1.0, 1.0]

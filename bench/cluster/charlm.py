@@ -106,3 +106,11 @@ def validation_loss(model: nn.Module, windows: torch.Tensor, batch: int = 64) ->
         n += w.shape[0]
     model.train(was_training)
     return total / n
+
+
+if __name__ == "__main__":  # a library: say so rather than exit silently
+    print(
+        "bench/cluster/charlm.py is a library of the cluster benchmark (the charlm workload's "
+        "model, batches and validation loss), imported by workloads.py; it runs nothing. See "
+        "bench/cluster/README.md."
+    )

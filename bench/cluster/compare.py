@@ -496,7 +496,7 @@ def plot(rows: Sequence[dict[str, Any]], outdir: Path,
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--workload", default="mnist1d",
                    help="The workloads to train, a comma list of " + ", ".join(W.WORKLOADS) + ".")
     p.add_argument("--layouts", default="2x2,4x1",

@@ -105,3 +105,11 @@ def save(corpus: Corpus, path: Path) -> None:
     """npz with ``train``, ``val`` (uint8 tokens) and the fingerprint."""
     np.savez(path, train=corpus.train, val=corpus.val,
              fingerprint=np.array(fingerprint(corpus)))
+
+
+if __name__ == "__main__":  # a library: say so rather than exit silently
+    print(
+        "bench/cluster/corpus.py is a library of the cluster benchmark (the charlm corpus built "
+        "from Python's standard library), imported by compare.py and workloads.py; it runs "
+        "nothing. See bench/cluster/README.md."
+    )

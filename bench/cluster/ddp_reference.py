@@ -28,7 +28,7 @@ import workloads as W
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--workload", default="charlm", choices=list(W.WORKLOADS),
                    help="The workload whose DDP curve to compute.")
     p.add_argument("--ranks", type=int, default=4,

@@ -629,3 +629,11 @@ def build(name: str, module, cfg: Config) -> Built:
 
         return torchft_methods.build(name, module, cfg)
     return _qcomm_adapter(name, module, cfg)
+
+
+if __name__ == "__main__":  # a library: say so rather than exit silently
+    print(
+        "bench/cluster/methods.py is a library of the cluster benchmark (the compared methods and "
+        "their byte formulas), imported by compare.py and workload.py; it runs nothing. See "
+        "bench/cluster/README.md."
+    )

@@ -212,3 +212,11 @@ def torchft_version() -> str:
     from importlib.metadata import version
 
     return version("torchft")
+
+
+if __name__ == "__main__":  # a library: say so rather than exit silently
+    print(
+        "bench/cluster/torchft_methods.py is a library of the cluster benchmark (torchft's DiLoCo "
+        "methods), imported by methods.py when such a method runs; it runs nothing. See "
+        "bench/cluster/README.md."
+    )

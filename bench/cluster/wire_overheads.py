@@ -1,6 +1,8 @@
 """Bytes on an emulated link that no byte formula counts: Gloo's cost per collective, and
 torchft's control traffic while no data moves. Explains the gap between the interface
-counters and the formula of torchft's DiLoCo (bench/cluster/README.md). Root, 2 nodes x 1 proc:
+counters and the formula of torchft's DiLoCo (bench/cluster/README.md).
+
+Run as root, on 2 nodes x 1 process:
 
     sudo bench/cluster/netns.sh run --nodes 2 --procs 1 --rate 1gbit --timeout 300 -- \\
         bench/cluster/wire_overheads.py
@@ -53,7 +55,7 @@ def measure(name: str, fn: Callable[[], None], ops: int, payload: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--repeats", type=int, default=3, help="Rounds of each allreduce pattern.")
     p.add_argument("--idle", type=float, default=5.0,
                    help="Seconds of torchft control traffic to count (0: skip).")

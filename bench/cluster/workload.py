@@ -81,7 +81,7 @@ def _write_profile(profiler, path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--method", required=True, type=_method_name,
                    help=f"The method to train with: one of {list(M.METHODS)}, or a qcomm "
                         "variant such as assgd-4-h8f4 (methods.py explains the names).")

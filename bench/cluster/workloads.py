@@ -210,3 +210,11 @@ def make_data(name: str, path: Path, *, seed: int, num_samples: int = 12000) -> 
                 "train_files": len(c.train_files), "val_files": len(c.val_files),
                 "fingerprint": corpus.fingerprint(c), "stdlib": str(corpus.stdlib_dir())}
     raise ValueError(f"workload must be one of {list(WORKLOADS)}, got {name!r}")
+
+
+if __name__ == "__main__":  # a library: say so rather than exit silently
+    print(
+        "bench/cluster/workloads.py is a library of the cluster benchmark (the workloads: data, "
+        "model, optimizer, quality), imported by compare.py and workload.py; it runs nothing. See "
+        "bench/cluster/README.md."
+    )

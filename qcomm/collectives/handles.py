@@ -8,7 +8,7 @@ results into the caller's tensors.
 
 Why generators driven from ``wait()`` and not a background thread: collectives on one process
 group must be issued in the same order on every rank. A progress thread would interleave our
-launches with other users of the same groups (the gossip engineer shares the rails) in an order
+launches with other users of the same groups (the gossip shares the rails) in an order
 that depends on timing. Here every launch happens in the caller's thread, inside ``mean_`` (the
 first stage of every bucket) or ``wait()`` (later stages, buckets round-robin in a fixed order),
 so the order is the program's order, the same on every rank.

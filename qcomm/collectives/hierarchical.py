@@ -44,12 +44,12 @@ from qcomm.collectives.intra import BucketedMean
 from qcomm.collectives.primitives import (
     acc_dtype,
     decode_mean,
-    derive_seed,
     quantize_or_poison,
     start_all_gather,
     start_reduce_scatter,
 )
 from qcomm.compress import QuantSpec, packed_nbytes
+from qcomm.seeds import derive
 
 __all__ = ["HierarchicalAllreduce", "shard_numel"]
 
@@ -112,7 +112,7 @@ class HierarchicalAllreduce(BucketedMean):
         plan, call, key = self._next_call(tensors, key)
         pipelines = [
             self._pipeline(b, tensors, intra, rail, f"{key}/{i}",
-                           derive_seed(self.seed, topo.rank, call, i))
+                           derive(self.seed, topo.rank, call, i))
             for i, b in enumerate(plan)
         ]
         handle = Handle(pipelines, "hierarchical allreduce",

@@ -27,7 +27,6 @@ message per peer step: ``P - 1`` messages per collective.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,7 +44,6 @@ from qcomm.collectives.buckets import (
 from qcomm.collectives.handles import Handle, Last
 from qcomm.collectives.primitives import (
     decode_mean,
-    derive_seed,
     quantize_or_poison,
     start_all_gather,
     start_reduce_scatter,
@@ -58,15 +56,22 @@ from qcomm.compress import (
     QuantSpec,
     packed_nbytes,
 )
+from qcomm.kernels.wire_format import check_spec
+from qcomm.seeds import derive
+from qcomm.validation import (
+    check_bucket_mb,
+    check_instance,
+    check_int,
+    check_seed,
+    check_timeout,
+    fail,
+)
 
 __all__ = ["BucketedMean", "IntraNodeAllreduce"]
 
 CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Full precision also averages float64 (Gloo and NCCL sum it natively; the codec does not).
 FULL_DTYPES = (*CODEC_DTYPES, torch.float64)
-
-_MASK64 = (1 << 64) - 1
-
 
 # ---------------------------------------------------------------------------------------------
 # argument checks (BucketedMean's, so hierarchical.py's too)
@@ -75,27 +80,17 @@ _MASK64 = (1 << 64) - 1
 def check_common_args(topology: object, bucket_mb: object, spec: object, stats: object,
                       seed: object) -> tuple[int, CommStats]:
     """Validate constructor arguments; returns (bucket capacity in bytes, stats)."""
-    if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a qcomm.collectives.topology.Topology, "
-                        f"got {type(topology).__name__}")
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
-        raise TypeError(f"bucket_mb must be a number > 0 (MiB), got {bucket_mb!r}")
-    if not math.isfinite(bucket_mb) or bucket_mb <= 0:
-        raise ValueError(f"bucket_mb must be a finite number > 0 (MiB), got {bucket_mb}")
-    if spec is not None and not isinstance(spec, QuantSpec):
-        raise TypeError(f"spec must be a qcomm.compress.QuantSpec or None, "
-                        f"got {type(spec).__name__}")
-    if stats is not None and not isinstance(stats, CommStats):
-        raise TypeError(f"stats must be a qcomm.collectives.stats.CommStats or None, "
-                        f"got {type(stats).__name__}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MASK64:
-        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    check_instance("topology", topology, Topology)
+    bucket_mb = check_bucket_mb(bucket_mb)
+    check_spec(spec, allow_none=True)
+    check_instance("stats", stats, CommStats, allow_none=True)
+    check_seed(seed)
     return max(1, int(bucket_mb * MIB)), (stats if stats is not None else CommStats())
 
 
 def check_key(key: object) -> None:
     if key is not None and (isinstance(key, bool) or not isinstance(key, (str, int))):
-        raise TypeError(f"key must be a str, an int or None, got {key!r}")
+        fail("key", "a str, an int or None", key, TypeError)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,9 +105,7 @@ class BucketedMean:
                  spec: QuantSpec | None = None, stats: CommStats | None = None,
                  seed: int = 0, timeout_s: float | None = None) -> None:
         self._bucket_bytes, self.stats = check_common_args(topology, bucket_mb, spec, stats, seed)
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(
-                timeout_s, (int, float)) or not (math.isfinite(timeout_s) and timeout_s > 0)):
-            raise ValueError(f"timeout_s must be None or a finite number > 0, got {timeout_s!r}")
+        check_timeout(timeout_s, allow_none=True)
         # Blocking calls wait at most this long for the other ranks (None: the process
         # group's own timeout); async handles take theirs in wait().
         self.timeout_s = timeout_s
@@ -150,9 +143,7 @@ class BucketedMean:
         if not isinstance(state, dict) or "error_feedback" not in state or "calls" not in state:
             raise ValueError("state must be a dict from state_dict() with keys "
                              "'error_feedback' and 'calls'")
-        calls = state["calls"]
-        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
-            raise ValueError(f"state['calls'] must be an int >= 0, got {calls!r}")
+        calls = check_int("state['calls']", state["calls"], low=0)
         self.error_feedback.load_state_dict(state["error_feedback"])
         self._calls = calls
 
@@ -201,7 +192,7 @@ class IntraNodeAllreduce(BucketedMean):
         pipelines = [
             self._full_pipeline(b, tensors, group, L) if self.spec is None
             else self._codec_pipeline(b, tensors, group, L, f"{key}/{i}",
-                                      derive_seed(self.seed, topo.rank, call, i))
+                                      derive(self.seed, topo.rank, call, i))
             for i, b in enumerate(plan)
         ]
         handle = Handle(pipelines, "intra-node allreduce",

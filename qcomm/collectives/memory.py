@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from qcomm.collectives.errors import PeerTimeoutError
+from qcomm.validation import check_choice, check_int, check_timeout
 
 __all__ = ["MemoryGroup", "MemoryWorld"]
 
@@ -125,8 +126,7 @@ class MemoryGroup:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> _DoneWork:
         """``tensor`` = the reduction of every member's ``tensor`` (sum in member order)."""
-        if op not in REDUCE_OPS:
-            raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+        check_choice("op", op, REDUCE_OPS)
         parts = self._exchange(tensor.detach().clone(), "all_reduce")
         acc = parts[0].clone()
         for p in parts[1:]:
@@ -157,13 +157,8 @@ class MemoryWorld:
     """
 
     def __init__(self, world_size: int, *, timeout_s: float = 60.0) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
-                not timeout_s > 0:
-            raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
-        self.world_size = world_size
-        self.timeout_s = float(timeout_s)
+        self.world_size = check_int("world_size", world_size, low=1)
+        self.timeout_s = check_timeout(timeout_s)
         self._groups: dict[tuple[int, ...], _SharedGroup] = {}
         self._lock = threading.Lock()
 

@@ -8,7 +8,7 @@ tests and simulations); the dispatch between the two happens here and nowhere el
 * wrappers: :func:`all_reduce`, :func:`all_gather_flat`, :func:`all_to_all_single`;
 * pipeline steps used by the bucketed means (:mod:`.intra`, :mod:`.hierarchical`):
   :func:`start_reduce_scatter`, :func:`start_all_gather`, :func:`quantize_or_poison`,
-  :func:`decode_mean`, with :func:`acc_dtype` and :func:`derive_seed`.
+  :func:`decode_mean`, with :func:`acc_dtype` (message seeds: :func:`qcomm.seeds.derive`).
 """
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError
 from qcomm.collectives.memory import MemoryGroup
 from qcomm.collectives.stats import CommStats
 from qcomm.compress import ErrorFeedback, NonFiniteError, QuantSpec, dequant_accumulate
+from qcomm.deprecation import deprecated_names
+from qcomm.seeds import derive as _derive
 
 __all__ = ["acc_dtype", "all_gather_flat", "all_reduce", "all_to_all_single", "as_peer_error",
-           "decode_mean", "derive_seed", "group_size", "other_ranks", "quantize_or_poison",
+           "decode_mean", "group_size", "other_ranks", "quantize_or_poison",
            "start_all_gather", "start_reduce_scatter", "wait_work", "wait_works"]
 
 # torch 2.13 renames the flat collectives (same signatures) and warns on the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-_MASK64 = (1 << 64) - 1
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -157,24 +158,6 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group: Any, *,
 # ---------------------------------------------------------------------------------------------
 # pipeline steps
 
-# ---------------------------------------------------------------------------------------------
-
-
-def derive_seed(base: int, *parts: int) -> int:
-    """A 64-bit seed from ``base`` and a few ints (splitmix64 chain): distinct streams per rank,
-    call and bucket, so ranks' stochastic roundings are independent."""
-
-    def mix(z: int) -> int:
-        z = (z + 0x9E3779B97F4A7C15) & _MASK64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        return z ^ (z >> 31)
-
-    x = mix(base & _MASK64)
-    for p in parts:
-        x = mix(x ^ mix(p & _MASK64))
-    return x
-
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype sums are accumulated in: float64 for float64, else float32."""
@@ -243,3 +226,4 @@ def decode_mean(payloads: torch.Tensor, out: torch.Tensor,
     return None
 
 
+__getattr__ = deprecated_names(__name__, {"derive_seed": ("qcomm.seeds.derive", _derive)})

@@ -34,31 +34,21 @@ import torch.distributed as dist
 
 from qcomm.collectives.memory import MemoryWorld
 from qcomm.collectives.primitives import all_gather_flat
+from qcomm.validation import check_instance, check_int, fail
 
 __all__ = ["Topology"]
 
 
-
-def _as_int(value: object, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
-    return value
-
-
 def _env_int(env: Mapping[str, str], var: str, minimum: int) -> int | None:
+    """An environment variable as an int >= ``minimum``; None when unset or empty."""
     raw = env.get(var)
     if raw is None or raw.strip() == "":
         return None
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {var} must be an int >= {minimum}, "
-                         f"got {raw!r}") from None
-    if value < minimum:
-        raise ValueError(f"environment variable {var} must be an int >= {minimum}, got {value}")
-    return value
+        fail(f"environment variable {var}", f"an int >= {minimum}", raw)
+    return check_int(f"environment variable {var}", value, low=minimum)
 
 
 class Topology:
@@ -87,9 +77,7 @@ class Topology:
                  world_size: int | None = None, world: MemoryWorld | None = None) -> None:
         env = os.environ
         if world is not None:
-            if not isinstance(world, MemoryWorld):
-                raise TypeError(f"world must be a qcomm.collectives.memory.MemoryWorld or None, "
-                                f"got {type(world).__name__}")
+            check_instance("world", world, MemoryWorld)
             if rank is None or world_size is None:
                 raise ValueError("rank and world_size must be given with world=")
             if world_size != world.world_size:
@@ -101,19 +89,18 @@ class Topology:
             if world_size is None:
                 raise ValueError("world_size is unknown: pass world_size=, initialize "
                                  "torch.distributed, or set WORLD_SIZE")
-        world_size = _as_int(world_size, "world_size", 1)
+        world_size = check_int("world_size", world_size, low=1)
         if rank is None:
             rank = dist.get_rank() if initialized else _env_int(env, "RANK", 0)
             if rank is None:
                 raise ValueError("rank is unknown: pass rank=, initialize torch.distributed, "
                                  "or set RANK")
-        rank = _as_int(rank, "rank", 0)
-        if rank >= world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        rank = check_int("rank", rank, low=0, high=world_size, high_open=True,
+                         what=f"an int in [0, world_size={world_size})")
 
         if procs_per_node is None:
             procs_per_node = self._procs_per_node_from_env(env, rank)
-        procs_per_node = _as_int(procs_per_node, "procs_per_node", 1)
+        procs_per_node = check_int("procs_per_node", procs_per_node, low=1)
         if world_size % procs_per_node:
             raise ValueError(
                 f"every node must have the same number of ranks: world_size={world_size} is not "
@@ -157,24 +144,19 @@ class Topology:
 
     def ranks_of_node(self, node: int) -> list[int]:
         """Global ranks on ``node``, by local rank."""
-        node = _as_int(node, "node", 0)
-        if node >= self.num_nodes:
-            raise ValueError(f"node must be in [0, {self.num_nodes}), got {node}")
+        node = check_int("node", node, low=0, high=self.num_nodes, high_open=True)
         start = node * self.procs_per_node
         return list(range(start, start + self.procs_per_node))
 
     def ranks_of_rail(self, local_rank: int) -> list[int]:
         """Global ranks with local rank ``local_rank``, by node."""
-        local_rank = _as_int(local_rank, "local_rank", 0)
-        if local_rank >= self.procs_per_node:
-            raise ValueError(f"local_rank must be in [0, {self.procs_per_node}), got {local_rank}")
+        local_rank = check_int("local_rank", local_rank, low=0, high=self.procs_per_node,
+                               high_open=True)
         return [n * self.procs_per_node + local_rank for n in range(self.num_nodes)]
 
     def rail_rank(self, node: int) -> int:
         """Global rank of my rail's member on ``node``."""
-        node = _as_int(node, "node", 0)
-        if node >= self.num_nodes:
-            raise ValueError(f"node must be in [0, {self.num_nodes}), got {node}")
+        node = check_int("node", node, low=0, high=self.num_nodes, high_open=True)
         return node * self.procs_per_node + self.local_rank
 
     # -----------------------------------------------------------------------------------------

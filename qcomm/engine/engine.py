@@ -41,11 +41,14 @@ from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
+from qcomm.deprecation import DeprecatedKeys
 from qcomm.engine.agreement import check_agreement, fingerprint
 from qcomm.engine.flat import FlatParams
 from qcomm.engine.gradients import NonFiniteGradientError, all_finite, node_mean_and_vote
 from qcomm.engine.options import CommOptions
 from qcomm.engine.state import EngineStateFile, check_loadable, geometry
+from qcomm.seeds import rail_seed
+from qcomm.validation import check_instance
 
 __all__ = ["AveragingEngine"]
 
@@ -68,11 +71,9 @@ class AveragingEngine:
 
     def __init__(self, owner: Any, options: CommOptions, *,
                  topology: Topology | None = None) -> None:
-        if not isinstance(options, CommOptions):
-            raise TypeError(f"options must be a CommOptions, got {type(options).__name__}")
-        if topology is not None and not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a qcomm.collectives.Topology or None, "
-                            f"got {type(topology).__name__}")
+        check_instance("options", options, CommOptions, what="a qcomm.engine.CommOptions")
+        check_instance("topology", topology, Topology, allow_none=True,
+                       what="a qcomm.collectives.Topology")
         self.options = options
         self.owner = owner
         self._topology_arg = topology
@@ -185,7 +186,7 @@ class AveragingEngine:
                 stats=self.comm_stats, fragments=opts.fragments,
                 outer_momentum=opts.outer_momentum,
                 # One random stream per rail (rails quantize different shards).
-                seed=(opts.seed * 1_000_003 + topo.local_rank) % 2**63,
+                seed=rail_seed(opts.seed, topo.local_rank),
             )
             self._shard = torch.empty(flat.shard_numel, dtype=torch.float32,
                                       device=flat.flat.device)
@@ -452,9 +453,11 @@ class AveragingEngine:
             dict with ``steps`` (applied), ``skipped_steps``, ``bytes_sent`` and
             ``messages_sent`` (``{"intra": int, "inter": int}``), ``staleness`` (rounds a gossip
             round stays in flight), ``gossip_rounds`` (started), ``fragment_rounds`` (rounds
-            started per fragment, a list of ``fragments`` ints), ``gossip_step`` (gamma) and
-            ``consensus_distance`` (``sqrt(mean_i ||x_i - mean x||^2)`` over nodes, float, or
-            None when not asked for or with one node).
+            started per fragment, a list of ``fragments`` ints), ``gamma`` (the gossip's
+            consensus step, None without gossip) and ``consensus_distance`` (``sqrt(mean_i
+            ||x_i - mean x||^2)`` over nodes, float, or None when not asked for or with one
+            node). ``gossip_step`` is a deprecated alias of ``gamma`` (reading it warns; it
+            goes in the next release).
         """
         snap = self.comm_stats.snapshot()
         g = self._gossip
@@ -467,7 +470,8 @@ class AveragingEngine:
             "gossip_rounds": g.rounds_started if g is not None else 0,
             "fragment_rounds": _per_fragment(g.rounds_started if g is not None else 0,
                                              self.options.fragments),
-            "gossip_step": g.gamma if g is not None else None,
+            "gamma": g.gamma if g is not None else None,
+            "gossip_step": g.gamma if g is not None else None,  # deprecated alias of gamma
             "consensus_distance": None,
         }
         if consensus and g is not None:
@@ -476,7 +480,7 @@ class AveragingEngine:
             x = self._flat.load_from_params()
             out["consensus_distance"] = float(consensus_distance(
                 x, self._topology.rail_group, timeout_s=self.options.timeout_s))
-        return out
+        return DeprecatedKeys(out, {"gossip_step": "gamma"})
 
     def flush(self) -> None:
         """Wait for the gossip rounds in flight and apply them to the public copies (parameters

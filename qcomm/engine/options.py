@@ -7,19 +7,30 @@ through to it, so every optimizer accepts the same names with the same limits.
 
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from qcomm.collectives.gossip.graphs import GRAPHS
+from qcomm.collectives.gossip.mixing import MIXINGS
 from qcomm.compress import QuantSpec
-from qcomm.kernels.counter_hash import check_seed
+from qcomm.kernels.wire_format import SUPPORTED_BITS
+from qcomm.validation import (
+    check_bucket_mb,
+    check_choice,
+    check_fragments,
+    check_gamma,
+    check_int,
+    check_outer_momentum,
+    check_seed,
+    check_staleness,
+    check_timeout,
+)
+
+__all__ = ["DEPRECATED_NAMES", "GRAPHS", "MIXINGS", "NONFINITE_MODES", "WIRE_FIELDS",
+           "CommOptions"]
 
 NONFINITE_MODES = ("raise", "skip")
-GRAPHS = ("ring", "exponential", "complete")
-MIXINGS = ("uniform", "metropolis")
-SUPPORTED_BITS = (1, 2, 4, 8)
 
 # Old argument names still accepted (with a DeprecationWarning) -> today's names.
 DEPRECATED_NAMES = {"topology": "graph", "gossip_step": "gamma"}
@@ -27,23 +38,6 @@ DEPRECATED_NAMES = {"topology": "graph", "gossip_step": "gamma"}
 # Options that shape the wire format and the mixing: a checkpoint loads only into the same ones.
 WIRE_FIELDS = ("bits", "block_size", "rounding", "graph", "mixing", "staleness", "intra_bits",
                "sync_every", "fragments", "outer_momentum")
-
-
-def is_real(x: object) -> bool:
-    """A real number that is not a bool."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def check_int(name: str, value: object, low: int, allow_none: bool = False) -> None:
-    """``value`` is an int >= ``low`` (or None when allowed); else TypeError/ValueError naming
-    ``name``."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        none = " or None" if allow_none else ""
-        raise TypeError(f"{name} must be an int >= {low}{none}, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -91,40 +85,22 @@ class CommOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.bits not in SUPPORTED_BITS or isinstance(self.bits, bool):
-            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits!r}")
+        # The shared checks of qcomm.validation: the same limits and wording as the gossip and
+        # the allreduces that receive these values.
+        check_choice("bits", self.bits, SUPPORTED_BITS)
         self.gossip_spec  # noqa: B018 -- QuantSpec checks block_size and rounding by name
-        if self.graph not in GRAPHS:
-            raise ValueError(f"graph must be one of {GRAPHS}, got {self.graph!r}")
-        if self.mixing not in MIXINGS:
-            raise ValueError(f"mixing must be one of {MIXINGS}, got {self.mixing!r}")
-        check_int("staleness", self.staleness, 0)
-        if self.gamma is not None and (not is_real(self.gamma) or not 0 < self.gamma <= 1):
-            raise ValueError(f"gamma must be None (a default for bits and staleness) or a "
-                             f"float in (0, 1], got {self.gamma!r}")
-        check_int("sync_every", self.sync_every, 1)
-        check_int("fragments", self.fragments, 1)
-        if self.sync_every % self.fragments:
-            raise ValueError(f"fragments must divide sync_every: got fragments={self.fragments}, "
-                             f"sync_every={self.sync_every}")
-        if not is_real(self.outer_momentum) or not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be a float in [0, 1), "
-                             f"got {self.outer_momentum!r}")
-        if self.intra_bits is not None and (
-            self.intra_bits not in SUPPORTED_BITS or isinstance(self.intra_bits, bool)
-        ):
-            raise ValueError(f"intra_bits must be None (full precision) or one of "
-                             f"{SUPPORTED_BITS}, got {self.intra_bits!r}")
-        check_int("procs_per_node", self.procs_per_node, 1, allow_none=True)
-        if not is_real(self.bucket_mb) or not (math.isfinite(self.bucket_mb)
-                                               and self.bucket_mb > 0):
-            raise ValueError(f"bucket_mb must be a finite float > 0, got {self.bucket_mb!r}")
-        if self.on_nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}, "
-                             f"got {self.on_nonfinite!r}")
-        if not is_real(self.timeout_s) or not (math.isfinite(self.timeout_s)
-                                               and self.timeout_s > 0):
-            raise ValueError(f"timeout_s must be a finite float > 0, got {self.timeout_s!r}")
+        check_choice("graph", self.graph, GRAPHS)
+        check_choice("mixing", self.mixing, MIXINGS)
+        check_staleness(self.staleness)
+        check_gamma(self.gamma, allow_none=True)
+        check_int("sync_every", self.sync_every, low=1)
+        check_fragments(self.fragments, self.sync_every, "sync_every")
+        check_outer_momentum(self.outer_momentum)
+        check_choice("intra_bits", self.intra_bits, SUPPORTED_BITS, allow_none=True)
+        check_int("procs_per_node", self.procs_per_node, low=1, allow_none=True)
+        check_bucket_mb(self.bucket_mb)
+        check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_MODES)
+        check_timeout(self.timeout_s)
         check_seed(self.seed)
 
     @classmethod

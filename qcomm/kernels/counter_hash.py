@@ -16,21 +16,24 @@ Definition (all arithmetic modulo 2**32)::
     uniform(i)    = (bits(i) >> 8) * 2**-24             in [0, 1), exact in float32
 
 ``mix32`` is Chris Wellons' "lowbias32" integer hash: a bijection on 32-bit words with strong
-avalanche. ``key`` depends only on the seed and the top half of the element index, so a kernel
-computes it once per program (a program never straddles a 2**32 boundary).
+avalanche. ``key`` (:func:`qcomm.seeds.stream_key`, the last level of qcomm's seed derivation
+tree) depends only on the seed and the top half of the element index, so a kernel computes it
+once per program (a program never straddles a 2**32 boundary).
 """
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
-MIX_MUL_1 = 0x7FEB352D
-MIX_MUL_2 = 0x846CA68B
-HI_SALT = 0x9E3779B9
-MASK32 = 0xFFFFFFFF
-SEED_MAX = (1 << 64) - 1
+# One source for the hash: the constants and the host-side key live with the rest of the seed
+# derivation tree (qcomm.seeds); the Triton kernels import them from there too.
+from qcomm.deprecation import deprecated_names
+from qcomm.seeds import MASK32, MIX_MUL_1, MIX_MUL_2, stream_key
+from qcomm.seeds import mix32 as _mix32_int
+from qcomm.validation import SEED_MAX as _SEED_MAX
+from qcomm.validation import check_seed as _check_seed
+
+__all__ = ["mix32", "stream_key", "uniform"]
 
 
 def _signed32(const: int) -> int:
@@ -50,34 +53,6 @@ def mix32(h: torch.Tensor) -> torch.Tensor:
     h = h ^ _shr32(h, 15)
     h = h * _signed32(MIX_MUL_2)
     return h ^ _shr32(h, 16)
-
-
-def mix32_int(h: int) -> int:
-    """lowbias32 on a Python int (for per-message keys computed on the host)."""
-    h &= MASK32
-    h ^= h >> 16
-    h = (h * MIX_MUL_1) & MASK32
-    h ^= h >> 15
-    h = (h * MIX_MUL_2) & MASK32
-    return h ^ (h >> 16)
-
-
-def stream_key(seed: int, hi: int) -> int:
-    """The 32-bit key for elements whose index has top half ``hi``."""
-    return mix32_int((seed & MASK32) ^ mix32_int(((seed >> 32) & MASK32) ^ mix32_int(hi ^ HI_SALT)))
-
-
-def check_seed(seed: int) -> int:
-    """``seed`` as a Python int in [0, 2**64); numpy and torch integer scalars are accepted."""
-    if isinstance(seed, bool):
-        raise TypeError(f"seed must be an int in [0, 2**64), got {seed!r}")
-    try:
-        seed = operator.index(seed)
-    except TypeError:
-        raise TypeError(f"seed must be an int in [0, 2**64), got {seed!r}") from None
-    if not 0 <= seed <= SEED_MAX:
-        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-    return seed
 
 
 def uniform(seed: int, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -103,3 +78,10 @@ def _lo_indices(first: int, count: int, device: torch.device | str) -> torch.Ten
     if first + count <= 1 << 31:
         return torch.arange(first, first + count, dtype=torch.int32, device=device)
     return torch.arange(first, first + count, dtype=torch.int64, device=device).to(torch.int32)
+
+
+__getattr__ = deprecated_names(__name__, {
+    "check_seed": ("qcomm.validation.check_seed", _check_seed),
+    "mix32_int": ("qcomm.seeds.mix32", _mix32_int),
+    "SEED_MAX": ("qcomm.validation.SEED_MAX", _SEED_MAX),
+})

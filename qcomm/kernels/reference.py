@@ -32,15 +32,14 @@ from __future__ import annotations
 import torch
 
 from qcomm.kernels.counter_hash import uniform
-from qcomm.kernels.wire_format import QuantSpec, num_blocks, split_payload
-
-# t + 1.5 * 2**23 - 1.5 * 2**23 rounds float32 t to the nearest integer, ties to even, for
-# |t| < 2**22: the same exact operation on every backend (Triton has no portable rint). Unlike
-# torch.round it never yields -0.0, which would change the sign of a zero residual.
-ROUND_MAGIC = 12582912.0
-# fl(1/3) = 0x3EAAAAAB, the inner level of the 2-bit code; fl(2/3) = 2 * ONE_THIRD exactly.
-ONE_THIRD = 0.3333333432674408
-TWO_THIRDS = 0.6666666865348816
+from qcomm.kernels.wire_format import (
+    ONE_THIRD,
+    ROUND_MAGIC,
+    TWO_THIRDS,
+    QuantSpec,
+    num_blocks,
+    split_payload,
+)
 
 # Packing 1 and 2 bits: codes one per byte, read as little-endian words of 8 or 4 bytes (byte i
 # holds code i). w * multiplier puts code i at bit (first bit of the top byte) + i * bits, with

@@ -36,28 +36,31 @@ import torch
 import triton
 import triton.language as tl
 
-from qcomm.kernels.counter_hash import check_seed
 from qcomm.kernels.wire_format import (
-    INPUT_DTYPES,
+    NAN_F32_BITS,
+    ONE_THIRD,
+    ROUND_MAGIC,
     QuantSpec,
     codes_nbytes,
     num_blocks,
-    packed_nbytes,
+    split_payload,
 )
+from qcomm.seeds import HI_SALT, MIX_MUL_1, MIX_MUL_2
+from qcomm.validation import check_seed
 
 __all__ = ["dequant_accumulate_into", "dequantize_into", "quantize_into"]
 
 # Elements per program. 2048 fp32 values are 16 per thread at 4 warps: enough bytes in flight
 # per SM for a memory-bound kernel without spilling the [ROWS, BLOCK_SIZE] tile.
 TILE_ELEMS = 2048
-# 2**23 + 2**22: adding then subtracting it rounds |t| < 2**22 to the nearest integer, ties to
-# even (same constant as reference.ROUND_MAGIC).
-_ROUND_MAGIC = tl.constexpr(12582912.0)
-# fl(1/3) = 0x3EAAAAAB, the inner level of the 2-bit code (same as reference.ONE_THIRD).
-_ONE_THIRD = tl.constexpr(0.3333333432674408)
-# Quiet NaN bit pattern torch writes for float("nan"); the scale of a non-finite block must be
-# these exact bytes on every device.
-_NAN_F32_BITS = tl.constexpr(0x7FC00000)
+# The wire format's constants (qcomm.kernels.wire_format) and the counter hash's (qcomm.seeds),
+# as constexprs: one source for the kernels and the reference.
+_ROUND_MAGIC = tl.constexpr(ROUND_MAGIC)
+_ONE_THIRD = tl.constexpr(ONE_THIRD)
+_NAN_F32_BITS = tl.constexpr(NAN_F32_BITS)
+_MIX_MUL_1 = tl.constexpr(MIX_MUL_1)
+_MIX_MUL_2 = tl.constexpr(MIX_MUL_2)
+_HI_SALT = tl.constexpr(HI_SALT)
 # Element count of one program of the test-only hash kernel (its start must be a multiple).
 _HASH_TILE = 1024
 
@@ -70,9 +73,9 @@ _HASH_TILE = 1024
 def _mix32(h):
     """lowbias32 on uint32 (products wrap mod 2**32, as counter_hash.mix32 emulates)."""
     h = h ^ (h >> 16)
-    h = h * 0x7FEB352D
+    h = h * _MIX_MUL_1
     h = h ^ (h >> 15)
-    h = h * 0x846CA68B
+    h = h * _MIX_MUL_2
     return h ^ (h >> 16)
 
 
@@ -82,7 +85,7 @@ def _tile_uniform(base, local, seed_lo, seed_hi):
     the tile (so the tile never straddles a 2**32 boundary and the key of the index's top half
     is computed once per program); ``local`` int32 in [0, tile). Returns float32 in [0, 1).
     The quantize kernel and the test hook ``_uniform_kernel`` both call exactly this."""
-    key = _mix32(((base >> 32).to(tl.uint32)) ^ 0x9E3779B9)
+    key = _mix32(((base >> 32).to(tl.uint32)) ^ _HI_SALT)
     key = _mix32(seed_hi.to(tl.uint32) ^ key)
     key = _mix32(seed_lo.to(tl.uint32) ^ key)
     lo = base.to(tl.uint32) + local.to(tl.uint32)  # no carry: base % 2**32 + local < 2**32
@@ -143,6 +146,146 @@ def _decode_tile(codes_ptr, scales_ptr, byte_limit, block_limit,
 
 
 # ---------------------------------------------------------------------------------------------
+# the steps of quantize, one helper per function of qcomm.kernels.reference (same name, same
+# arithmetic in the same order), so the two can be read and compared side by side
+
+
+@triton.jit
+def _padded_input(x_ptr, err_in_ptr, base, local, real,
+                  HAS_ERROR_IN: tl.constexpr, X_BF16: tl.constexpr):
+    """reference._padded_input: float32 ``[ROWS, BLOCK_SIZE]`` of ``x (+ error_in)``, zeros past
+    the end."""
+    if X_BF16:
+        v = _bf16_bits_to_f32(tl.load(x_ptr + base + local, mask=real, other=0))
+    else:
+        v = tl.load(x_ptr + base + local, mask=real, other=0.0).to(tl.float32)
+    if HAS_ERROR_IN:
+        v = v + tl.load(err_in_ptr + base + local, mask=real, other=0.0)
+    return v
+
+
+@triton.jit
+def _finite_blocks(v):
+    """bool ``[ROWS]``: the blocks without NaN or Inf. Counted explicitly: tl.max does not
+    propagate NaN on every backend (the reference reads it off its scales instead)."""
+    bad = ((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32)
+    return tl.sum(bad, axis=1) == 0
+
+
+@triton.jit
+def _pairwise_sum_f64(a, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """reference.pairwise_sum_f64 of each row of float64 ``a`` ``[ROWS, BLOCK_SIZE]``: level by
+    level, element j of the next level is a[2j] + a[2j+1]. A sum over an axis of 2 is that one
+    addition (fp addition commutes, so the order inside a pair is irrelevant). It compiles
+    better than tl.split of the same reshape: for sm_90 at BLOCK_SIZE 4096, 58 registers
+    instead of 255 plus spills."""
+    for lvl in tl.static_range(12):  # 2**12 = MAX_BLOCK_SIZE
+        if (BLOCK_SIZE >> lvl) > 1:
+            a = tl.sum(tl.reshape(a, [ROWS, BLOCK_SIZE >> (lvl + 1), 2]), axis=2)
+    return tl.reshape(a, [ROWS])
+
+
+@triton.jit
+def _block_scales(v, remaining, r, BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  ROWS: tl.constexpr):
+    """reference.block_scales: float32 ``[ROWS]`` scales of the tile's blocks (no NaN marking).
+    ``remaining``: elements of x from the tile on; ``r``: the row indices."""
+    if BITS == 1:
+        # Mean |v| summed in fp64 in the fixed pairwise tree; padding elements are 0.
+        total = _pairwise_sum_f64(tl.abs(v).to(tl.float64), ROWS, BLOCK_SIZE)
+        count = tl.minimum(remaining - r * BLOCK_SIZE, BLOCK_SIZE)
+        count = tl.maximum(count, 1).to(tl.float64)  # rows past the end: any nonzero divisor
+        # fp64 `/` is IEEE round-to-nearest on CUDA (div.rn.f64); tl.math.div_rn and
+        # fdiv(ieee_rounding=True) are fp32-only in the NVIDIA backend.
+        scale = (total / count).to(tl.float32)
+    elif BITS == 2:
+        scale = tl.max(tl.abs(v), axis=1)  # the top level is absmax itself
+    else:
+        levels = tl.full([ROWS], (1 << (BITS - 1)) - 1, tl.float32)
+        absmax = tl.max(tl.abs(v), axis=1)
+        scale = tl.math.div_rn(absmax, levels)
+        # One ulp up where rounding made scale * L < absmax (the top level must reach absmax;
+        # mostly subnormal scales), then one ulp down where L * scale overflows (absmax ==
+        # FLT_MAX at L = 127): the decoded top level must stay finite.
+        bumped = (scale.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+        scale = tl.where(scale * levels < absmax, bumped, scale)
+        lowered = (scale.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+        scale = tl.where((tl.abs(scale * levels) == float("inf")) & (absmax == absmax)
+                         & (absmax != float("inf")), lowered, scale)
+    return scale
+
+
+@triton.jit
+def _safe_divide(v, s):
+    """``v / s`` (IEEE ``div_rn``) per block, 0 where ``s == 0`` (reference._safe_divisor: a
+    block of scale 0 holds only +-0)."""
+    return tl.where(s == 0, 0.0, tl.math.div_rn(v, tl.where(s == 0, 1.0, s)))
+
+
+@triton.jit
+def _round(t, base, local, seed_lo, seed_hi, STOCHASTIC: tl.constexpr):
+    """reference._round_in_place: nearest (ties to even) by the magic constant, or
+    ``floor(t) + (r < t - floor(t))`` with the draws of element indices ``base + local``.
+    floor(t) comes from the nearest integer: equal to torch.floor here except -0 -> +0, which
+    leaves the result unchanged (fl + 0 is +0 either way)."""
+    q = (t + _ROUND_MAGIC) - _ROUND_MAGIC
+    if STOCHASTIC:
+        fl = tl.where(q > t, q - 1.0, q)
+        rnd = _tile_uniform(base, local, seed_lo, seed_hi)  # the tile divides 2**32
+        q = fl + (rnd < (t - fl)).to(tl.float32)
+    return q
+
+
+@triton.jit
+def _symmetric_codes(v, s, valid, base, local, seed_lo, seed_hi, LEVEL: tl.constexpr,
+                     STOCHASTIC: tl.constexpr):
+    """reference._symmetric_codes (4 and 8 bits): codes ``q + L`` with ``q = round(v / s)`` in
+    ``[-L, L]`` (0 outside ``valid``), and the decoded ``q * s``. ``s`` ``[ROWS, 1]``, NaN for
+    non-finite blocks (the reference's scale there is NaN or Inf: every element decodes to NaN
+    either way)."""
+    q = _round(_safe_divide(v, s), base, local, seed_lo, seed_hi, STOCHASTIC)
+    # fl(v / scale) can exceed L by an ulp: clamp to [-L, L] (with where, not minimum/maximum,
+    # whose NaN handling differs between backends; NaN stays NaN).
+    q = tl.where(q > LEVEL, LEVEL, tl.where(q < -LEVEL, -LEVEL, q))
+    codes = tl.where(valid, q + LEVEL, 0.0).to(tl.int32)
+    return codes, q * s
+
+
+@triton.jit
+def _two_bit_codes(v, s, valid, base, local, seed_lo, seed_hi, STOCHASTIC: tl.constexpr):
+    """reference._two_bit_codes: code ``round(k)``, ``k = fl(fl(t * 1.5) + 1.5)`` the grid
+    position in [0, 3] exactly (no clamp), and the decoded ``level(code) * s``. ``s`` is NaN
+    for non-finite blocks, as in the reference."""
+    k = _safe_divide(v, s) * 1.5 + 1.5  # two roundings: fusion is off
+    q = _round(k, base, local, seed_lo, seed_hi, STOCHASTIC)
+    codes = tl.where(valid, q, 0.0).to(tl.int32)
+    return codes, _two_bit_level(q) * s
+
+
+@triton.jit
+def _one_bit_codes(v, s, valid):
+    """reference._one_bit_codes: code 1 where ``v >= 0`` (-0.0 included), 0 below (and outside
+    ``valid``); decoded ``+-s`` (the unmarked scale: +-Inf or NaN in bad blocks, as the
+    reference)."""
+    positive = v >= 0
+    return (positive & valid).to(tl.int32), tl.where(positive, s, -s)
+
+
+@triton.jit
+def _pack(codes, BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """reference._pack_into: int32 codes ``[ROWS, BLOCK_SIZE]`` -> packed bytes
+    ``[ROWS, BLOCK_SIZE * BITS // 8]``, element 0 of a byte in its low bits."""
+    PER: tl.constexpr = 8 // BITS
+    if PER == 1:
+        packed = codes
+    else:
+        shifts = tl.arange(0, PER) * BITS
+        grouped = tl.reshape(codes, [ROWS, BLOCK_SIZE // PER, PER]) << shifts[None, None, :]
+        packed = tl.sum(grouped, axis=2)  # disjoint bit fields: the sum is their OR
+    return packed
+
+
+# ---------------------------------------------------------------------------------------------
 # kernels
 
 
@@ -154,10 +297,9 @@ def _quantize_kernel(
     STOCHASTIC: tl.constexpr, HAS_ERROR_IN: tl.constexpr, HAS_ERROR_OUT: tl.constexpr,
     X_BF16: tl.constexpr,
 ):
+    """reference._quantize_chunk for the tile of ``ROWS`` blocks of program ``pid``."""
     TILE: tl.constexpr = ROWS * BLOCK_SIZE
-    PER: tl.constexpr = 8 // BITS
-    ROW_BYTES: tl.constexpr = BLOCK_SIZE // PER
-    LEVEL: tl.constexpr = (1 << (BITS - 1)) - 1
+    ROW_BYTES: tl.constexpr = BLOCK_SIZE * BITS // 8
 
     pid = tl.program_id(0).to(tl.int64)
     base = pid * TILE  # first element of the tile, int64
@@ -166,84 +308,19 @@ def _quantize_kernel(
     local = r[:, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]  # int32 [ROWS, B]
     real = local < remaining
 
-    if X_BF16:
-        v = _bf16_bits_to_f32(tl.load(x_ptr + base + local, mask=real, other=0))
-    else:
-        v = tl.load(x_ptr + base + local, mask=real, other=0.0).to(tl.float32)
-    if HAS_ERROR_IN:
-        v = v + tl.load(err_in_ptr + base + local, mask=real, other=0.0)
-
-    # Count NaN/Inf per block explicitly: tl.max does not propagate NaN on every backend.
-    bad = ((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32)
-    finite = tl.sum(bad, axis=1) == 0  # [ROWS]
+    v = _padded_input(x_ptr, err_in_ptr, base, local, real, HAS_ERROR_IN, X_BF16)
+    finite = _finite_blocks(v)  # [ROWS]
     valid = real & finite[:, None]
-
+    scale = _block_scales(v, remaining, r, BITS, BLOCK_SIZE, ROWS)
+    marked = tl.where(finite, scale, float("nan"))
     if BITS == 1:
-        # Mean |v| summed in fp64 in the reference's fixed pairwise tree: level by level,
-        # element j of the next level is a[2j] + a[2j+1]. Padding elements are 0.
-        # A sum over an axis of 2 is that one addition (fp addition commutes, so the order
-        # inside a pair is irrelevant). It compiles better than tl.split of the same reshape:
-        # for sm_90 at BLOCK_SIZE 4096, 58 registers instead of 255 plus spills.
-        a = tl.abs(v).to(tl.float64)
-        for lvl in tl.static_range(12):  # 2**12 = MAX_BLOCK_SIZE
-            if (BLOCK_SIZE >> lvl) > 1:
-                a = tl.sum(tl.reshape(a, [ROWS, BLOCK_SIZE >> (lvl + 1), 2]), axis=2)
-        total = tl.reshape(a, [ROWS])
-        count = tl.minimum(remaining - r * BLOCK_SIZE, BLOCK_SIZE)
-        count = tl.maximum(count, 1).to(tl.float64)  # rows past the end: any nonzero divisor
-        # fp64 `/` is IEEE round-to-nearest on CUDA (div.rn.f64); tl.math.div_rn and
-        # fdiv(ieee_rounding=True) are fp32-only in the NVIDIA backend.
-        scale = (total / count).to(tl.float32)
-        positive = v >= 0
-        codes = (positive & valid).to(tl.int32)
-        # The residual uses the unmarked scale (+-Inf or NaN in bad blocks), as the reference.
-        decoded = tl.where(positive, scale[:, None], -scale[:, None])
+        codes, decoded = _one_bit_codes(v, scale[:, None], valid)
     elif BITS == 2:
-        # Four levels {-1, -1/3, 1/3, 1} * absmax (wire format, "The 2-bit code"): the scale is
-        # absmax itself, k = fl(fl(t * 1.5) + 1.5) is the grid position in [0, 3] (exactly, so
-        # no clamp). Non-finite blocks get the NaN scale before decoding, as the reference.
-        scale = tl.where(finite, tl.max(tl.abs(v), axis=1), float("nan"))
-        s = scale[:, None]
-        t = tl.where(s == 0, 0.0, tl.math.div_rn(v, tl.where(s == 0, 1.0, s)))
-        k = t * 1.5 + 1.5  # two roundings: fusion is off
-        q = (k + _ROUND_MAGIC) - _ROUND_MAGIC
-        if STOCHASTIC:
-            fl = tl.where(q > k, q - 1.0, q)  # floor(k), k >= 0
-            rnd = _tile_uniform(base, local, seed_lo, seed_hi)
-            q = fl + (rnd < (k - fl)).to(tl.float32)
-        codes = tl.where(valid, q, 0.0).to(tl.int32)
-        decoded = _two_bit_level(q) * s
+        codes, decoded = _two_bit_codes(v, marked[:, None], valid, base, local, seed_lo,
+                                        seed_hi, STOCHASTIC)
     else:
-        levels = tl.full([ROWS], LEVEL, tl.float32)
-        absmax = tl.max(tl.abs(v), axis=1)
-        scale = tl.math.div_rn(absmax, levels)
-        # One ulp up where rounding made scale * L < absmax (the top level must reach absmax;
-        # mostly subnormal scales), then one ulp down where L * scale overflows (absmax ==
-        # FLT_MAX at L = 127): the decoded top level must stay finite.
-        bumped = (scale.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
-        scale = tl.where(scale * levels < absmax, bumped, scale)
-        lowered = (scale.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
-        scale = tl.where((tl.abs(scale * levels) == float("inf")) & (absmax == absmax)
-                         & (absmax != float("inf")), lowered, scale)
-        # The reference's scale of a NaN block is NaN (torch's amax propagates it) and of an
-        # Inf block is Inf; both decode every element to NaN, and so does a NaN scale here.
-        scale = tl.where(finite, scale, float("nan"))
-        s = scale[:, None]
-        t = tl.where(s == 0, 0.0, tl.math.div_rn(v, tl.where(s == 0, 1.0, s)))
-        nearest = (t + _ROUND_MAGIC) - _ROUND_MAGIC
-        if STOCHASTIC:
-            # floor(t) from the nearest integer: equal to torch.floor for |t| <= L except
-            # -0 -> +0, which leaves q unchanged (fl + 0 is +0 either way).
-            fl = tl.where(nearest > t, nearest - 1.0, nearest)
-            rnd = _tile_uniform(base, local, seed_lo, seed_hi)  # TILE divides 2**32
-            q = fl + (rnd < (t - fl)).to(tl.float32)
-        else:
-            q = nearest
-        # fl(v / scale) can exceed L by an ulp: clamp to [-L, L] (with where, not
-        # minimum/maximum, whose NaN handling differs between backends; NaN stays NaN).
-        q = tl.where(q > LEVEL, LEVEL, tl.where(q < -LEVEL, -LEVEL, q))
-        codes = tl.where(valid, q + LEVEL, 0.0).to(tl.int32)
-        decoded = q * s
+        codes, decoded = _symmetric_codes(v, marked[:, None], valid, base, local, seed_lo,
+                                          seed_hi, (1 << (BITS - 1)) - 1, STOCHASTIC)
 
     if HAS_ERROR_OUT:
         tl.store(err_out_ptr + base + local, v - decoded, mask=real)
@@ -253,12 +330,7 @@ def _quantize_kernel(
     tl.store(scales_ptr + block_base + r, tl.where(finite, scale, nan),
              mask=r < nblocks - block_base)
 
-    if PER == 1:
-        packed = codes
-    else:
-        shifts = tl.arange(0, PER) * BITS
-        grouped = tl.reshape(codes, [ROWS, ROW_BYTES, PER]) << shifts[None, None, :]
-        packed = tl.sum(grouped, axis=2)  # disjoint bit fields: the sum is their OR
+    packed = _pack(codes, BITS, ROWS, BLOCK_SIZE)
     byte_base = pid * (ROWS * ROW_BYTES)
     byte = r[:, None] * ROW_BYTES + tl.arange(0, ROW_BYTES)[None, :]
     # Codes of padding elements are 0, so the alignment bytes up to n_code_bytes come out 0.
@@ -330,7 +402,7 @@ def _uniform_kernel(out_ptr, start, count, seed_lo, seed_hi, TILE: tl.constexpr)
 
 
 # ---------------------------------------------------------------------------------------------
-# launchers: checks, grid, launch
+# launchers: grid, int64-safe arguments, launch
 
 
 def _seed_halves(seed: int) -> tuple[int, int]:
@@ -353,47 +425,32 @@ def _num_warps(spec: QuantSpec) -> int:
     return 8 if _rows(spec) * spec.block_size >= 4096 else 4
 
 
-def _check_tensor(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], numel: int,
-                  device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
-    if t.numel() != numel or not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous with {numel} elements, got "
-                         f"{t.numel()} (contiguous={t.is_contiguous()})")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
+def _grid(n: int, spec: QuantSpec) -> tuple[int, int, tuple[int]]:
+    """(blocks per program, blocks, launch grid) for ``n`` elements."""
+    rows = _rows(spec)
+    nb = num_blocks(n, spec)
+    return rows, nb, (triton.cdiv(nb, rows),)
 
 
-def _scales_view(payload: torch.Tensor, n: int, spec: QuantSpec) -> torch.Tensor:
-    """float32 view of the scales section of uint8 ``[..., nbytes]`` (4-byte aligned)."""
-    return payload[..., codes_nbytes(n, spec):].view(torch.float32)
+# The launchers trust their arguments: qcomm.compress checked them (dtypes, lengths, layout,
+# devices, the seed) before choosing this backend (qcomm.kernels.backend).
 
 
 def _launch_quantize(x: torch.Tensor, spec: QuantSpec, payload: torch.Tensor,
                      error_in: torch.Tensor | None, error_out: torch.Tensor | None,
                      seed: int) -> None:
     n = x.numel()
-    _check_tensor(x, "x", INPUT_DTYPES, n, x.device)
-    _check_tensor(payload, "payload", (torch.uint8,), packed_nbytes(n, spec), x.device)
-    if error_in is not None:
-        _check_tensor(error_in, "error_in", (torch.float32,), n, x.device)
-    if error_out is not None:
-        _check_tensor(error_out, "error_out", (torch.float32,), n, x.device)
-    seed = check_seed(seed) if spec.rounding == "stochastic" else 0
     if n == 0:
         return
-    rows = _rows(spec)
-    nb = num_blocks(n, spec)
-    grid = (triton.cdiv(nb, rows),)
+    rows, nb, grid = _grid(n, spec)
+    stochastic = spec.rounding == "stochastic" and spec.bits > 1
     _quantize_kernel[grid](
         x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
-        error_in, error_out, payload, _scales_view(payload, n, spec),
-        n, nb, codes_nbytes(n, spec), *_seed_halves(seed),
+        error_in, error_out, payload, split_payload(payload, n, spec)[1],
+        n, nb, codes_nbytes(n, spec), *_seed_halves(seed if stochastic else 0),
         BITS=spec.bits, BLOCK_SIZE=spec.block_size, ROWS=rows,
         # 1-bit codes ignore the rounding mode: one compiled variant, not two
-        STOCHASTIC=spec.rounding == "stochastic" and spec.bits > 1,
+        STOCHASTIC=stochastic,
         HAS_ERROR_IN=error_in is not None, HAS_ERROR_OUT=error_out is not None,
         X_BF16=x.dtype == torch.bfloat16,
         num_warps=_num_warps(spec), enable_fp_fusion=False,
@@ -402,15 +459,11 @@ def _launch_quantize(x: torch.Tensor, spec: QuantSpec, payload: torch.Tensor,
 
 def _launch_dequantize(payload: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -> None:
     n = out.numel()
-    _check_tensor(out, "out", INPUT_DTYPES, n, out.device)
-    _check_tensor(payload, "payload", (torch.uint8,), packed_nbytes(n, spec), out.device)
     if n == 0:
         return
-    rows = _rows(spec)
-    nb = num_blocks(n, spec)
-    grid = (triton.cdiv(nb, rows),)
+    rows, nb, grid = _grid(n, spec)
     _dequantize_kernel[grid](
-        payload, _scales_view(payload, n, spec),
+        payload, split_payload(payload, n, spec)[1],
         out.view(torch.int16) if out.dtype == torch.bfloat16 else out,
         n, nb, codes_nbytes(n, spec),
         BITS=spec.bits, BLOCK_SIZE=spec.block_size, ROWS=rows,
@@ -422,23 +475,12 @@ def _launch_dequantize(payload: torch.Tensor, spec: QuantSpec, out: torch.Tensor
 def _launch_dequant_accumulate(payloads: torch.Tensor, spec: QuantSpec, out: torch.Tensor,
                                weights: torch.Tensor | None) -> None:
     n = out.numel()
-    _check_tensor(out, "out", (torch.float32,), n, out.device)
-    nbytes = packed_nbytes(n, spec)
-    if not isinstance(payloads, torch.Tensor) or payloads.dim() != 2:
-        raise ValueError("payloads must be a uint8 tensor of shape [K, nbytes]")
-    k = payloads.shape[0]
-    _check_tensor(payloads, "payloads", (torch.uint8,), k * nbytes, out.device)
-    if payloads.shape[1] != nbytes:
-        raise ValueError(f"payloads must have shape [K, {nbytes}], got {tuple(payloads.shape)}")
-    if weights is not None:
-        _check_tensor(weights, "weights", (torch.float32,), k, out.device)
+    k, nbytes = payloads.shape
     if n == 0 or k == 0:
         return
-    rows = _rows(spec)
-    nb = num_blocks(n, spec)
-    grid = (triton.cdiv(nb, rows),)
+    rows, nb, grid = _grid(n, spec)
     _dequant_accumulate_kernel[grid](
-        payloads, _scales_view(payloads, n, spec), out, weights,
+        payloads, split_payload(payloads, n, spec)[1], out, weights,
         n, nb, codes_nbytes(n, spec), k, nbytes, nbytes // 4,
         BITS=spec.bits, BLOCK_SIZE=spec.block_size, ROWS=rows,
         HAS_WEIGHTS=weights is not None,

@@ -95,8 +95,25 @@ from typing import Literal
 
 import torch
 
+from qcomm.validation import check_choice, check_instance, check_int, fail
+
 WIRE_FORMAT_VERSION = 2
 """Version of the byte layout and arithmetic of a payload (see the module docstring)."""
+
+# The constants of the arithmetic below, one source for every backend (the Triton kernels
+# import them as constexprs).
+ROUND_MAGIC = 12582912.0
+"""1.5 * 2**23: ``(t + ROUND_MAGIC) - ROUND_MAGIC`` rounds float32 ``t`` to the nearest integer,
+ties to even, for ``|t| < 2**22``: the same exact operation on every backend (Triton has no
+portable rint), and unlike ``torch.round`` it never yields -0.0, which would change the sign of
+a zero residual."""
+ONE_THIRD = 0.3333333432674408
+"""fl(1/3) = 0x3EAAAAAB, the inner level of the 2-bit code."""
+TWO_THIRDS = 0.6666666865348816
+"""fl(2/3) = 2 * ONE_THIRD exactly: the spacing of the 2-bit levels in units of the scale."""
+NAN_F32_BITS = 0x7FC00000
+"""The quiet NaN torch writes for ``float("nan")``: the scale of a non-finite block, these exact
+bytes on every device."""
 
 SUPPORTED_BITS = (1, 2, 4, 8)
 MIN_BLOCK_SIZE = 32
@@ -126,20 +143,15 @@ class QuantSpec:
     rounding: Rounding = "nearest"
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
-            raise TypeError(f"bits must be an int in {SUPPORTED_BITS}, got {self.bits!r}")
-        if self.bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
-        bs = self.block_size
-        if isinstance(bs, bool) or not isinstance(bs, int):
-            raise TypeError(f"block_size must be an int power of two, got {bs!r}")
-        if not (MIN_BLOCK_SIZE <= bs <= MAX_BLOCK_SIZE) or bs & (bs - 1):
-            raise ValueError(
-                f"block_size must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
-                f"got {bs}"
-            )
-        if self.rounding not in ROUNDING_MODES:
-            raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {self.rounding!r}")
+        # An int first (TypeError for 2.0 or True), then one of the allowed values.
+        check_int("bits", self.bits, what=f"one of {SUPPORTED_BITS}")
+        check_choice("bits", self.bits, SUPPORTED_BITS)
+        what = f"a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]"
+        bs = check_int("block_size", self.block_size, low=MIN_BLOCK_SIZE, high=MAX_BLOCK_SIZE,
+                       what=what)
+        if bs & (bs - 1):
+            fail("block_size", what, bs)
+        check_choice("rounding", self.rounding, ROUNDING_MODES)
 
     @property
     def max_level(self) -> int:
@@ -158,30 +170,31 @@ class QuantSpec:
         return self.bits + 8 * SCALE_NBYTES / self.block_size
 
 
-def _check_spec(spec: object) -> QuantSpec:
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"spec must be a QuantSpec, got {type(spec).__name__}")
-    return spec
+def check_spec(spec: object, *, allow_none: bool = False) -> QuantSpec | None:
+    """``spec`` if it is a QuantSpec (or None when allowed), else TypeError naming the public
+    class (every layer checks a spec with this)."""
+    return check_instance("spec", spec, QuantSpec, allow_none=allow_none,
+                          what="a qcomm.compress.QuantSpec")  # type: ignore[return-value]
 
 
 def num_blocks(numel: int, spec: QuantSpec) -> int:
     """Number of scale blocks, ceil(numel / block_size)."""
-    return -(-numel // _check_spec(spec).block_size)
+    return -(-numel // check_spec(spec).block_size)
 
 
 def codes_nbytes(numel: int, spec: QuantSpec) -> int:
     """Bytes of the packed-codes section, padded to a multiple of 4 (scale alignment)."""
-    return 4 * (-(-numel * _check_spec(spec).bits // 32))
+    return 4 * (-(-numel * check_spec(spec).bits // 32))
 
 
 def packed_nbytes(numel: int, spec: QuantSpec) -> int:
     """Exact payload length in bytes for ``numel`` values under ``spec`` (0 for numel 0).
 
     Raises:
-        ValueError: ``numel`` is not a non-negative int. TypeError: ``spec`` is not a QuantSpec.
+        TypeError: ``numel`` is not an int, or ``spec`` is not a QuantSpec. ValueError:
+            ``numel`` is negative.
     """
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    check_int("numel", numel, low=0)
     return codes_nbytes(numel, spec) + SCALE_NBYTES * num_blocks(numel, spec)
 
 

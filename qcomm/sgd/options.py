@@ -3,43 +3,34 @@ argument). The communication options live in :mod:`qcomm.engine.options`."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from qcomm.engine.options import CommOptions, is_real
+from qcomm.engine.options import CommOptions
+from qcomm.validation import check_instance, check_real
 
 __all__ = ["CommOptions", "check_nonneg", "check_sgd_group"]
 
 
 def check_nonneg(name: str, value: object) -> None:
-    """A finite real >= 0 (or, for lr, a 1-element tensor holding one)."""
+    """A finite float >= 0 (or, for lr, a 1-element tensor holding one)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a float >= 0 or a 1-element tensor, "
                              f"got a tensor of {value.numel()} elements")
         value = float(value.item())
-    if not is_real(value):
-        raise TypeError(f"{name} must be a float >= 0, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite float >= 0, got {value!r}")
+    check_real(name, value, low=0)
 
 
 def check_sgd_group(group: dict) -> None:
     """Validate the torch.optim.SGD hyperparameters of one param group."""
     for name in ("lr", "momentum", "weight_decay"):
         check_nonneg(name, group[name])
-    dampening = group["dampening"]
-    if not is_real(dampening) or not 0 <= dampening <= 1:
-        raise ValueError(f"dampening must be a float in [0, 1], got {dampening!r}")
-    if not isinstance(group["nesterov"], bool):
-        raise TypeError(f"nesterov must be a bool, got {group['nesterov']!r}")
+    dampening = check_real("dampening", group["dampening"], low=0, high=1)
+    check_instance("nesterov", group["nesterov"], bool, what="a bool")
     if group["nesterov"] and (group["momentum"] <= 0 or dampening != 0):
         raise ValueError(
             "nesterov=True requires momentum > 0 and dampening = 0, got "
-            f"momentum={group['momentum']!r}, dampening={dampening!r}"
+            f"momentum={group['momentum']!r}, dampening={group['dampening']!r}"
         )
-    if not isinstance(group["maximize"], bool):
-        raise TypeError(f"maximize must be a bool, got {group['maximize']!r}")
-    if group["foreach"] not in (None, True, False):
-        raise TypeError(f"foreach must be None or a bool, got {group['foreach']!r}")
+    check_instance("maximize", group["maximize"], bool, what="a bool")
+    check_instance("foreach", group["foreach"], bool, allow_none=True, what="a bool")

@@ -1,4 +1,4 @@
-"""Run a function on N local processes joined by a Gloo process group, with a hard timeout.
+"""Run functions on N local processes joined by a Gloo process group, with a hard timeout.
 
 For tests of collectives (ours and users' own): a bug fails within the timeout, never hangs.
 
@@ -7,7 +7,19 @@ For tests of collectives (ours and users' own): a bug fails within the timeout, 
         dist.all_reduce(t)
         return t[0].item()
 
-    assert run_world(body, 4, args=(8,)) == [6.0] * 4
+    assert run_world(body, 4, args=(8,)) == [6.0] * 4        # a fresh world for one call
+
+    with WorldPool(4) as pool:                                # one world for many calls
+        assert pool.run(body, args=(8,)) == [6.0] * 4
+        assert pool.run(body, args=(2,)) == [6.0] * 4
+
+Starting a world costs seconds (each process imports torch and joins the group), so a test
+suite with many small multi-process tests keeps one :class:`WorldPool` per world size for the
+whole session and runs each test's body in it (PyTorch's ``MultiProcContinousTest`` pattern;
+``tests/conftest.py`` has the fixture). A body that fails, dies or runs past its timeout breaks
+the pool: its processes are killed and the next :meth:`WorldPool.run` starts a fresh world, so
+one failure cannot leave a half-finished collective in the way of the next test. Bodies that
+break the world on purpose (a killed or silent peer) belong in :func:`run_world`.
 
 ``fn`` must be importable by the child processes (defined at module level), since they are
 started with the "spawn" method (fork after torch initialized its thread pools can deadlock).
@@ -16,6 +28,7 @@ started with the "spawn" method (fork after torch initialized its thread pools c
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import pickle
 import queue
@@ -26,6 +39,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+__all__ = ["WorldError", "WorldPool", "WorldPools", "free_port", "run_world"]
 
 
 class WorldError(RuntimeError):
@@ -39,8 +54,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
-           env: dict[str, str], pg_timeout_s: float, results: Any) -> None:
+def _child(rank: int, world_size: int, port: int, env: dict[str, str], pg_timeout_s: float,
+           tasks: Any, results: Any) -> None:
+    """One rank: join the Gloo group, then run ``(task id, fn, args)`` from ``tasks`` until
+    None, putting ``(task id, rank, ok, pickled value or traceback)`` on ``results``."""
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -55,22 +72,208 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
             "gloo", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
-        value = fn(rank, world_size, *args)
-        # Plain pickle, not the queue's: torch.multiprocessing would send tensors as
-        # shared-memory handles the parent fetches from this process, which may have exited.
-        results.put((rank, True, pickle.dumps(value)))
-    except BaseException:  # report everything, including SystemExit from a test helper
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException:
+        results.put((None, rank, False, traceback.format_exc()))
+        return
+    # Every call starts from the state a fresh world would have: the default generator as
+    # after start-up (a body may seed or restore it) and one thread.
+    rng = torch.get_rng_state()
+    try:
+        while (task := tasks.get()) is not None:
+            task_id, fn, args = task
+            torch.set_rng_state(rng)
+            torch.set_num_threads(1)
+            try:
+                value = fn(rank, world_size, *args)
+                # Plain pickle, not the queue's: torch.multiprocessing would send tensors as
+                # shared-memory handles the parent fetches from this process, which may have
+                # exited by then.
+                results.put((task_id, rank, True, pickle.dumps(value)))
+            except BaseException:  # report everything, including SystemExit from a helper
+                results.put((task_id, rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class WorldPool:
+    """A Gloo world of ``world_size`` spawned processes that runs one function after another.
+
+    Args:
+        world_size: number of processes.
+        pg_timeout_s: the process group's own timeout for collectives.
+        env: extra environment variables for the children.
+
+    The processes start on the first :meth:`run` (and again after a failure broke the pool).
+    """
+
+    def __init__(self, world_size: int, *, pg_timeout_s: float = 60.0,
+                 env: dict[str, str] | None = None) -> None:
+        self.world_size = world_size
+        self.pg_timeout_s = pg_timeout_s
+        self.env = dict(env or {})
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self._ids = itertools.count()
+        self._stopping = False
+        self.starts = 0  # how many times a world was started (tests of the pool read it)
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(target=_child, args=(r, self.world_size, port, self.env,
+                                              self.pg_timeout_s, self._tasks[r],
+                                              self._results), daemon=True)
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._stopping = False
+        self.starts += 1
+
+    def run(self, fn: Callable[..., Any], *, args: tuple = (), timeout_s: float = 120.0,
+            allow_exit: set[int] | None = None, last: bool = False) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; return the values by rank.
+
+        Args:
+            fn: module-level function; its return value must be picklable (tensors are fine:
+                they are pickled by value).
+            args: extra positional arguments (picklable).
+            timeout_s: wall-clock limit for this call; past it the pool is broken.
+            allow_exit: ranks allowed to die without reporting (their result is None); a
+                death breaks the pool all the same.
+            last: the processes leave as soon as they are done with this call (each shuts
+                down while the others finish, as a one-shot world does; :func:`run_world`).
+
+        Raises:
+            WorldError: a rank raised, died, or the call ran past ``timeout_s``. The pool is
+                then closed; the next call starts a fresh world.
+        """
+        if self._stopping:  # a previous call was the last one
+            self.close()
+        if not self._procs:
+            self._start()
+        task_id = next(self._ids)
+        for q in self._tasks:
+            q.put((task_id, fn, tuple(args)))
+        if last:
+            self.request_stop()
+        expected = set(range(self.world_size)) - set(allow_exit or ())
+        values, failures = self._collect(task_id, expected, timeout_s)
+        died = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
+        if failures or died:
+            self.close(kill=True)
+        if failures:
+            raise WorldError("\n".join(failures))
+        return [values.get(r) for r in range(self.world_size)]
+
+    def _collect(self, task_id: int, expected: set[int], timeout_s: float
+                 ) -> tuple[dict[int, Any], list[str]]:
+        """Values of ``task_id`` by rank, and what went wrong (stops at the first failure)."""
+        values: dict[int, Any] = {}
+        failures: list[str] = []
+        deadline = time.monotonic() + timeout_s
+
+        def take(item: tuple) -> None:
+            tid, rank, ok, value = item
+            if tid not in (task_id, None):
+                return  # a late answer to a call that already failed (cannot happen: killed)
+            if ok:
+                values[rank] = pickle.loads(value)
+            else:
+                failures.append(f"rank {rank}:\n{value}")
+
+        while expected - set(values) and not failures:
+            try:
+                take(self._results.get(timeout=0.2))
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r in expected - set(values)
+                    if self._procs[r].exitcode is not None]
+            if dead:
+                # Drain what reached the queue before deciding they died silently.
+                try:
+                    while True:
+                        take(self._results.get(timeout=0.5))
+                except queue.Empty:
+                    pass
+                failures += [f"rank {r} died with exit code {self._procs[r].exitcode}"
+                             for r in dead if r not in values]
+            elif time.monotonic() > deadline:
+                missing = sorted(expected - set(values))
+                failures.append(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+        return values, failures
+
+    def request_stop(self) -> None:
+        """Ask every process to leave after its current call (what :meth:`close` waits for;
+        several pools stop in parallel when all are asked first)."""
+        if not self._stopping:
+            for q in self._tasks:
+                q.put(None)
+            self._stopping = True
+
+    def close(self, *, kill: bool = False) -> list[int | None]:
+        """Stop the processes (after their current call, unless ``kill``); returns their exit
+        codes. The pool can be used again: the next :meth:`run` starts a fresh world."""
+        if not kill:
+            self.request_stop()
+        for p in self._procs:
+            if kill:
+                p.kill()
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        codes = [p.exitcode for p in self._procs]
+        # The queues are dropped only now: one dropped while its feeder thread still holds a
+        # stop message would never deliver it.
+        self._procs, self._tasks, self._results = [], [], None
+        return codes
+
+    def __enter__(self) -> WorldPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class WorldPools:
+    """One :class:`WorldPool` per world size, started on first use: what a test session keeps
+    (``tests/conftest.py``'s ``gloo`` fixture) so that every multi-process test of a given size
+    runs in the same processes."""
+
+    def __init__(self, *, pg_timeout_s: float = 60.0) -> None:
+        self.pg_timeout_s = pg_timeout_s
+        self.pools: dict[int, WorldPool] = {}
+
+    def run(self, fn: Callable[..., Any], world_size: int, *, args: tuple = (),
+            timeout_s: float = 120.0) -> list[Any]:
+        """:meth:`WorldPool.run` on the pool of ``world_size`` processes."""
+        pool = self.pools.get(world_size)
+        if pool is None:
+            pool = self.pools[world_size] = WorldPool(world_size,
+                                                      pg_timeout_s=self.pg_timeout_s)
+        return pool.run(fn, args=args, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        """Stop every pool. Their processes sit idle between calls, so they are killed rather
+        than asked to shut down (which costs seconds per world in ``destroy_process_group`` and
+        interpreter exit, for nothing: no call is in flight)."""
+        for pool in self.pools.values():
+            pool.close(kill=True)
+        self.pools.clear()
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
               timeout_s: float = 120.0, pg_timeout_s: float = 60.0,
               env: dict[str, str] | None = None, allow_exit: set[int] | None = None,
               check_exit: bool = False) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes over Gloo.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` freshly spawned processes over Gloo.
 
     Args:
         fn: module-level function; its return value must be picklable (tensors are fine: they
@@ -91,56 +294,12 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     Raises:
         WorldError: a rank raised, died, or the world ran past ``timeout_s``.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, args, env or {}, pg_timeout_s,
-                                         results), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    allow_exit = allow_exit or set()
-    values: dict[int, Any] = {}
-    failures: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    expected = set(range(world_size)) - allow_exit
-    while expected - set(values) and not failures:
-        try:
-            rank, ok, value = results.get(timeout=0.2)
-        except queue.Empty:
-            dead = [r for r in expected - set(values)
-                    if procs[r].exitcode is not None and procs[r].exitcode != 0]
-            if dead:
-                # Drain what reached the queue before deciding they died silently.
-                try:
-                    while True:
-                        rank, ok, value = results.get(timeout=0.5)
-                        if ok:
-                            values[rank] = pickle.loads(value)
-                        else:
-                            failures.append(f"rank {rank}:\n{value}")
-                except queue.Empty:
-                    pass
-                dead = [r for r in dead if r not in values]
-                failures += [f"rank {r} died with exit code {procs[r].exitcode}" for r in dead]
-            elif time.monotonic() > deadline:
-                missing = sorted(expected - set(values))
-                failures.append(f"ranks {missing} did not finish within {timeout_s:.0f} s")
-            continue
-        if ok:
-            values[rank] = pickle.loads(value)
-        else:
-            failures.append(f"rank {rank}:\n{value}")
-    for p in procs:
-        p.join(timeout=5 if not failures else 0.5)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
-    if check_exit:
-        failures += [f"rank {r} reported, then exited with code {p.exitcode}"
-                     for r, p in enumerate(procs) if r not in allow_exit and p.exitcode != 0]
-    if failures:
-        raise WorldError("\n".join(failures))
-    return [values.get(r) for r in range(world_size)]
+    pool = WorldPool(world_size, pg_timeout_s=pg_timeout_s, env=env)
+    values = pool.run(fn, args=args, timeout_s=timeout_s, allow_exit=allow_exit, last=True)
+    codes = pool.close(kill=False)  # nothing left to do when a death already closed it
+    if check_exit and codes:
+        bad = [f"rank {r} reported, then exited with code {c}" for r, c in enumerate(codes)
+               if r not in (allow_exit or set()) and c != 0]
+        if bad:
+            raise WorldError("\n".join(bad))
+    return values

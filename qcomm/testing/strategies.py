@@ -1,5 +1,7 @@
 """Hypothesis strategies for adversarial inputs to block-quantization codecs.
 
+Needs hypothesis (``pip install 'qcomm[test]'``); the rest of :mod:`qcomm.testing` does not.
+
 Usable for any codec, not only qcomm's::
 
     from hypothesis import given
@@ -24,8 +26,15 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from hypothesis import strategies as st
-from hypothesis.strategies import SearchStrategy
+
+try:
+    from hypothesis import strategies as st
+    from hypothesis.strategies import SearchStrategy
+except ImportError as e:  # an optional dependency: say which extra brings it
+    raise ImportError(
+        "qcomm.testing.strategies needs hypothesis, which qcomm does not install by default: "
+        "pip install 'qcomm[test]' (qcomm's test extra) or pip install hypothesis"
+    ) from e
 
 from qcomm.kernels.wire_format import (
     MAX_BLOCK_SIZE,

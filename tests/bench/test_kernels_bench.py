@@ -71,21 +71,17 @@ def test_broken_kernel_and_failed_compile_are_reported(tmp_path: Path, monkeypat
     """A kernel whose bytes are wrong is an error (exit 1); a torch.compile failure is
     reported in its rows without ending the run."""
     bench = _load_bench()
-    from qcomm.kernels import reference
+    from qcomm.kernels.backend import ReferenceBackend
 
-    def broken_quantize_into(x, spec, payload, error_in, error_out, seed):
-        reference.quantize_into(x, spec, payload, error_in, error_out, seed)
-        payload[0] ^= 1
-
-    class Broken:
-        quantize_into = staticmethod(broken_quantize_into)
-        dequantize_into = staticmethod(reference.dequantize_into)
-        dequant_accumulate_into = staticmethod(reference.dequant_accumulate_into)
+    class Broken(ReferenceBackend):
+        def quantize_into(self, x, spec, payload, error_in, error_out, seed):
+            super().quantize_into(x, spec, payload, error_in, error_out, seed)
+            payload[0] ^= 1
 
     def failing_compile(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(bench.compress, "_kernels", lambda device: Broken)
+    monkeypatch.setattr(bench.compress, "backend_for", lambda device: Broken())
     monkeypatch.setattr(torch, "compile", failing_compile)
     # Leave torch._dynamo's global config alone for the other tests in this process.
     monkeypatch.setattr(bench, "configure_dynamo", lambda: None)

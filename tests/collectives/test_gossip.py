@@ -1,6 +1,7 @@
 """CompressedGossip over real Gloo process groups (3, 4, 5 and 2 processes on localhost).
 
-Each world runs several checks, since starting processes costs seconds. The in-process simulator
+Each behaviour is its own test, run in a session-wide Gloo world (the ``gloo`` fixture); a peer
+that dies or hangs on purpose gets a world of its own (``run_world``). The in-process simulator
 (tests/collectives/test_gossip_sim.py covers the full bits x staleness x graph matrix) must give
 the very same bits as the multi-process run: that is asserted here, so the simulator's
 convergence results carry over to Gloo.
@@ -52,6 +53,7 @@ def _run_case(ranks: list[int], group: dist.ProcessGroup | None, member: int, bi
         gs.step(x)
         per_round.append(gs.stats.snapshot()["bytes_sent"]["inter"] - before)
         dists.append(consensus_distance(x, group))
+    gs.flush()  # nothing left in flight for the next test that runs in this world
     gs.close()
     return {"x": x.numpy(), "dists": dists, "per_round": per_round, "gamma": gs.gamma,
             "intra": gs.stats.snapshot()["bytes_sent"]["intra"]}
@@ -74,7 +76,7 @@ def _check_against_sim(results: list[dict], n: int, bits: int, tau: int, graph: 
         assert torch.equal(torch.from_numpy(r["x"]), xs[i]), f"member {i} differs from the sim"
         # Same values; the distributed sum runs in another order: float64 rounding only.
         assert r["dists"] == pytest.approx(dists, rel=1e-9, abs=1e-12)
-        # Issue test 4: bytes per round = packed_nbytes(shard) x number of neighbours.
+        # Bytes per round: (packed_nbytes(shard) + the seal) x number of neighbours.
         want = (packed_nbytes(NUMEL, QuantSpec(bits, 128, "stochastic")) + SEAL_NBYTES) * len(
             neighbours(graph, i, n))
         assert r["per_round"] == [want] * ROUNDS
@@ -88,8 +90,16 @@ def _check_against_sim(results: list[dict], n: int, bits: int, tau: int, graph: 
 CASES_3 = [(8, 0, "ring"), (4, 1, "ring"), (2, 2, "ring"), (1, 1, "exponential")]
 
 
-def _world3(rank: int, world: int) -> dict:
-    out: dict = {"cases": [_run_case(list(range(world)), None, rank, *c) for c in CASES_3]}
+def _case_body(rank: int, world: int, bits: int, tau: int, graph: str) -> dict:
+    return _run_case(list(range(world)), None, rank, bits, tau, graph)
+
+
+@pytest.mark.parametrize("case", CASES_3, ids=lambda c: f"{c[0]}bit-tau{c[1]}-{c[2]}")
+def test_three_nodes_match_the_simulator_bit_for_bit(gloo, case) -> None:
+    _check_against_sim(gloo.run(_case_body, 3, args=case), 3, *case)
+
+
+def _bad_groups_body(rank: int, world: int) -> dict:
     errors = {}
     bad_groups = {"order": [0, 2, 1], "short": [0, 1], "dup": [0, 0, 1], "empty": []}
     for name, ranks in bad_groups.items():
@@ -103,35 +113,42 @@ def _world3(rank: int, world: int) -> dict:
             CompressedGossip([0, 2], sub, NUMEL)
         except ValueError as e:
             errors["sub"] = str(e)
-    out["errors"] = errors
-    return out
+    return errors
 
 
-def test_three_nodes_match_simulator_bytes_and_errors() -> None:
-    t0 = time.monotonic()
-    res = run_world(_world3, 3, timeout_s=120)
-    for k, case in enumerate(CASES_3):
-        _check_against_sim([r["cases"][k] for r in res], 3, *case)
+def test_group_ranks_must_match_the_group(gloo) -> None:
+    res = gloo.run(_bad_groups_body, 3)
     for r in res:
-        assert set(r["errors"]) >= {"order", "short", "dup", "empty"}
-        assert all("group_ranks" in msg for msg in r["errors"].values())
-    assert all("sub" in r["errors"] for r in res[:2])
-    assert time.monotonic() - t0 < 60
+        assert set(r) >= {"order", "short", "dup", "empty"}
+        assert all("group_ranks" in msg for msg in r.values())
+    assert all("sub" in r for r in res[:2])
 
 
 # ---------------------------------------------------------------------------------------------
 # 4 processes: a sub-group with non-trivial global ranks, exponential graph; resume mid-run
 
 
-def _world4(rank: int, world: int) -> dict:
-    out: dict = {}
+def _subgroup_body(rank: int, world: int) -> dict | None:
     members = [1, 2, 3]  # rank 0 sits out: group ranks != global ranks
-    sub = dist.new_group(members)
-    if rank in members:
-        out["sub"] = _run_case(members, sub, members.index(rank), 4, 2, "ring")
+    sub = dist.new_group(members)  # collective on every rank
+    out = _run_case(members, sub, members.index(rank), 4, 2, "ring") if rank in members \
+        else None
     dist.barrier()
-    out["exp"] = _run_case(list(range(world)), None, rank, 2, 1, "exponential")
-    # Resume with rounds in flight: 9 steps, checkpoint, a new instance, the rest.
+    return out
+
+
+def test_subgroup_with_other_global_ranks(gloo) -> None:
+    res = gloo.run(_subgroup_body, 4)
+    _check_against_sim(res[1:], 3, 4, 2, "ring")
+
+
+def test_four_nodes_exponential_graph(gloo) -> None:
+    _check_against_sim(gloo.run(_case_body, 4, args=(2, 1, "exponential")), 4, 2, 1,
+                       "exponential")
+
+
+def _resume_body(rank: int, world: int) -> object:
+    """Resume with rounds in flight: 9 steps, checkpoint, a new instance, the rest."""
     spec = QuantSpec(4, 128, "stochastic")
     x = _start(world)[rank].clone()
     gs = CompressedGossip(list(range(world)), None, NUMEL, spec=spec, staleness=2, seed=7)
@@ -145,32 +162,25 @@ def _world4(rank: int, world: int) -> dict:
     gs2.load_state_dict(state)
     for _ in range(ROUNDS - 9):
         gs2.step(x)
+    gs2.flush()
     gs2.close()
-    out["resumed"] = x.numpy()
-    return out
+    return x.numpy()
 
 
-def test_four_nodes_subgroup_exponential_resume() -> None:
-    res = run_world(_world4, 4, timeout_s=120)
-    _check_against_sim([r["sub"] for r in res[1:]], 3, 4, 2, "ring")
-    _check_against_sim([r["exp"] for r in res], 4, 2, 1, "exponential")
+def test_resume_with_rounds_in_flight_is_bit_exact(gloo) -> None:
+    res = gloo.run(_resume_body, 4)
     xs, _ = _simulate(4, 4, 2, "ring")
     for i, r in enumerate(res):
-        assert torch.equal(torch.from_numpy(r["resumed"]), xs[i])
+        assert torch.equal(torch.from_numpy(r), xs[i])
 
 
 # ---------------------------------------------------------------------------------------------
 # 5 and 2 processes: odd count without deadlock; a pair has one neighbour
 
 
-def _world_plain(rank: int, world: int, bits: int, tau: int, graph: str) -> dict:
-    return _run_case(list(range(world)), None, rank, bits, tau, graph)
-
-
 @pytest.mark.parametrize(("world", "case"), [(5, (4, 2, "ring")), (2, (8, 0, "ring"))])
-def test_five_and_two_nodes(world: int, case: tuple[int, int, str]) -> None:
-    res = run_world(_world_plain, world, args=case, timeout_s=120)
-    _check_against_sim(res, world, *case)
+def test_five_and_two_nodes(gloo, world: int, case: tuple[int, int, str]) -> None:
+    _check_against_sim(gloo.run(_case_body, world, args=case), world, *case)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,12 +21,12 @@ from qcomm.compress import QuantSpec, packed_nbytes
 NUMEL = 512
 EPS32 = 2.0**-24  # unit roundoff of float32
 
-# Issue test 3: with zero updates and the DEFAULT gamma, the consensus distance falls
-# geometrically to <= 1e-3 of its start within ROUND_BOUND[bits][staleness] rounds, for
-# bits 8/4/2/1 (error feedback is built into CHOCO: q = Q(x - x_hat)), staleness 0/1/2, ring
-# (4 nodes) and exponential (6 nodes) graphs. Bounds: the measured rounds (module docstring of
-# qcomm.collectives.gossip.choco: at most 32 / 35 / 574 rounds for 8-4 / 2 / 1 bits on the
-# ring of 4) with margin for other seeds and sizes.
+# With zero updates and the DEFAULT gamma, the consensus distance falls geometrically to
+# <= 1e-3 of its start within ROUND_BOUND[bits][staleness] rounds, for bits 8/4/2/1 (error
+# feedback is built into CHOCO: q = Q(x - x_hat)), staleness 0/1/2, ring (4 nodes) and
+# exponential (6 nodes) graphs. Bounds: the measured rounds (docs/gossip_tuning.md: at most
+# 32 / 35 / 574 rounds for 8-4 / 2 / 1 bits on the ring of 4) with margin for other seeds and
+# sizes.
 ROUND_BOUND = {8: (120, 120, 120), 4: (120, 120, 120), 2: (120, 120, 120),
                1: (800, 800, 800)}
 GRAPH_CASES = [("ring", 4), ("exponential", 6)]
@@ -160,15 +160,15 @@ def test_flush_applies_everything_and_keeps_antisymmetry() -> None:
 
 def _member(**kw) -> CompressedGossip:
     return CompressedGossip([0, 1, 2], None, NUMEL,
-                            transport=MemoryTransport(MemoryHub(3), 0, [1, 2]), **kw)
+                            _transport=MemoryTransport(MemoryHub(3), 0, [1, 2]), **kw)
 
 
 @pytest.mark.parametrize(("kw", "exc", "match"), [
     ({"gamma": 0.0}, ValueError, "gamma"), ({"gamma": 1.5}, ValueError, "gamma"),
-    ({"gamma": -0.1}, ValueError, "gamma"), ({"gamma": True}, ValueError, "gamma"),
-    ({"gamma": math.nan}, ValueError, "gamma"), ({"gamma": "0.1"}, ValueError, "gamma"),
-    ({"staleness": -1}, ValueError, "staleness"), ({"staleness": 1.0}, ValueError, "staleness"),
-    ({"staleness": True}, ValueError, "staleness"), ({"graph": "star"}, ValueError, "graph"),
+    ({"gamma": -0.1}, ValueError, "gamma"), ({"gamma": True}, TypeError, "gamma"),
+    ({"gamma": math.nan}, ValueError, "gamma"), ({"gamma": "0.1"}, TypeError, "gamma"),
+    ({"staleness": -1}, ValueError, "staleness"), ({"staleness": 1.0}, TypeError, "staleness"),
+    ({"staleness": True}, TypeError, "staleness"), ({"graph": "star"}, ValueError, "graph"),
     ({"mixing": "max"}, ValueError, "mixing"), ({"timeout_s": 0}, ValueError, "timeout_s"),
     ({"timeout_s": math.inf}, ValueError, "timeout_s"), ({"seed": -1}, ValueError, "seed"),
     ({"spec": 4}, TypeError, "spec"),
@@ -180,9 +180,10 @@ def test_bad_arguments(kw: dict, exc: type, match: str) -> None:
 
 def test_bad_numel_and_x() -> None:
     with pytest.raises(ValueError, match="numel"):
-        CompressedGossip([0, 1], None, 0, transport=MemoryTransport(MemoryHub(2), 0, [1]))
+        CompressedGossip([0, 1], None, 0, _transport=MemoryTransport(MemoryHub(2), 0, [1]))
     with pytest.raises(ValueError, match="peers"):  # transport inconsistent with the graph
-        CompressedGossip([0, 1, 2], None, NUMEL, transport=MemoryTransport(MemoryHub(3), 0, [1]))
+        CompressedGossip([0, 1, 2], None, NUMEL,
+                         _transport=MemoryTransport(MemoryHub(3), 0, [1]))
     g = _member(gamma=0.5, staleness=1)
     with pytest.raises(TypeError, match="float32"):
         g.step(torch.zeros(NUMEL, dtype=torch.float64))

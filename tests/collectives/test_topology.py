@@ -6,17 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives.primitives import all_gather_flat
 from qcomm.collectives.topology import Topology
-from qcomm.testing.multiprocess import run_world
-
-# torch 2.13 warns on all_gather_into_tensor; all_gather_single is the same call.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # (world_size, procs_per_node): 2 nodes x 2, 3 x 1, 4 x 1, 1 node x 2, and bigger pure shapes.
 SHAPES = [(4, 2), (3, 1), (4, 1), (2, 2), (1, 1), (6, 3), (6, 2), (8, 4), (12, 3)]
-# Spawned worlds cost seconds each on a shared machine: 2 nodes x 2 and 3 x 1 here; 4 x 1 and
-# 1 x 2 groups are exercised by the allreduce tests, whose results depend on them.
-WORLD_SHAPES = [(4, 2), (3, 1)]
+# Over Gloo (session-wide worlds of the `gloo` fixture): every multi-process shape of the suite.
+WORLD_SHAPES = [(4, 2), (3, 1), (4, 1), (2, 2)]
 
 
 @pytest.fixture
@@ -129,7 +125,7 @@ def _members(group, rank: int) -> list[int]:
     """Global ranks of ``group`` in group-rank order, found by an all-gather over it."""
     size = dist.get_world_size(group)
     out = torch.empty(size, dtype=torch.int64)
-    all_gather_flat(out, torch.tensor([rank]), group=group)
+    all_gather_flat(out, torch.tensor([rank]), group)
     return out.tolist()
 
 
@@ -160,10 +156,9 @@ def _groups_body(rank: int, world_size: int, ppn: int) -> dict:
     return result
 
 
-@pytest.mark.timeout(150)
 @pytest.mark.parametrize(("world", "ppn"), WORLD_SHAPES)
-def test_groups_and_rails_over_gloo(world, ppn):
-    results = run_world(_groups_body, world, args=(ppn,), timeout_s=120)
+def test_groups_and_rails_over_gloo(gloo, world, ppn):
+    results = gloo.run(_groups_body, world, args=(ppn,))
     nodes = world // ppn
     for rank, res in enumerate(results):
         node, local = rank // ppn, rank % ppn

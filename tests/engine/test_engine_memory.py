@@ -11,7 +11,6 @@ import torch
 from qcomm.collectives.memory import MemoryWorld
 from qcomm.collectives.topology import Topology
 from qcomm.sgd import HierarchicalOptimizer
-from qcomm.testing.multiprocess import run_world
 from tests.engine.problems import mlp, mlp_loss
 
 LAYOUTS = [(2, 2), (4, 1)]  # (nodes, ranks per node)
@@ -45,9 +44,9 @@ def _gloo_body(rank: int, world: int, steps: int) -> dict:
     return _run_mlp(rank, None, steps)
 
 
-def test_in_memory_engine_sends_the_bytes_of_gloo() -> None:
+def test_in_memory_engine_sends_the_bytes_of_gloo(gloo) -> None:
     steps = 12
-    over_gloo = run_world(_gloo_body, 4, args=(steps,), timeout_s=120)
+    over_gloo = gloo.run(_gloo_body, 4, args=(steps,))
     threads = torch.get_num_threads()
     world = MemoryWorld(4, timeout_s=30)
     try:

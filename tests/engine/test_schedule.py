@@ -13,7 +13,6 @@ from qcomm.collectives.memory import MemoryWorld
 from qcomm.collectives.topology import Topology
 from qcomm.compress import QuantSpec, packed_nbytes
 from qcomm.sgd import HierarchicalOptimizer
-from qcomm.testing.multiprocess import run_world
 from tests.engine.problems import mlp, mlp_loss
 
 LAYOUTS = [(2, 2), (4, 1)]
@@ -136,7 +135,8 @@ def test_resume_mid_period_is_bit_exact(nodes: int, ppn: int, momentum: float) -
 def test_schedule_options_are_validated_by_name() -> None:
     model = mlp(0)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="fragments must divide sync_every"):
+    with pytest.raises(ValueError, match="fragments must be an int >= 1 dividing sync_every=8, "
+                                         "got 3"):
         HierarchicalOptimizer(inner, sync_every=8, fragments=3)
     with pytest.raises(ValueError, match="sync_every must be an int >= 1"):
         HierarchicalOptimizer(inner, sync_every=0)
@@ -151,8 +151,8 @@ def _gloo_body(rank: int, world: int) -> list:
                                            outer_momentum=0.5)["own"]]
 
 
-def test_fragmented_gossip_over_gloo_matches_in_memory() -> None:
-    over_gloo = run_world(_gloo_body, 4, timeout_s=120)
+def test_fragmented_gossip_over_gloo_matches_in_memory(gloo) -> None:
+    over_gloo = gloo.run(_gloo_body, 4)
     world = MemoryWorld(4, timeout_s=30)
     threads = torch.get_num_threads()
     try:

@@ -1,6 +1,10 @@
-"""ASSGD over Gloo: one node equals DDP, 2x2 convergence to a known optimum, checkpoint resume bit
-for bit, non-finite gradients, world-size mismatch. Each world runs several checks to keep the
-number of process spawns (seconds each) small."""
+"""ASSGD and HierarchicalOptimizer with several ranks: one node equals DDP, 2x2 convergence to a
+known optimum, checkpoint resume bit for bit, non-finite gradients, world-size mismatch.
+
+What needs processes (DDP, per-rank checkpoint files named by torch.distributed's rank) runs in
+the session-wide Gloo worlds of the ``gloo`` fixture; what tests the engine's arithmetic over
+hundreds of steps (convergence) runs with ranks as threads (``MemoryWorld``), which sends the
+same bytes as Gloo (``tests/engine/test_engine_memory.py``) in a fraction of the time."""
 
 from __future__ import annotations
 
@@ -11,11 +15,23 @@ import torch
 import torch.distributed as dist
 
 from qcomm.collectives.gossip.integrity import SEAL_NBYTES
+from qcomm.collectives.memory import MemoryWorld
+from qcomm.collectives.topology import Topology
 from qcomm.compress import QuantSpec, packed_nbytes
 from qcomm.sgd import ASSGD, NonFiniteGradientError, load_checkpoint, save_checkpoint
-from qcomm.testing.multiprocess import run_world
+from tests.engine.problems import mlp
 
-TIMEOUT_S = 120
+
+def _in_memory(world_size: int, body, *args) -> list:
+    """``body(rank, world, *args)`` on ``world_size`` threads (one torch thread each, as the
+    spawned ranks have), results by rank."""
+    world = MemoryWorld(world_size, timeout_s=60)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return world.run(lambda rank: body(rank, world, *args), timeout_s=240)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _mlp(seed: int) -> torch.nn.Module:
@@ -52,32 +68,47 @@ def _one_node_body(rank: int, world: int) -> dict:
             o.step()
     diffs = [(a - b).abs().max().item()
              for a, b in zip(ddp.module.parameters(), ours.parameters(), strict=True)]
-    same_everywhere = [p.detach().clone().numpy() for p in ours.parameters()]
+    params = [p.detach().clone().numpy() for p in ours.parameters()]
     st = opt.stats()
-    # Non-finite gradient on rank 1 only: every rank of the node raises, nothing changes.
-    before = [p.detach().clone() for p in ours.parameters()]
+    opt.close()
+    return {"diffs": diffs, "params": params, "bytes": st["bytes_sent"]}
+
+
+def test_one_node_equals_ddp(gloo) -> None:
+    res = gloo.run(_one_node_body, 2)
+    for r in res:
+        # (a + b) / 2 (ours) and a / 2 + b / 2 (DDP) are the same float for 2 ranks.
+        assert max(r["diffs"]) == 0.0, r["diffs"]
+        assert r["bytes"]["inter"] == 0 and r["bytes"]["intra"] > 0
+    assert all((a == b).all() for a, b in zip(res[0]["params"], res[1]["params"], strict=True))
+
+
+def _nonfinite_one_node_body(rank: int, world: MemoryWorld) -> dict:
+    """A non-finite gradient on rank 1 only: every rank of the node raises, nothing changes."""
+    model = mlp(0)  # ranks are threads: weights from a private generator, not torch's global
+    opt = ASSGD(model.parameters(), lr=0.1, momentum=0.9, procs_per_node=2,
+                layout=Topology(2, rank=rank, world_size=2, world=world))
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad()
-    _loss(ours, rank, 99).backward()
+    _loss(model, rank, 99).backward()
     if rank == 1:
-        next(iter(ours.parameters())).grad[0, 0] = float("inf")
+        next(iter(model.parameters())).grad[0, 0] = float("inf")
     raised = False
     try:
         opt.step()
     except NonFiniteGradientError:
         raised = True
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, ours.parameters(), strict=True))
-    return {"diffs": diffs, "params": same_everywhere, "bytes": st["bytes_sent"],
-            "raised": raised, "unchanged": unchanged}
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    return {"raised": raised, "unchanged": unchanged}
 
 
-def test_one_node_equals_ddp_and_nonfinite_raises_on_every_rank() -> None:
-    res = run_world(_one_node_body, 2, timeout_s=TIMEOUT_S)
-    for r in res:
-        # (a + b) / 2 (ours) and a / 2 + b / 2 (DDP) are the same float for 2 ranks.
-        assert max(r["diffs"]) == 0.0, r["diffs"]
-        assert r["bytes"]["inter"] == 0 and r["bytes"]["intra"] > 0
-        assert r["raised"] and r["unchanged"]
-    assert all((a == b).all() for a, b in zip(res[0]["params"], res[1]["params"], strict=True))
+def test_nonfinite_gradient_on_one_rank_raises_on_every_rank_of_the_node() -> None:
+    for r in _in_memory(2, _nonfinite_one_node_body):
+        assert r == {"raised": True, "unchanged": True}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,10 +140,11 @@ def _node_optimum(node: int, ppn: int) -> torch.Tensor:
     return torch.linalg.solve(ata, atb)
 
 
-def _convergence_body(rank: int, world: int, steps: int) -> dict:
+def _convergence_body(rank: int, world: MemoryWorld, steps: int) -> dict:
     a, b = (t.float() for t in _problem(rank))
     w = torch.nn.Parameter(torch.zeros(DIM))
-    opt = ASSGD([w], lr=0.02, momentum=0.5, bits=4, procs_per_node=2, staleness=1, seed=3)
+    opt = ASSGD([w], lr=0.02, momentum=0.5, bits=4, procs_per_node=2, staleness=1, seed=3,
+                layout=Topology(2, rank=rank, world_size=4, world=world))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     for _ in range(steps):
         opt.zero_grad()
@@ -122,19 +154,19 @@ def _convergence_body(rank: int, world: int, steps: int) -> dict:
     st = opt.stats(consensus=True)
     own = w.detach().clone()
     opt.average_parameters()
-    # numpy: tensors returned through the result queue would be shared by file descriptor.
-    return {"own": own.numpy(), "avg": w.detach().clone().numpy(), "stats": st}
+    opt.close()
+    return {"own": own, "avg": w.detach().clone(), "stats": st}
 
 
 def test_two_by_two_converges_to_the_known_optimum() -> None:
     steps = 400
-    res = run_world(_convergence_body, 4, args=(steps,), timeout_s=TIMEOUT_S)
+    res = _in_memory(4, _convergence_body, steps)
     opt = _optimum(4).float()
     scale = opt.norm().item()
     node_gap = (_node_optimum(0, 2).float() - opt).norm().item() / scale
     for r in res:
-        err = (torch.from_numpy(r["avg"]) - opt).norm().item() / scale
-        own_err = (torch.from_numpy(r["own"]) - opt).norm().item() / scale
+        err = (r["avg"] - opt).norm().item() / scale
+        own_err = (r["own"] - opt).norm().item() / scale
         # Each node alone would stop at its own optimum, node_gap away: gossip closes 100x of it.
         assert node_gap > 0.05, node_gap
         assert err < node_gap / 100, (err, node_gap)
@@ -146,7 +178,7 @@ def test_two_by_two_converges_to_the_known_optimum() -> None:
         per_round = packed_nbytes(128, QuantSpec(4, 128, "stochastic")) + SEAL_NBYTES
         assert st["bytes_sent"]["inter"] == steps * per_round
     # average_parameters: every rank holds the same bytes.
-    assert all((res[0]["avg"] == r["avg"]).all() for r in res)
+    assert all(torch.equal(res[0]["avg"], r["avg"]) for r in res)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,11 +197,13 @@ def _train(model: torch.nn.Module, opt: ASSGD, rank: int, steps: range,
         opt.step()
 
 
+_KW = dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3, bits=4, procs_per_node=2,
+           staleness=2, seed=11)
+
+
 def _resume_body(rank: int, world: int, directory: str) -> dict:
-    kw = dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3, bits=4,
-              procs_per_node=2, staleness=2, seed=11)
     full = _mlp(0)
-    opt = ASSGD(full.parameters(), **kw)
+    opt = ASSGD(full.parameters(), **_KW)
     _train(full, opt, rank, range(0, 7))
     dist.barrier()
     save_checkpoint(directory, opt, full, extra={"step": 7})
@@ -177,57 +211,53 @@ def _resume_body(rank: int, world: int, directory: str) -> dict:
     opt.close()
 
     resumed = _mlp(123)
-    opt2 = ASSGD(resumed.parameters(), **kw)
+    opt2 = ASSGD(resumed.parameters(), **_KW)
     extra = load_checkpoint(directory, opt2, resumed)
     _train(resumed, opt2, rank, range(7, 14))
     opt2.close()
-    resumed_equal = all(torch.equal(a, b) for a, b in
-                        zip(full.parameters(), resumed.parameters(), strict=True))
-    momentum_equal = all(
-        torch.equal(opt.state[a]["momentum_buffer"], opt2.state[b]["momentum_buffer"])
-        for a, b in zip(full.parameters(), resumed.parameters(), strict=True))
-
-    # on_nonfinite="skip": a NaN on rank 1 (node 0) skips the step on all 4 ranks.
-    skip_kw = {**kw, "on_nonfinite": "skip"}
-    skipped = _mlp(0)
-    opt3 = ASSGD(skipped.parameters(), **skip_kw)
-    _train(skipped, opt3, rank, range(10), nan_at=4)
-    omitted = _mlp(0)
-    opt4 = ASSGD(omitted.parameters(), **skip_kw)
-    _train(omitted, opt4, rank, range(10), omit=4)
-    skip_equal = all(torch.equal(a, b) for a, b in
-                     zip(skipped.parameters(), omitted.parameters(), strict=True))
-    st3, st4 = opt3.stats(), opt4.stats()
-    opt3.close()
-    opt4.close()
-    return {"resumed_equal": resumed_equal, "momentum_equal": momentum_equal, "extra": extra,
-            "skip_equal": skip_equal, "skipped": st3["skipped_steps"],
-            "rounds": (st3["gossip_rounds"], st4["gossip_rounds"]),
-            "moved": not torch.equal(next(iter(full.parameters())),
-                                     next(iter(_mlp(0).parameters())))}
+    return {
+        "resumed_equal": all(torch.equal(a, b) for a, b in
+                             zip(full.parameters(), resumed.parameters(), strict=True)),
+        "momentum_equal": all(
+            torch.equal(opt.state[a]["momentum_buffer"], opt2.state[b]["momentum_buffer"])
+            for a, b in zip(full.parameters(), resumed.parameters(), strict=True)),
+        "extra": extra,
+        "moved": not torch.equal(next(iter(full.parameters())),
+                                 next(iter(_mlp(0).parameters())))}
 
 
-def test_checkpoint_resume_bit_exact_nonfinite_skip_and_world_size_mismatch(tmp_path) -> None:
-    res = run_world(_resume_body, 4, args=(str(tmp_path),), timeout_s=TIMEOUT_S)
-    for r in res:
+@pytest.fixture(scope="module")
+def checkpointed(gloo, tmp_path_factory) -> tuple[list[dict], object]:
+    """A 2 x 2 run checkpointed at step 7 and resumed from its files: (reports, directory)."""
+    directory = tmp_path_factory.mktemp("checkpoint")
+    return gloo.run(_resume_body, 4, args=(str(directory),)), directory
+
+
+def test_checkpoint_resume_is_bit_exact(checkpointed) -> None:
+    for r in checkpointed[0]:
         assert r["moved"]
         assert r["resumed_equal"] and r["momentum_equal"] and r["extra"] == {"step": 7}
-        assert r["skip_equal"] and r["skipped"] == 1 and r["rounds"] == (9, 9)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r:05d}.pt" for r in range(4)]
 
+
+def test_checkpoint_writes_one_file_per_rank(checkpointed) -> None:
+    directory = checkpointed[1]
+    assert sorted(p.name for p in directory.iterdir()) == [f"rank{r:05d}.pt" for r in range(4)]
+
+
+def test_loading_into_another_world_size_raises_or_reinits(checkpointed) -> None:
     # This process has no process group: world size 1 against the checkpoint's 4.
+    directory = checkpointed[1]
     model = _mlp(5)
-    opt = ASSGD(model.parameters(), lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3,
-                procs_per_node=2, staleness=2, seed=11)
+    opt = ASSGD(model.parameters(), **{k: v for k, v in _KW.items() if k != "bits"})
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=r"world size 4 .*world size 1"):
-        load_checkpoint(tmp_path, opt, model)
+        load_checkpoint(directory, opt, model)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert not opt.state
     # reinit: momentum and parameters of saved rank 0 kept, the gossip state restarts (warned).
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_checkpoint(tmp_path, opt, model, on_world_size_change="reinit")
+        load_checkpoint(directory, opt, model, on_world_size_change="reinit")
     assert any("re-initialized" in str(w.message) for w in caught)
     assert all("momentum_buffer" in opt.state[p] for p in model.parameters())
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
@@ -236,12 +266,32 @@ def test_checkpoint_resume_bit_exact_nonfinite_skip_and_world_size_mismatch(tmp_
     opt.step()  # trains on, single process
 
 
+def _skip_body(rank: int, world: MemoryWorld, nan_at: int | None, omit: int | None) -> dict:
+    model = mlp(0)  # ranks are threads: weights from a private generator, not torch's global
+    opt = ASSGD(model.parameters(), **_KW, on_nonfinite="skip",
+                layout=Topology(2, rank=rank, world_size=4, world=world))
+    _train(model, opt, rank, range(10), nan_at=nan_at, omit=omit)
+    st = opt.stats()
+    opt.close()
+    return {"params": [p.detach().clone() for p in model.parameters()],
+            "skipped": st["skipped_steps"], "rounds": st["gossip_rounds"]}
+
+
+def test_skipping_a_nan_step_equals_never_taking_it() -> None:
+    """on_nonfinite="skip": a NaN on rank 1 (node 0) skips the step on all 4 ranks."""
+    skipped = _in_memory(4, _skip_body, 4, None)
+    omitted = _in_memory(4, _skip_body, None, 4)
+    for a, b in zip(skipped, omitted, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+        assert a["skipped"] == 1 and b["skipped"] == 0 and a["rounds"] == b["rounds"] == 9
+
+
 # ---------------------------------------------------------------------------------------------
 # AdamW through HierarchicalOptimizer: 2 x 2 and 4 x 1 reach the closed-form optimum that no
 # node reaches alone; frozen and never-used parameters stay bit-identical.
 
 
-def _adamw_body(rank: int, world: int, ppn: int, steps: int, lr: float) -> dict:
+def _adamw_body(rank: int, world: MemoryWorld, ppn: int, steps: int, lr: float) -> dict:
     from qcomm.sgd import HierarchicalOptimizer
     from tests.engine.problems import DIM, realizable_problem
 
@@ -250,7 +300,8 @@ def _adamw_body(rank: int, world: int, ppn: int, steps: int, lr: float) -> dict:
     frozen = torch.nn.Parameter(torch.arange(5.0), requires_grad=False)
     unused = torch.nn.Parameter(torch.full((7,), 0.5))
     inner = torch.optim.AdamW([w, frozen, unused], lr=lr, weight_decay=0.0)
-    opt = HierarchicalOptimizer(inner, bits=4, staleness=1, seed=3, procs_per_node=ppn)
+    opt = HierarchicalOptimizer(inner, bits=4, staleness=1, seed=3, procs_per_node=ppn,
+                                layout=Topology(ppn, rank=rank, world_size=4, world=world))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     for _ in range(steps):
         opt.zero_grad()
@@ -260,7 +311,7 @@ def _adamw_body(rank: int, world: int, ppn: int, steps: int, lr: float) -> dict:
     st = opt.stats(consensus=True)
     opt.average_parameters()
     opt.close()
-    return {"avg": w.detach().clone().numpy(), "stats": st,
+    return {"avg": w.detach().clone(), "stats": st,
             "frozen": torch.equal(frozen, torch.arange(5.0)),
             "unused": torch.equal(unused, torch.full((7,), 0.5))}
 
@@ -271,17 +322,17 @@ def test_adamw_reaches_the_optimum_no_node_reaches_alone(ppn: int, steps: int, l
                                                          ) -> None:
     from tests.engine.problems import node_alone_gap, realizable_problem
 
-    res = run_world(_adamw_body, 4, args=(ppn, steps, lr), timeout_s=TIMEOUT_S)
+    res = _in_memory(4, _adamw_body, ppn, steps, lr)
     w_star = realizable_problem(0)[2].float()
     gap = node_alone_gap(range(ppn))  # node 0 alone: its projection of the optimum
     assert gap > 0.5, gap
     for r in res:
-        err = float((torch.from_numpy(r["avg"]) - w_star).norm() / w_star.norm())
+        err = float((r["avg"] - w_star).norm() / w_star.norm())
         assert err < gap / 100, (err, gap)
         assert r["stats"]["consensus_distance"] < 1e-3 * float(w_star.norm())
         assert r["stats"]["gossip_rounds"] == steps
         assert r["frozen"] and r["unused"]
-    assert all((res[0]["avg"] == r["avg"]).all() for r in res)
+    assert all(torch.equal(res[0]["avg"], r["avg"]) for r in res)
 
 
 def _ddp_intra_body(rank: int, world: int, use_ddp: bool) -> list:
@@ -301,10 +352,10 @@ def _ddp_intra_body(rank: int, world: int, use_ddp: bool) -> list:
     return [p.detach().clone().numpy() for p in model.parameters()] + [st["bytes_sent"]]
 
 
-def test_node_mean_by_ddp_equals_the_own_mean() -> None:
+def test_node_mean_by_ddp_equals_the_own_mean(gloo) -> None:
     """With 2 ranks per node DDP's a/2 + b/2 and qcomm's (a + b)/2 are the same floats."""
-    own = run_world(_ddp_intra_body, 4, args=(False,), timeout_s=TIMEOUT_S)
-    ddp = run_world(_ddp_intra_body, 4, args=(True,), timeout_s=TIMEOUT_S)
+    own = gloo.run(_ddp_intra_body, 4, args=(False,))
+    ddp = gloo.run(_ddp_intra_body, 4, args=(True,))
     for a, b in zip(own, ddp, strict=True):
         assert all((x == y).all() for x, y in zip(a[:-1], b[:-1], strict=True))
         assert a[-1]["inter"] == b[-1]["inter"] > 0

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from qcomm.testing.multiprocess import run_world
 from tests.sgd.data.make_legacy_checkpoint import KW, loss, mlp, train
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -28,9 +27,9 @@ def _resume_body(rank: int, world: int, directory: str) -> list:
     return [p.detach().clone().numpy() for p in model.parameters()]
 
 
-def test_format_1_checkpoint_resumes_bit_exact() -> None:
+def test_format_1_checkpoint_resumes_bit_exact(gloo) -> None:
     expected = torch.load(DATA / "legacy_v1" / "final_params.pt")
-    got = run_world(_resume_body, 4, args=(str(DATA / "legacy_v1"),), timeout_s=120)
+    got = gloo.run(_resume_body, 4, args=(str(DATA / "legacy_v1"),))
     for rank, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
         for a, b in zip(mine, theirs, strict=True):
             assert torch.equal(torch.from_numpy(a), b), f"rank {rank} differs"

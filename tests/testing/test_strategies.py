@@ -121,3 +121,16 @@ def test_lengths_edges(bs: int) -> None:
 @given(spec=quant_specs(), seed=seeds())
 def test_specs_and_seeds_valid(spec: QuantSpec, seed: int) -> None:
     assert isinstance(spec, QuantSpec) and 0 <= seed < 2**64
+
+
+def test_without_hypothesis_the_import_error_names_the_extra(monkeypatch) -> None:
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # "import hypothesis" now fails
+    monkeypatch.delitem(sys.modules, "qcomm.testing.strategies")
+    with pytest.raises(ImportError, match=r"pip install 'qcomm\[test\]'"):
+        importlib.import_module("qcomm.testing.strategies")
+    # The codec property checks do not need it.
+    monkeypatch.delitem(sys.modules, "qcomm.testing.properties", raising=False)
+    importlib.import_module("qcomm.testing.properties")

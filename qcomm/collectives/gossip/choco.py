@@ -32,63 +32,30 @@ Round t - tau is applied at step t exactly, never earlier even if it has arrived
 than t + tau" allows it, and it makes runs reproducible bit for bit (the same numbers in the
 in-process simulator, over Gloo, and after a checkpoint restore).
 
-Why two copies (DESIGN.md, "Asynchronous CHOCO"): compressing against a delayed x_hat_i counts the
-same difference twice and diverges; mixing with an own copy fresher than the neighbours' breaks
-the antisymmetry of the mixing term and with it average preservation.
+Why two copies: compressing against a delayed x_hat_i would count the same difference twice
+(the own message of round t would be compressed again before round t is applied) and diverges;
+mixing with an own copy fresher than the neighbours' copies of it would break the antisymmetry
+of the mixing term, and with it the preservation of the average. docs/design.md gives the
+argument in full.
 
-Default gamma (:func:`default_gamma`), measured with the in-process simulator
-(:mod:`.simulate`, same code path as over Gloo): zero updates, x_i ~ N(0, 1) i.i.d., 4096 floats
-per member, blocks of 128, stochastic rounding, uniform weights. Rounds for the consensus
-distance to reach 1e-3 of its start (``-`` : not within 3000 rounds / diverged):
+Default gamma (:func:`default_gamma`): about half the largest gamma that converged when
+measured with the in-process simulator (:mod:`.simulate`, the same code path as over Gloo) on a
+ring of 4, an exponential graph of 8 and a ring of 8, so that a graph or data a little harsher
+than those still converges. It shrinks with staleness (a stale correction overshoots sooner)
+and is smallest at 1 bit, where the sign code, not the step, limits the rate. Gamma is
+validated to (0, 1] only: larger values within it are not refused, since divergence depends
+on the graph and the data (the measurement is evidence, not proof). The table and how to
+re-measure it (``bench/tune_gamma.py``): docs/gossip_tuning.md.
 
-    python -m qcomm.collectives.gossip.tune_gamma --bits 8 4 2 1   (the gamma grid)
-
-    default gamma and rounds to 1e-3 (ring of 4 / exponential of 8 / ring of 8):
-    bits  staleness 0               staleness 1               staleness 2
-    8     0.5   17 /  15 /  62      0.3   23 /  20 /  99      0.2   32 /  28 / 147
-    4     0.4   22 /  20 /  78      0.3   23 /  20 /  99      0.2   32 /  29 / 147
-    2     0.3   33 /  33 / 105      0.3   29 /  29 /  99      0.2   35 /  33 / 147
-    1     0.1  492 / 464 / 434      0.05 574 / 488 / 628      0.05 550 / 485 / 624
-
-    where the grid (ring of 4) stops converging:
-    8 bits: staleness 0 converges up to gamma 1.0; staleness 1 diverges at 0.8 (0.6: 44 rounds,
-            slowing); staleness 2 diverges at 0.5 (0.4: 77 rounds). 4 bits: as 8 bits where
-            measured (staleness 0: up to 1.0).
-    2 bits: staleness 0 converges up to 0.6 (240 rounds, slowing; exponential of 8: up to
-            0.5) and diverges at 0.8; staleness 1: up to 0.6 (407), diverges at 0.8;
-            staleness 2: up to 0.4 (227), diverges at 0.5 (all three graphs).
-    1 bit:  rounds hardly depend on gamma in 0.05 .. 0.3 (454 .. 526 on the ring of 4 at
-            staleness 0): the sign code, not the step, limits the rate.
-
-2 bits converges about as fast as 4 bits since the codec's 2-bit code uses all four levels
-{-1, -1/3, 1/3, 1} * max|v| (wire format version 2; the ternary code of version 1 needed gamma
-0.05 and hundreds of rounds). Gamma is validated to (0, 1] only;
-larger values within it are not refused, since divergence depends on the graph and the data
-(the table is evidence, not proof).
-
-Progress while the caller computes: non-blocking ``isend``/``irecv`` (Gloo's own I/O threads move
-the bytes), chosen over a communication thread by measurement:
-
-    python bench/gossip_progress.py --steps 12
-    (3 procs, 1M floats, 4 bits, staleness 1, a 20 ms sleep as the compute phase; ms per step /
-    of it blocked in the round's wait; torch 2.13 CPU, 2 cores shared with other jobs)
-
-    compute-only        22.1 /   0.0
-    nonblocking       1215.1 /   0.05
-    thread            1393.4 / 432.9
-    nonblocking again  687.6 /  86.3    (same mode, rerun: the CPU was shared, so noisy)
-
-On this machine a step is dominated by the CPU reference codec (quantize + decode of 1M floats),
-so total step times vary 2x between identical runs. What is not noise: with non-blocking ops the
-round has arrived by the time it is applied (waits of 0.05-86 ms), with the thread it had not
-(433 ms): the worker thread competes for the GIL and the cores with the caller's codec work, and
-it serializes rounds. Non-blocking ops also need no second process group (new_group is
-collective) and keep the run deterministic. Re-measure on real nodes with the GPU codec.
+Progress while the caller computes: non-blocking ``isend``/``irecv`` posted from the caller's
+thread, which Gloo's own I/O threads carry out, and no communication thread of ours. A thread
+competes for the GIL and the cores with the caller's codec work and serializes rounds, while
+non-blocking ops need no second process group (``new_group`` is collective) and keep the run
+deterministic; the measurement (``bench/gossip_progress.py``) is in docs/gossip_tuning.md.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -107,7 +74,20 @@ from qcomm.compress import (
     packed_nbytes,
     quantize,
 )
-from qcomm.kernels.counter_hash import check_seed
+from qcomm.deprecation import deprecated_names, warn_deprecated
+from qcomm.kernels.wire_format import SUPPORTED_BITS, check_spec
+from qcomm.seeds import gossip_message_seed
+from qcomm.validation import (
+    check_choice,
+    check_fragments,
+    check_gamma,
+    check_instance,
+    check_int,
+    check_outer_momentum,
+    check_seed,
+    check_staleness,
+    check_timeout,
+)
 
 from .graphs import check_graph, neighbours
 from .integrity import SEAL_NBYTES, bad_messages, seal_
@@ -116,7 +96,8 @@ from .transport import GlooTransport, MemoryTransport, RoundHandle, Transport
 
 __all__ = ["CompressedGossip", "PeerTimeoutError", "consensus_distance", "default_gamma"]
 
-# (bits, staleness) -> default gamma; staleness > 2 uses the staleness-2 entry scaled down.
+# (bits, staleness) -> default gamma (docs/gossip_tuning.md); staleness > 2 uses the staleness-2
+# entry scaled down.
 _DEFAULT_GAMMA: dict[tuple[int, int], float] = {
     (8, 0): 0.5, (8, 1): 0.3, (8, 2): 0.2,
     (4, 0): 0.4, (4, 1): 0.3, (4, 2): 0.2,
@@ -127,22 +108,15 @@ _DEFAULT_GAMMA: dict[tuple[int, int], float] = {
 
 def default_gamma(bits: int, staleness: int) -> float:
     """The default consensus step size for ``bits``-bit messages applied ``staleness`` rounds
-    late (table in the module docstring; about half the largest gamma that converged in the
-    measurement, so that a graph or data set a little harsher than the measured ones still
-    converges)."""
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f"bits must be one of (1, 2, 4, 8), got {bits!r}")
+    late: about half the largest gamma that converged in the measurement of
+    docs/gossip_tuning.md, so that a graph or data set a little harsher than the measured ones
+    still converges."""
+    check_choice("bits", bits, SUPPORTED_BITS)
+    check_staleness(staleness)
     if staleness <= 2:
         return _DEFAULT_GAMMA[(bits, staleness)]
     # Beyond the measured range: shrink like 1 / staleness (the delay-stability rule of thumb).
     return _DEFAULT_GAMMA[(bits, 2)] * 2.0 / staleness
-
-
-def round_seed(seed: int, round: int, member: int) -> int:
-    """The stochastic-rounding seed of ``member``'s message of ``round``: a 64-bit hash of
-    ``(seed, round, member)`` (distinct streams for every message, reproducible runs)."""
-    h = hashlib.blake2b(f"qcomm-gossip:{seed}:{round}:{member}".encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little")
 
 
 @dataclass
@@ -207,8 +181,9 @@ class CompressedGossip:
             (``u = mu * u + c; x += c + mu * u`` with ``c = gamma * (m_i - hat_pub_i)``, one
             ``u`` per element); 0 (default) is plain CHOCO. The corrections sum to zero over
             the members, so ``u`` does too and the average stays preserved.
-        transport: internal/testing: an in-process :class:`~.transport.Transport`; then
-            ``group_ranks`` is ``list(range(n))``, ``group`` is None and not used.
+        transport: deprecated (it goes in the next release): an in-process transport; the
+            simulator (:class:`~.simulate.GossipSimulator`) is how to run members in one
+            process.
 
     Buffers (fp32 ``[numel]`` x 3 (x 4 with momentum), plus ``staleness + 1`` rounds of uint8
     ``[degree + 1, packed_nbytes(numel / F, spec)]``) are created on the first :meth:`step`, on
@@ -220,49 +195,38 @@ class CompressedGossip:
                  spec: QuantSpec = QuantSpec(4, 128, "stochastic"),  # noqa: B008 (frozen)
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
-                 outer_momentum: float = 0.0, transport: Transport | None = None) -> None:
-        # hyperparameters (checked, then fixed)
+                 outer_momentum: float = 0.0, transport: Transport | None = None,
+                 _transport: Transport | None = None) -> None:
+        # _transport: an in-process Transport (the simulator's); then group_ranks is
+        # list(range(n)) and group is None and unused. Not public: the simulator and the
+        # in-memory world are the public ways to run members in one process.
+        if transport is not None:
+            warn_deprecated("CompressedGossip(transport=...)",
+                            "qcomm.collectives.gossip.GossipSimulator (members in one process)")
+            _transport = _transport or transport
+        # hyperparameters (checked with the limits every layer shares, then fixed)
         self.graph = check_graph(graph)
         self.mixing = check_mixing(mixing)
-        if not isinstance(spec, QuantSpec):
-            raise TypeError(f"spec must be a qcomm.compress.QuantSpec, got {type(spec).__name__}")
-        self.spec = spec
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
-            raise ValueError(f"numel must be an int >= 1, got {numel!r}")
-        self.numel = numel
-        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-            raise ValueError(f"staleness must be an int >= 0, got {staleness!r}")
-        self.staleness = staleness
-        if gamma is None:
-            gamma = default_gamma(spec.bits, staleness)
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (
-                0.0 < gamma <= 1.0):
-            raise ValueError(f"gamma must be a float in (0, 1], got {gamma!r}")
-        self.gamma = float(gamma)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
-                timeout_s > 0 and math.isfinite(timeout_s)):
-            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
-        self.timeout_s = float(timeout_s)
+        self.spec = check_spec(spec)
+        self.numel = check_int("numel", numel, low=1)
+        self.staleness = check_staleness(staleness)
+        self.gamma = check_gamma(default_gamma(spec.bits, self.staleness) if gamma is None
+                                 else gamma)
+        self.timeout_s = check_timeout(timeout_s)
         self.seed = check_seed(seed)
-        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 \
-                or numel % fragments:
-            raise ValueError(f"fragments must be an int >= 1 dividing numel={numel}, "
-                             f"got {fragments!r}")
-        self.fragments = fragments
+        self.fragments = check_fragments(fragments, self.numel, "numel")
         self.fragment_numel = numel // fragments
-        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) \
-                or not 0.0 <= outer_momentum < 1.0:
-            raise ValueError(f"outer_momentum must be a float in [0, 1), got {outer_momentum!r}")
-        self.outer_momentum = float(outer_momentum)
+        self.outer_momentum = check_outer_momentum(outer_momentum)
+        check_instance("stats", stats, CommStats, allow_none=True)
         self.stats = stats if stats is not None else CommStats()
 
-        if transport is not None:
+        if _transport is not None:
             if group is not None:
                 raise ValueError("group must be None when a transport is given")
-            if list(group_ranks) != list(range(transport.size)):
-                raise ValueError(f"group_ranks must be list(range({transport.size})) with an "
+            if list(group_ranks) != list(range(_transport.size)):
+                raise ValueError(f"group_ranks must be list(range({_transport.size})) with an "
                                  f"in-process transport, got {group_ranks!r}")
-            self.group_ranks, self.member = list(group_ranks), transport.member
+            self.group_ranks, self.member = list(group_ranks), _transport.member
         else:
             self.group_ranks, self.member = _check_group(group_ranks, group)
         self.group = group
@@ -273,17 +237,18 @@ class CompressedGossip:
         # Row 0 is our own payload, then the neighbours in `peers` order.
         self._weights = torch.stack([w[self.member, self.member]] +
                                     [w[self.member, p] for p in self.peers])
-        if transport is None and isinstance(group, MemoryGroup):
-            transport = MemoryTransport(group.hub, self.member, self.peers, self.stats,
-                                        level="inter",
-                                        peer_ranks=[self.group_ranks[p] for p in self.peers])
-        elif transport is None:
-            transport = GlooTransport(self.group_ranks, group, self.member, self.peers,
-                                      self.stats, level="inter")
-        elif transport.peers != self.peers:
-            raise ValueError(f"transport.peers {transport.peers} != the graph's {self.peers}")
-        self.transport = transport
-        self.transport_level = getattr(transport, "level", "inter")
+        if _transport is None and isinstance(group, MemoryGroup):
+            _transport = MemoryTransport(group.hub, self.member, self.peers, self.stats,
+                                         level="inter",
+                                         peer_ranks=[self.group_ranks[p] for p in self.peers])
+        elif _transport is None:
+            _transport = GlooTransport(self.group_ranks, group, self.member, self.peers,
+                                       self.stats, level="inter")
+        elif _transport.peers != self.peers:
+            raise ValueError(f"the transport's peers {_transport.peers} != the graph's "
+                             f"{self.peers}")
+        self.transport = _transport
+        self.transport_level = getattr(_transport, "level", "inter")
         self.nbytes = packed_nbytes(self.fragment_numel, spec)
         self.message_nbytes = self.nbytes + SEAL_NBYTES  # what crosses the link per message
 
@@ -365,7 +330,8 @@ class CompressedGossip:
         payloads = torch.empty(len(self.peers) + 1, self.message_nbytes, dtype=torch.uint8,
                                device=x.device)
         mine = payloads[0, :self.nbytes]
-        quantize(self._scratch, self.spec, seed=round_seed(self.seed, t, self.member), out=mine)
+        quantize(self._scratch, self.spec, seed=gossip_message_seed(self.seed, t, self.member),
+                 out=mine)
         seal_(payloads[0], t, self.member)
         dequant_accumulate(mine, own, self.spec)
         handle = self.transport.exchange(t, payloads[0], payloads[1:])
@@ -554,3 +520,7 @@ def consensus_distance(x: torch.Tensor, group: dist.ProcessGroup | None, *,
     sq = torch.sum((v - mean) ** 2).reshape(1)
     all_reduce(sq, group, timeout_s=timeout_s, operation="consensus distance")
     return math.sqrt(float(sq) / n)
+
+
+__getattr__ = deprecated_names(__name__, {
+    "round_seed": ("qcomm.seeds.gossip_message_seed", gossip_message_seed)})

@@ -20,20 +20,18 @@ diameter is about log2(n) for about twice the ring's messages per round.
 
 from __future__ import annotations
 
+from qcomm.validation import check_choice, check_int
+
 GRAPHS = ("ring", "exponential", "complete")
 
 
 def check_graph(graph: object) -> str:
     """Return ``graph`` if it names a known graph, else raise ValueError naming the argument."""
-    if not isinstance(graph, str) or graph not in GRAPHS:
-        raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
-    return graph
+    return check_choice("graph", graph, GRAPHS)  # type: ignore[return-value]
 
 
 def _check_n(n: object) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n (number of nodes) must be an int >= 1, got {n!r}")
-    return n
+    return check_int("n (number of nodes)", n, low=1)  # type: ignore[return-value]
 
 
 def offsets(graph: str, n: int) -> list[int]:
@@ -57,8 +55,7 @@ def neighbours(graph: str, node: int, n: int) -> list[int]:
     """Neighbours of ``node`` (0-based, < n) in ``graph`` over ``n`` nodes, ascending, without
     ``node`` itself. ``n = 1`` has none; ``n = 2`` has one for every graph."""
     _check_n(n)
-    if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < n:
-        raise ValueError(f"node must be an int in [0, {n}), got {node!r}")
+    check_int("node", node, low=0, high=n, high_open=True)
     return sorted({(node + o) % n for o in offsets(graph, n)})
 
 

@@ -27,23 +27,14 @@ import torch
 
 from qcomm.compress import QuantSpec
 from qcomm.kernels.wire_format import split_payload
+from qcomm.seeds import seal_key
 
 __all__ = ["MAX_SCALE", "SEAL_NBYTES", "bad_messages", "seal_"]
 
 SEAL_NBYTES = 8
 MAX_SCALE = 2.0 ** 64  # far above any parameter difference, far below float32's 2**128
 
-_MASK64 = (1 << 64) - 1
 _weights: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _key(round: int, sender: int) -> int:
-    """A 64-bit key of (round, sender) as a signed int64 value (splitmix64 finalizer)."""
-    z = (round * 0x9E3779B97F4A7C15 + sender * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return z - (1 << 64) if z >= 1 << 63 else z
 
 
 def _word_weights(nwords: int, device: torch.device) -> torch.Tensor:
@@ -68,7 +59,7 @@ def _sums(payloads: torch.Tensor) -> torch.Tensor:
 def seal_(message: torch.Tensor, round: int, sender: int) -> None:
     """Write the seal of ``message[:-8]`` into ``message[-8:]`` (uint8 ``[nbytes + 8]``)."""
     body = message[:-SEAL_NBYTES].view(1, -1)
-    value = _sums(body) ^ _key(round, sender)
+    value = _sums(body) ^ seal_key(round, sender)
     # Bytes, not an int64 view: the seal sits at a 4-byte, not 8-byte, aligned offset.
     message[-SEAL_NBYTES:].copy_(value.view(torch.uint8))
 
@@ -85,7 +76,7 @@ def bad_messages(messages: torch.Tensor, round: int, senders: list[int], numel: 
     if messages.shape[0] == 0:
         return []
     body = messages[:, :-SEAL_NBYTES]
-    keys = torch.tensor([_key(round, s) for s in senders], dtype=torch.int64,
+    keys = torch.tensor([seal_key(round, s) for s in senders], dtype=torch.int64,
                         device=messages.device)
     # A fresh copy: the seals sit at 4-byte aligned offsets, an int64 view needs 8.
     stored = messages[:, -SEAL_NBYTES:].clone(memory_format=torch.contiguous_format)

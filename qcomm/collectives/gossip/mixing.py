@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from qcomm.validation import check_choice
+
 from .graphs import adjacency
 
 MIXINGS = ("uniform", "metropolis")
@@ -25,9 +27,7 @@ MIXINGS = ("uniform", "metropolis")
 
 def check_mixing(mixing: object) -> str:
     """Return ``mixing`` if it names a known rule, else raise ValueError naming the argument."""
-    if not isinstance(mixing, str) or mixing not in MIXINGS:
-        raise ValueError(f"mixing must be one of {MIXINGS}, got {mixing!r}")
-    return mixing
+    return check_choice("mixing", mixing, MIXINGS)  # type: ignore[return-value]
 
 
 def weights_from_adjacency(adj: list[list[int]], mixing: str) -> torch.Tensor:

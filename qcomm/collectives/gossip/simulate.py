@@ -35,8 +35,8 @@ class GossipSimulator:
         self.stats = [CommStats() for _ in range(n)]
         self.members = [
             CompressedGossip(list(range(n)), None, numel, graph=graph, stats=self.stats[i],
-                             transport=MemoryTransport(self.hub, i, neighbours(graph, i, n),
-                                                       self.stats[i]),
+                             _transport=MemoryTransport(self.hub, i, neighbours(graph, i, n),
+                                                        self.stats[i]),
                              **kwargs)
             for i in range(n)
         ]

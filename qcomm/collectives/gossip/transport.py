@@ -3,8 +3,7 @@
 A transport knows the members of the gossip group (indices ``0 .. n-1``, node order) and this
 member's neighbours. :meth:`Transport.exchange` starts one round: it posts one receive per
 neighbour, *then* sends this member's payload to every neighbour (receives first, so a message
-finds its receive already posted; measured over loopback it is not faster than sends first, see
-:class:`GlooTransport`), and returns a :class:`RoundHandle` without waiting.
+finds its receive already posted), and returns a :class:`RoundHandle` without waiting.
 ``handle.wait(timeout_s)`` finishes the round or raises
 :class:`~qcomm.collectives.errors.PeerTimeoutError` naming the peers that did not answer.
 
@@ -12,7 +11,7 @@ Two transports:
 
 * :class:`GlooTransport`: ``torch.distributed`` ``isend``/``irecv`` on the given process group
   (non-blocking point-to-point: Gloo moves the bytes on its own I/O threads while the caller
-  computes, so no communication thread of ours is needed; measured in :mod:`.choco`). The tag of a
+  computes, so no communication thread of ours is needed; see :mod:`.choco`). The tag of a
   message is its round number modulo ``TAG_MODULUS``, so the ``staleness + 1`` rounds in flight
   between a pair never match each other's receives. Bytes sent are counted in
   :class:`~qcomm.collectives.stats.CommStats` at the transport's level (``"inter"``: gossip runs
@@ -148,10 +147,9 @@ class GlooTransport(Transport):
         stats: byte counter, or None.
         level: the stats level the bytes are counted under.
         recv_first: post the receives before the sends (default); False posts the sends
-            first. ``bench/gossip_transport.py`` (3 procs, Gloo over loopback, 200 rounds per
-            order) found no gain for receives first: send-first/recv-first median 0.885 at
-            4 kB, 0.954 at 531 kB, 1.005 at 8 MB. Receives stay first so a message always
-            finds its buffer posted; the knob is there to measure it on real links.
+            first. Receives stay first so a message always finds its buffer posted, although
+            over loopback it was measured no faster (docs/gossip_tuning.md,
+            ``bench/gossip_transport.py``); the knob is there to measure it on real links.
     """
 
     def __init__(self, group_ranks: list[int], group: dist.ProcessGroup | None, member: int,

@@ -1,8 +1,8 @@
-"""Measure how many rounds gossip with zero updates needs to shrink the consensus distance by
-1e3, over a grid of gamma, for each bits and staleness: the data behind
-:func:`.choco.default_gamma`.
+"""How many rounds gossip with zero updates needs to shrink the consensus distance by 1e3, over
+a grid of gamma, for each code width and staleness: the measurement behind
+:func:`qcomm.collectives.gossip.default_gamma` (results and reading in docs/gossip_tuning.md).
 
-    python -m qcomm.collectives.gossip.tune_gamma [--numel 1024] [--out gamma.json]
+    python bench/tune_gamma.py [--numel 1024] [--bits 8 4 2 1] [--out gamma.json]
 
 Each case: members start at x_i ~ N(0, 1) i.i.d. (seeded), stochastic rounding, blocks of 128,
 uniform weights, the in-process simulator (same code as over Gloo). A case stops when the
@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a script from a checkout: make `qcomm` importable without installing.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from qcomm.collectives.gossip import GossipSimulator
 from qcomm.compress import NonFiniteError, QuantSpec
-
-from .simulate import GossipSimulator
 
 GRAPHS = (("ring", 4), ("ring", 8), ("exponential", 8))
 GAMMAS = {8: (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0),
@@ -52,12 +57,22 @@ def rounds_to_converge(n: int, graph: str, bits: int, tau: int, gamma: float, nu
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--numel", type=int, default=1024)
-    ap.add_argument("--bits", type=int, nargs="*", default=[8, 4, 2, 1])
-    ap.add_argument("--taus", type=int, nargs="*", default=[0, 1, 2])
-    ap.add_argument("--gammas", type=float, nargs="*", default=None, help="default: GAMMAS[bits]")
-    ap.add_argument("--out", default=None)
+    ap = argparse.ArgumentParser(
+        description="Measure, in the in-process gossip simulator, how many rounds gossip with "
+                    "zero updates needs to shrink the consensus distance by 1e3, for each code "
+                    "width, staleness, graph and gamma of a grid: the data behind qcomm's "
+                    "default gamma (docs/gossip_tuning.md).")
+    ap.add_argument("--numel", type=int, default=1024,
+                    help="Floats each member gossips (default 1024).")
+    ap.add_argument("--bits", type=int, nargs="*", default=[8, 4, 2, 1],
+                    help="Code widths to measure (default: 8 4 2 1).")
+    ap.add_argument("--taus", type=int, nargs="*", default=[0, 1, 2],
+                    help="Staleness values to measure (default: 0 1 2).")
+    ap.add_argument("--gammas", type=float, nargs="*", default=None,
+                    help="Gammas to try, smallest first (default: a grid per code width; a "
+                         "case stops at the first gamma that diverges).")
+    ap.add_argument("--out", default=None,
+                    help="Write the results to this JSON file (default: print only).")
     args = ap.parse_args()
     torch.set_num_threads(1)
     results = []
