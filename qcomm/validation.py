@@ -24,8 +24,9 @@ from typing import NoReturn, TypeVar
 import torch
 
 __all__ = ["SEED_BITS", "SEED_MAX", "check_bucket_mb", "check_choice", "check_fragments",
-           "check_gamma", "check_instance", "check_int", "check_outer_momentum", "check_real",
-           "check_seed", "check_staleness", "check_tensor", "check_timeout", "describe", "fail"]
+           "check_gamma", "check_instance", "check_int", "check_outer_lr", "check_outer_momentum",
+           "check_real", "check_seed", "check_staleness", "check_tensor", "check_timeout",
+           "describe", "fail"]
 
 SEED_BITS = 64
 SEED_MAX = (1 << SEED_BITS) - 1
@@ -220,8 +221,13 @@ def check_gamma(value: object, name: str = "gamma", *, allow_none: bool = False
 
 
 def check_outer_momentum(value: object, name: str = "outer_momentum") -> float:
-    """Nesterov momentum on the gossip's mixing correction: a float in [0, 1)."""
+    """Nesterov momentum of the gossip's outer step: a float in [0, 1)."""
     return check_real(name, value, low=0, high=1, high_open=True)  # type: ignore[return-value]
+
+
+def check_outer_lr(value: object, name: str = "outer_lr") -> float:
+    """Learning rate of the gossip's outer step: a float in (0, 2] (1 with momentum 0: none)."""
+    return check_real(name, value, low=0, high=2, low_open=True)  # type: ignore[return-value]
 
 
 def check_fragments(value: object, divides: int, divides_name: str,

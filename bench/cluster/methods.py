@@ -51,14 +51,15 @@ class MethodInfo:
 
 
 # qcomm variants by name: <kind>-<bits>[-h<H>[f<F>]][-s<staleness>][-g<gamma x 100>]
-# [-m<outer momentum x 10>][-ring|-exp|-complete][-n][-ddp] (-n: nearest rounding), kind
+# [-m<outer momentum x 10>][-o<outer lr x 10>][-ring|-exp|-complete][-n][-ddp] (-n: nearest
+# rounding), kind
 # "assgd" (SGD, MNIST-1D only) or
 # "qcomm-hier" (the workload's own optimizer, e.g. AdamW). E.g. assgd-4-h8f4 (gossip every 8
 # steps in 4 fragments) or qcomm-hier-2-h8f4-m5-ddp (outer momentum 0.5, node gradient mean by
 # DDP).
 _VARIANT = re.compile(r"(?P<kind>assgd|qcomm-hier)-(?P<bits>[1248])"
                       r"(?:-h(?P<h>\d+)(?:f(?P<f>\d+))?)?"
-                      r"(?:-s(?P<s>\d+))?(?:-g(?P<g>\d+))?(?:-m(?P<m>\d))?"
+                      r"(?:-s(?P<s>\d+))?(?:-g(?P<g>\d+))?(?:-m(?P<m>\d))?(?:-o(?P<o>\d+))?"
                       r"(?:-(?P<graph>ring|exp|complete))?(?P<near>-n)?(?P<ddp>-ddp)?")
 
 
@@ -77,6 +78,8 @@ def qcomm_variant(name: str) -> dict[str, Any] | None:
         out["gamma"] = int(m["g"]) / 100
     if m["m"]:
         out["outer_momentum"] = int(m["m"]) / 10
+    if m["o"]:
+        out["outer_lr"] = int(m["o"]) / 10
     if m["graph"]:
         out["graph"] = {"exp": "exponential"}.get(m["graph"], m["graph"])
     if m["near"]:

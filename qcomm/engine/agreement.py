@@ -63,6 +63,7 @@ _OPTION_CODECS: dict[str, tuple[Callable[[Any], int], Callable[[int], Any]]] = {
     "sync_every": _optional_int(),
     "fragments": _optional_int(),
     "outer_momentum": _optional_float(),
+    "outer_lr": _optional_float(),
     "intra_bits": _optional_int(),
     "bucket_mb": _optional_float(),
     "on_nonfinite": _choice(NONFINITE_MODES),

@@ -184,7 +184,7 @@ class AveragingEngine:
                 graph=opts.graph, mixing=opts.mixing, spec=opts.gossip_spec,
                 gamma=opts.gamma, staleness=opts.staleness, timeout_s=opts.timeout_s,
                 stats=self.comm_stats, fragments=opts.fragments,
-                outer_momentum=opts.outer_momentum,
+                outer_momentum=opts.outer_momentum, outer_lr=opts.outer_lr,
                 # One random stream per rail (rails quantize different shards).
                 seed=rail_seed(opts.seed, topo.local_rank),
             )

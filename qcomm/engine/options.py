@@ -21,6 +21,7 @@ from qcomm.validation import (
     check_fragments,
     check_gamma,
     check_int,
+    check_outer_lr,
     check_outer_momentum,
     check_seed,
     check_staleness,
@@ -37,7 +38,7 @@ DEPRECATED_NAMES = {"topology": "graph", "gossip_step": "gamma"}
 
 # Options that shape the wire format and the mixing: a checkpoint loads only into the same ones.
 WIRE_FIELDS = ("bits", "block_size", "rounding", "graph", "mixing", "staleness", "intra_bits",
-               "sync_every", "fragments", "outer_momentum")
+               "sync_every", "fragments", "outer_momentum", "outer_lr")
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,9 @@ class CommOptions:
         sync_every: H >= 1: every part of the parameters is gossiped once every H steps.
         fragments: F >= 1 dividing H: each rail's shard is split into F fragments and one
             fragment's round starts every H / F steps, so the link carries an even load.
-        outer_momentum: Nesterov momentum in [0, 1) on the gossip's mixing correction; 0 is
-            plain CHOCO.
+        outer_momentum, outer_lr: an outer Nesterov step (momentum in [0, 1), learning rate in
+            (0, 2]) on each fragment's own progress between its rounds, as DiLoCo takes on its
+            averaged delta; 0 and 1 (default) are plain CHOCO.
         intra_bits: None averages gradients inside a node in full precision; 1/2/4/8 quantizes
             them with error feedback.
         procs_per_node: ranks per node; None takes ``LOCAL_WORLD_SIZE`` (torchrun), else 1.
@@ -77,6 +79,7 @@ class CommOptions:
     sync_every: int = 1
     fragments: int = 1
     outer_momentum: float = 0.0
+    outer_lr: float = 1.0
     intra_bits: int | None = None
     procs_per_node: int | None = None
     bucket_mb: float = 25.0
@@ -96,6 +99,7 @@ class CommOptions:
         check_int("sync_every", self.sync_every, low=1)
         check_fragments(self.fragments, self.sync_every, "sync_every")
         check_outer_momentum(self.outer_momentum)
+        check_outer_lr(self.outer_lr)
         check_choice("intra_bits", self.intra_bits, SUPPORTED_BITS, allow_none=True)
         check_int("procs_per_node", self.procs_per_node, low=1, allow_none=True)
         check_bucket_mb(self.bucket_mb)

@@ -83,6 +83,7 @@ from qcomm.validation import (
     check_gamma,
     check_instance,
     check_int,
+    check_outer_lr,
     check_outer_momentum,
     check_seed,
     check_staleness,
@@ -177,10 +178,12 @@ class CompressedGossip:
         fragments: F >= 1 dividing ``numel``: round t carries only fragment ``t % F`` (elements
             ``[f * numel/F, (f+1) * numel/F)``), so each fragment is gossiped every F rounds
             and every message has the same length. Staleness counts rounds of any fragment.
-        outer_momentum: mu in [0, 1): Nesterov momentum on the mixing correction
-            (``u = mu * u + c; x += c + mu * u`` with ``c = gamma * (m_i - hat_pub_i)``, one
-            ``u`` per element); 0 (default) is plain CHOCO. The corrections sum to zero over
-            the members, so ``u`` does too and the average stays preserved.
+        outer_lr, outer_momentum: an outer Nesterov step on each fragment's own progress
+            since its previous round, as DiLoCo and SlowMo take on their averaged deltas:
+            with ``d = x_f - a_f`` (``a_f``: the fragment right after its previous mix),
+            ``u = mu u + d; x_f = a_f + lr (d + mu u)``, then the mixing. ``outer_lr=1,
+            outer_momentum=0`` (default) is plain CHOCO. The average of the members moves by
+            the outer step on their average progress; the mixing still preserves it.
         transport: deprecated (it goes in the next release): an in-process transport; the
             simulator (:class:`~.simulate.GossipSimulator`) is how to run members in one
             process.
@@ -195,7 +198,8 @@ class CompressedGossip:
                  spec: QuantSpec = QuantSpec(4, 128, "stochastic"),  # noqa: B008 (frozen)
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
-                 outer_momentum: float = 0.0, transport: Transport | None = None,
+                 outer_momentum: float = 0.0, outer_lr: float = 1.0,
+                 transport: Transport | None = None,
                  _transport: Transport | None = None) -> None:
         # _transport: an in-process Transport (the simulator's); then group_ranks is
         # list(range(n)) and group is None and unused. Not public: the simulator and the
@@ -217,6 +221,8 @@ class CompressedGossip:
         self.fragments = check_fragments(fragments, self.numel, "numel")
         self.fragment_numel = numel // fragments
         self.outer_momentum = check_outer_momentum(outer_momentum)
+        self.outer_lr = check_outer_lr(outer_lr)
+        self._outer = self.outer_momentum != 0 or self.outer_lr != 1
         check_instance("stats", stats, CommStats, allow_none=True)
         self.stats = stats if stats is not None else CommStats()
 
@@ -259,6 +265,7 @@ class CompressedGossip:
         self._hat_pub: torch.Tensor | None = None
         self._mix_acc: torch.Tensor | None = None
         self._momentum: torch.Tensor | None = None
+        self._anchor: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
         self._in_flight: deque[_Round] = deque()
         self._closed = False
@@ -311,8 +318,9 @@ class CompressedGossip:
         if self._scratch is None:
             self._scratch = torch.empty(self.fragment_numel, dtype=torch.float32,
                                         device=like.device)
-        if self.outer_momentum and self._momentum is None:
+        if self._outer and self._momentum is None:
             self._momentum = torch.zeros(self.numel, dtype=torch.float32, device=like.device)
+            self._anchor = like.detach().clone()  # every fragment's start: x at the first round
 
     def begin(self, x: torch.Tensor) -> None:
         """Phase 1 of a step: compress fragment ``t % F`` of ``x - hat_own`` and start its
@@ -352,14 +360,18 @@ class CompressedGossip:
             return []
         f = due % self.fragments
         frag = self.fragment(f)
+        if self._outer:
+            # Outer Nesterov step on this fragment's progress since its previous mix:
+            # d = x - a; u <- mu u + d; x <- a + lr (d + mu u).
+            a, u, xf = self._anchor[frag], self._momentum[frag], x[frag]
+            d = torch.sub(xf, a, out=self._scratch)
+            u.mul_(self.outer_momentum).add_(d)
+            d.add_(u, alpha=self.outer_momentum)
+            torch.add(a, d, alpha=self.outer_lr, out=xf)
         correction = torch.sub(self._mix_acc[frag], self._hat_pub[frag], out=self._scratch)
-        if self.outer_momentum:
-            # Nesterov: u <- mu u + c; x <- x + c + mu u.
-            u = self._momentum[frag]
-            u.mul_(self.outer_momentum).add_(correction, alpha=self.gamma)
-            x[frag].add_(correction, alpha=self.gamma).add_(u, alpha=self.outer_momentum)
-        else:
-            x[frag].add_(correction, alpha=self.gamma)
+        x[frag].add_(correction, alpha=self.gamma)
+        if self._outer:
+            self._anchor[frag].copy_(x[frag])
         return [f]
 
     def _receive(self, r: _Round) -> None:
@@ -425,7 +437,8 @@ class CompressedGossip:
                 "graph": self.graph, "mixing": self.mixing, "staleness": self.staleness,
                 "spec": (self.spec.bits, self.spec.block_size, self.spec.rounding),
                 **({"fragments": self.fragments} if self.fragments > 1 else {}),
-                **({"outer_momentum": self.outer_momentum} if self.outer_momentum else {})}
+                **({"outer_momentum": self.outer_momentum} if self.outer_momentum else {}),
+                **({"outer_lr": self.outer_lr} if self.outer_lr != 1 else {})}
 
     def state_dict(self) -> dict:
         """Internal state, rounds in flight included (waits until their payloads have arrived,
@@ -433,8 +446,9 @@ class CompressedGossip:
 
         Returns:
             ``{"config": {...}, "wire_format": int, "gamma", "seed", "rounds_started",
-            "rounds_applied", "hat_own" | "hat_pub" | "mix_acc" | "momentum": float32 [numel]
-            or None before the first step (momentum: without outer momentum),
+            "rounds_applied", "hat_own" | "hat_pub" | "mix_acc" | "momentum" | "anchor":
+            float32 [numel] or None before the first step (momentum, anchor: without an outer
+            step),
             "in_flight": [(round, uint8 [degree + 1, nbytes + 8])]}`` (each row a payload and
             its seal).
         """
@@ -446,7 +460,7 @@ class CompressedGossip:
                 "gamma": self.gamma, "seed": self.seed,
                 "rounds_started": self.rounds_started, "rounds_applied": self.rounds_applied,
                 "hat_own": self._hat_own, "hat_pub": self._hat_pub, "mix_acc": self._mix_acc,
-                "momentum": self._momentum,
+                "momentum": self._momentum, "anchor": self._anchor,
                 "in_flight": [(r.round, r.payloads) for r in self._in_flight]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -477,6 +491,7 @@ class CompressedGossip:
         self._hat_own, self._hat_pub = copy(state["hat_own"]), copy(state["hat_pub"])
         self._mix_acc = copy(state["mix_acc"])
         self._momentum = copy(state.get("momentum"))
+        self._anchor = copy(state.get("anchor"))
         self._scratch = None
         self._in_flight = deque(_Round(int(r), self._sealed(int(r), copy(p)), None)
                                 for r, p in state["in_flight"])
