@@ -381,21 +381,40 @@ class AveragingEngine:
         self._grads_synced = False
 
     def _gossip_round(self, keep: list[bool]) -> None:
-        flat, topo = self._flat, self._topology
-        flat.load_from_params()
+        flat, topo, gossip = self._flat, self._topology, self._gossip
         # A separate buffer: the gossip owns its input only during step(), and the all-gather
         # below must not read from the tensor it writes.
         shard = self._shard
-        shard.copy_(flat.shard(topo.local_rank))
-        changed = self._gossip.step(shard)
+        # The first round copies everything in (the gossip sets up its buffers from it).
+        by_range = self.options.fragments > 1 and flat.ranges_ok and gossip.rounds_started > 0
+        if not by_range:
+            flat.load_from_params()
+            shard.copy_(flat.shard(topo.local_rank))
+        else:
+            # The round reads two fragments of my shard: the one it sends and the one it mixes
+            # (its round started `staleness` rounds ago); only they are copied in.
+            base = topo.local_rank * flat.shard_numel
+            t, F = gossip.rounds_started, self.options.fragments
+            for f in {t % F, (t - gossip.staleness) % F}:
+                frag = gossip.fragment(f)
+                flat.load_range(base + frag.start, base + frag.stop)
+                shard[frag].copy_(flat.flat[base + frag.start: base + frag.stop])
+        changed = gossip.step(shard)
         if not changed:
             return  # no round applied yet: the parameters are as they were
         if self.options.fragments == 1:
             self._gather_shards(shard)
-        else:
-            for f in changed:
-                self._gather_fragment(shard, self._gossip.fragment(f))
-        flat.store_to_params(keep)
+            flat.store_to_params(keep)
+            return
+        for f in changed:
+            frag = gossip.fragment(f)
+            self._gather_fragment(shard, frag)
+            if not by_range:
+                flat.store_to_params(keep)
+                continue
+            for rank in range(topo.procs_per_node):
+                base = rank * flat.shard_numel
+                flat.store_range(base + frag.start, base + frag.stop, keep)
 
     def _gather_shards(self, shard: torch.Tensor) -> None:
         if self._intra is not None:

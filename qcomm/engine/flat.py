@@ -40,6 +40,12 @@ class FlatParams:
         self._views = list(torch.split(self.flat[: self.numel], sizes))
         # One torch.cat when every parameter is float32 on the buffer's device.
         self._catable = all(p.dtype == torch.float32 and p.device == device for p in self.params)
+        # Ranges can be copied element-wise only into contiguous parameters.
+        self.ranges_ok = all(p.is_contiguous() for p in self.params)
+        # Where each parameter starts in ``flat``.
+        self._starts = [0]
+        for n in sizes:
+            self._starts.append(self._starts[-1] + n)
 
     def shard(self, index: int) -> torch.Tensor:
         """float32 ``[shard_numel]`` view of shard ``index`` of ``flat``."""
@@ -55,6 +61,29 @@ class FlatParams:
                 for v, p in zip(self._views, self.params, strict=True):
                     v.copy_(p.detach().reshape(-1))
         return self.flat
+
+    def _pieces(self, start: int, stop: int):
+        """(parameter index, offset in it, offset in flat, length) of the parameters' elements
+        inside ``flat[start:stop]``."""
+        for i in range(len(self.params)):
+            a, b = max(start, self._starts[i]), min(stop, self._starts[i + 1])
+            if a < b:
+                yield i, a - self._starts[i], a, b - a
+
+    def load_range(self, start: int, stop: int) -> None:
+        """``flat[start:stop]`` <- the parameters' elements there (a gossip round reads only the
+        fragments it sends and mixes, so only they are copied)."""
+        with torch.no_grad():
+            for i, off, at, n in self._pieces(start, stop):
+                self.flat[at:at + n].copy_(self.params[i].detach().reshape(-1)[off:off + n])
+
+    def store_range(self, start: int, stop: int, keep: Sequence[bool] | None = None) -> None:
+        """The parameters' elements in ``flat[start:stop]`` <- flat (``keep`` as in
+        :meth:`store_to_params`)."""
+        with torch.no_grad():
+            for i, off, at, n in self._pieces(start, stop):
+                if keep is None or not keep[i]:
+                    self.params[i].view(-1)[off:off + n].copy_(self.flat[at:at + n])
 
     def store_to_params(self, keep: Sequence[bool] | None = None) -> None:
         """parameters <- flat (cast to each parameter's dtype and device).
