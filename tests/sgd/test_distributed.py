@@ -140,18 +140,25 @@ def _node_optimum(node: int, ppn: int) -> torch.Tensor:
     return torch.linalg.solve(ata, atb)
 
 
-def _convergence_body(rank: int, world: MemoryWorld, steps: int) -> dict:
-    a, b = (t.float() for t in _problem(rank))
-    w = torch.nn.Parameter(torch.zeros(DIM))
-    opt = ASSGD([w], lr=0.02, momentum=0.5, bits=4, procs_per_node=2, staleness=1, seed=3,
-                layout=Topology(2, rank=rank, world_size=4, world=world))
+def _least_squares(opt: torch.optim.Optimizer, a: torch.Tensor, b: torch.Tensor,
+                   w: torch.Tensor, steps: int) -> dict:
+    """``steps`` steps on 0.5 ||a w - b||^2 under a cosine schedule; the stats with the
+    consensus distance."""
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     for _ in range(steps):
         opt.zero_grad()
         (0.5 * ((a @ w - b) ** 2).sum()).backward()
         opt.step()
         sched.step()
-    st = opt.stats(consensus=True)
+    return opt.stats(consensus=True)
+
+
+def _convergence_body(rank: int, world: MemoryWorld, steps: int) -> dict:
+    a, b = (t.float() for t in _problem(rank))
+    w = torch.nn.Parameter(torch.zeros(DIM))
+    opt = ASSGD([w], lr=0.02, momentum=0.5, bits=4, procs_per_node=2, staleness=1, seed=3,
+                layout=Topology(2, rank=rank, world_size=4, world=world))
+    st = _least_squares(opt, a, b, w, steps)
     own = w.detach().clone()
     opt.average_parameters()
     opt.close()
@@ -302,13 +309,7 @@ def _adamw_body(rank: int, world: MemoryWorld, ppn: int, steps: int, lr: float) 
     inner = torch.optim.AdamW([w, frozen, unused], lr=lr, weight_decay=0.0)
     opt = HierarchicalOptimizer(inner, bits=4, staleness=1, seed=3, procs_per_node=ppn,
                                 layout=Topology(ppn, rank=rank, world_size=4, world=world))
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    for _ in range(steps):
-        opt.zero_grad()
-        (0.5 * ((a @ w - b) ** 2).sum()).backward()
-        opt.step()
-        sched.step()
-    st = opt.stats(consensus=True)
+    st = _least_squares(opt, a, b, w, steps)
     opt.average_parameters()
     opt.close()
     return {"avg": w.detach().clone(), "stats": st,
