@@ -1,4 +1,5 @@
 import os
+import signal
 import time
 
 import pytest
@@ -41,6 +42,19 @@ def test_run_world_reports_a_rank_exception():
 def test_run_world_reports_a_dead_rank():
     with pytest.raises(WorldError, match="rank 1 died with exit code 3"):
         run_world(_rank1_exits, 2, timeout_s=60)
+
+
+def _rank1_stops(rank: int, world_size: int) -> str | None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive and silent: never reports, never leaves
+    return "done"
+
+
+def test_a_silent_rank_allowed_to_die_is_killed_not_waited_for():
+    t0 = time.monotonic()
+    values = run_world(_rank1_stops, 2, timeout_s=60, allow_exit={1}, check_exit=True)
+    assert values == ["done", None]
+    assert time.monotonic() - t0 < 5.0  # close() would wait 5 s for it, then kill it
 
 
 def test_run_world_times_out_instead_of_hanging():

@@ -217,6 +217,13 @@ class WorldPool:
                 q.put(None)
             self._stopping = True
 
+    def kill_ranks(self, ranks: list[int]) -> None:
+        """Kill these ranks' processes now (the rest are left to :meth:`close`)."""
+        for r in ranks:
+            if self._procs and self._procs[r].exitcode is None:
+                self._procs[r].kill()
+                self._procs[r].join(timeout=5)
+
     def close(self, *, kill: bool = False) -> list[int | None]:
         """Stop the processes (after their current call, unless ``kill``); returns their exit
         codes. The pool can be used again: the next :meth:`run` starts a fresh world."""
@@ -296,6 +303,10 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     """
     pool = WorldPool(world_size, pg_timeout_s=pg_timeout_s, env=env)
     values = pool.run(fn, args=args, timeout_s=timeout_s, allow_exit=allow_exit, last=True)
+    # A rank allowed to die that did not report may be hung (stopped, or stuck in a collective
+    # with the dead): nothing will come from it, and waiting for it to leave only delays the
+    # others' exit, which its open sockets can hold up.
+    pool.kill_ranks([r for r in (allow_exit or ()) if values[r] is None])
     codes = pool.close(kill=False)  # nothing left to do when a death already closed it
     if check_exit and codes:
         bad = [f"rank {r} reported, then exited with code {c}" for r, c in enumerate(codes)
