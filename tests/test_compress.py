@@ -126,6 +126,15 @@ def test_two_bit_nearest_error_bound(data: st.DataObject) -> None:
     assert bool(on_level.all()), "a decoded value is not one of the four levels"
 
 
+def _block_absmax(v: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """float32 ``[num_blocks]``: each block's absmax of ``v`` (float32 ``[n]``), the padding
+    counting as zeros."""
+    n = v.numel()
+    nb = num_blocks(n, spec)
+    pad = torch.zeros(nb * spec.block_size - n)
+    return torch.cat([v.abs(), pad]).view(nb, spec.block_size).amax(1) if n else pad[:0]
+
+
 @given(data=st.data())
 def test_two_bit_scales_and_codes(data: st.DataObject) -> None:
     """2 bits: scale = the block's absmax exactly (no bump, no lowering: the top level is absmax
@@ -135,9 +144,7 @@ def test_two_bit_scales_and_codes(data: st.DataObject) -> None:
     n = x.numel()
     p = quantize(x, spec, seed=data.draw(seeds(), label="seed"))
     v = x.to(torch.float32)
-    nb = num_blocks(n, spec)
-    pad = torch.zeros(nb * spec.block_size - n)
-    absmax = torch.cat([v.abs(), pad]).view(nb, spec.block_size).amax(1) if n else pad[:0]
+    absmax = _block_absmax(v, spec)
     assert torch.equal(p.scales.view(torch.int32), absmax.view(torch.int32))
     codes, _ = split_payload(p.payload, n, spec)
     stream = reference.unpack_codes(codes, codes.numel() * 8 // spec.bits, spec)
@@ -158,9 +165,7 @@ def test_scales_follow_wire_format(data: st.DataObject) -> None:
     n = x.numel()
     p = quantize(x, spec, seed=data.draw(seeds(), label="seed"))
     v = x.to(torch.float32)
-    nb = num_blocks(n, spec)
-    pad = torch.zeros(nb * spec.block_size - n)
-    absmax = torch.cat([v.abs(), pad]).view(nb, spec.block_size).amax(1) if n else pad[:0]
+    absmax = _block_absmax(v, spec)
     levels = float(spec.max_level)
     s0 = absmax / levels
     expected = torch.where(s0 * levels < absmax, torch.nextafter(s0, torch.tensor(FMAX)), s0)
