@@ -385,36 +385,33 @@ class AveragingEngine:
         # A separate buffer: the gossip owns its input only during step(), and the all-gather
         # below must not read from the tensor it writes.
         shard = self._shard
-        # The first round copies everything in (the gossip sets up its buffers from it).
-        by_range = self.options.fragments > 1 and flat.ranges_ok and gossip.rounds_started > 0
-        if not by_range:
-            flat.load_from_params()
-            shard.copy_(flat.shard(topo.local_rank))
-        else:
-            # The round reads two fragments of my shard: the one it sends and the one it mixes
-            # (its round started `staleness` rounds ago); only they are copied in.
-            base = topo.local_rank * flat.shard_numel
-            t, F = gossip.rounds_started, self.options.fragments
-            for f in {t % F, (t - gossip.staleness) % F}:
+        base = topo.local_rank * flat.shard_numel
+        reads = gossip.fragments_read_next() if self.options.fragments > 1 else None
+        by_range = reads is not None and flat.ranges_ok
+        if by_range:
+            # Only the fragments the round sends and mixes are copied in.
+            for f in reads:
                 frag = gossip.fragment(f)
                 flat.load_range(base + frag.start, base + frag.stop)
                 shard[frag].copy_(flat.flat[base + frag.start: base + frag.stop])
+        else:
+            flat.load_from_params()
+            shard.copy_(flat.shard(topo.local_rank))
         changed = gossip.step(shard)
         if not changed:
             return  # no round applied yet: the parameters are as they were
         if self.options.fragments == 1:
             self._gather_shards(shard)
+        else:
+            for f in changed:
+                frag = gossip.fragment(f)
+                self._gather_fragment(shard, frag)
+                if by_range:
+                    for rank in range(topo.procs_per_node):
+                        at = rank * flat.shard_numel
+                        flat.store_range(at + frag.start, at + frag.stop, keep)
+        if not by_range:
             flat.store_to_params(keep)
-            return
-        for f in changed:
-            frag = gossip.fragment(f)
-            self._gather_fragment(shard, frag)
-            if not by_range:
-                flat.store_to_params(keep)
-                continue
-            for rank in range(topo.procs_per_node):
-                base = rank * flat.shard_numel
-                flat.store_range(base + frag.start, base + frag.stop, keep)
 
     def _gather_shards(self, shard: torch.Tensor) -> None:
         if self._intra is not None:

@@ -12,6 +12,7 @@ from qcomm.collectives.gossip.integrity import SEAL_NBYTES
 from qcomm.collectives.memory import MemoryWorld
 from qcomm.collectives.topology import Topology
 from qcomm.compress import QuantSpec, packed_nbytes
+from qcomm.engine.flat import FlatParams
 from qcomm.sgd import HierarchicalOptimizer
 from tests.engine.problems import mlp, mlp_loss
 
@@ -130,6 +131,31 @@ def test_resume_mid_period_is_bit_exact(nodes: int, ppn: int, momentum: float) -
                    zip(full.parameters(), resumed.parameters(), strict=True))
 
     assert all(world.run(body))
+
+
+@pytest.mark.parametrize(("nodes", "ppn"), LAYOUTS)
+def test_copying_only_the_fragments_a_round_reads_changes_nothing(nodes: int, ppn: int,
+                                                                   monkeypatch) -> None:
+    """A fragmented round copies in only the fragments it sends and mixes (and out only the
+    one it mixed); the same training with every round copying all parameters in and out gives
+    the same bits."""
+    comm = dict(sync_every=8, fragments=4, staleness=2, outer_momentum=0.5)
+
+    def run() -> list[list[torch.Tensor]]:
+        world = MemoryWorld(nodes * ppn, timeout_s=30)
+        return world.run(lambda r: _trajectory(r, world, ppn, 30, **comm)["own"])
+
+    by_range = run()
+    init = FlatParams.__init__
+
+    def whole_copies(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        self.ranges_ok = False  # what a non-contiguous parameter makes the engine do
+
+    monkeypatch.setattr(FlatParams, "__init__", whole_copies)
+    whole = run()
+    for a, b in zip(by_range, whole, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_schedule_options_are_validated_by_name() -> None:

@@ -295,6 +295,18 @@ class CompressedGossip:
         m = self.fragment_numel
         return slice(index * m, (index + 1) * m)
 
+    def fragments_read_next(self) -> list[int] | None:
+        """The fragments of ``x`` the next :meth:`step` reads: the one its round sends and the
+        one it mixes (the round started ``staleness`` rounds before); None when it reads all
+        of ``x`` (its first round sets up the buffers from it). A caller that keeps ``x``
+        elsewhere need only bring these up to date before the step."""
+        if self.size == 1:
+            return []
+        if self._hat_own is None or (self._outer and self._anchor is None):
+            return None
+        t, due = self.rounds_started, self.rounds_started - self.staleness
+        return sorted({t % self.fragments} | ({due % self.fragments} if due >= 0 else set()))
+
     def _check_x(self, x: object) -> torch.Tensor:
         if self._closed:
             raise RuntimeError("CompressedGossip is closed")
