@@ -52,11 +52,9 @@ class MethodInfo:
 
 # qcomm variants by name: <kind>-<bits>[-h<H>[f<F>]][-s<staleness>][-g<gamma x 100>]
 # [-m<outer momentum x 10>][-o<outer lr x 10>][-ring|-exp|-complete][-n][-ddp] (-n: nearest
-# rounding), kind
-# "assgd" (SGD, MNIST-1D only) or
-# "qcomm-hier" (the workload's own optimizer, e.g. AdamW). E.g. assgd-4-h8f4 (gossip every 8
-# steps in 4 fragments) or qcomm-hier-2-h8f4-m5-ddp (outer momentum 0.5, node gradient mean by
-# DDP).
+# rounding), kind "assgd" (SGD, MNIST-1D only) or "qcomm-hier" (the workload's own optimizer,
+# e.g. AdamW). E.g. assgd-4-h8f4 (gossip every 8 steps in 4 fragments) or
+# qcomm-hier-2-h8f4-m5-ddp (outer momentum 0.5, node gradient mean by DDP).
 _VARIANT = re.compile(r"(?P<kind>assgd|qcomm-hier)-(?P<bits>[1248])"
                       r"(?:-h(?P<h>\d+)(?:f(?P<f>\d+))?)?"
                       r"(?:-s(?P<s>\d+))?(?:-g(?P<g>\d+))?(?:-m(?P<m>\d))?(?:-o(?P<o>\d+))?"

@@ -129,4 +129,4 @@ def node_mean_and_vote(grads: Sequence[torch.Tensor], topology: Topology,
         finite, _ = _vote(finite, grads, topology.rail_group, "inter", timeout_s)
     if finite and not failed and not alone and quantized and not grads_are_node_means:
         intra.mean_(grads)
-    return finite, node_finite, failed if not alone else 0
+    return finite, node_finite, failed  # 0 when alone: only node-mates set it
