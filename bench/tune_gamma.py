@@ -2,7 +2,7 @@
 a grid of gamma, for each code width and staleness: the measurement behind
 :func:`qcomm.collectives.gossip.default_gamma` (results and reading in docs/gossip_tuning.md).
 
-    python bench/tune_gamma.py [--numel 1024] [--bits 8 4 2 1] [--out gamma.json]
+    python bench/tune_gamma.py [--numel 1024] [--bits 8 4 2 1] [--fragments 1 2] [--out gamma.json]
 
 Each case: members start at x_i ~ N(0, 1) i.i.d. (seeded), stochastic rounding, blocks of 128,
 uniform weights, the in-process simulator (same code as over Gloo). A case stops when the
@@ -35,13 +35,16 @@ MAX_ROUNDS = {8: 600, 4: 600, 2: 600, 1: 1500}
 
 
 def rounds_to_converge(n: int, graph: str, bits: int, tau: int, gamma: float, numel: int,
-                       max_rounds: int, seed: int = 0) -> int | str | None:
+                       max_rounds: int, seed: int = 0,
+                       fragments: int = 1) -> int | str | None:
     """Rounds until the consensus distance is <= 1e-3 of its start; "div" if it diverged;
-    None if ``max_rounds`` was not enough."""
+    None if ``max_rounds`` was not enough. With ``fragments`` F > 1 each round gossips one
+    of F fragments in turn (every fragment once per F rounds)."""
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(numel, generator=g) for _ in range(n)]
     sim = GossipSimulator(n, numel, graph=graph, spec=QuantSpec(bits, 128, "stochastic"),
-                          staleness=tau, gamma=gamma, seed=seed)
+                          staleness=tau, gamma=gamma, seed=seed,
+                          fragments=fragments)
     d0 = sim.consensus_distance(xs)
     for r in range(1, max_rounds + 1):
         try:
@@ -71,6 +74,10 @@ def main() -> None:
     ap.add_argument("--gammas", type=float, nargs="*", default=None,
                     help="Gammas to try, smallest first (default: a grid per code width; a "
                          "case stops at the first gamma that diverges).")
+    ap.add_argument("--fragments", type=int, nargs="*", default=[1],
+                    help="Fragment counts to measure (default: 1, whole vectors); with "
+                         "fragments > staleness each fragment's correction lands before it is "
+                         "sent again.")
     ap.add_argument("--out", default=None,
                     help="Write the results to this JSON file (default: print only).")
     args = ap.parse_args()
@@ -78,17 +85,19 @@ def main() -> None:
     results = []
     for bits in args.bits:
         for tau in args.taus:
-            for graph, n in GRAPHS:
-                for gamma in args.gammas or GAMMAS[bits]:
-                    t0 = time.perf_counter()
-                    r = rounds_to_converge(n, graph, bits, tau, gamma, args.numel,
-                                           MAX_ROUNDS[bits])
-                    results.append({"bits": bits, "tau": tau, "graph": graph, "n": n,
-                                    "gamma": gamma, "rounds": r})
-                    print(f"bits={bits} tau={tau} {graph}{n} gamma={gamma}: {r} "
-                          f"({time.perf_counter() - t0:.1f} s)", flush=True)
-                    if r == "div":  # larger gammas diverge as well
-                        break
+            for frags in args.fragments:
+                for graph, n in GRAPHS:
+                    for gamma in args.gammas or GAMMAS[bits]:
+                        t0 = time.perf_counter()
+                        r = rounds_to_converge(n, graph, bits, tau, gamma, args.numel,
+                                               MAX_ROUNDS[bits] * frags, fragments=frags)
+                        results.append({"bits": bits, "tau": tau, "fragments": frags,
+                                        "graph": graph, "n": n, "gamma": gamma, "rounds": r})
+                        print(f"bits={bits} tau={tau} fragments={frags} {graph}{n} "
+                              f"gamma={gamma}: {r} ({time.perf_counter() - t0:.1f} s)",
+                              flush=True)
+                        if r == "div":  # larger gammas diverge as well
+                            break
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

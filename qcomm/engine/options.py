@@ -7,6 +7,8 @@ through to it, so every optimizer accepts the same names with the same limits.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -39,6 +41,21 @@ DEPRECATED_NAMES = {"topology": "graph", "gossip_step": "gamma"}
 # Options that shape the wire format and the mixing: a checkpoint loads only into the same ones.
 WIRE_FIELDS = ("bits", "block_size", "rounding", "graph", "mixing", "staleness", "intra_bits",
                "sync_every", "fragments", "outer_momentum", "outer_lr")
+
+
+def _first_frame_outside_qcomm() -> int:
+    """The ``stacklevel`` (seen from the caller's ``warnings.warn``) of the innermost frame
+    outside this package: the user's line, however many of our frames lie between (the
+    dataclass's generated ``__init__``, named ``<string>``, counts as ours)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def ours(filename: str) -> bool:
+        return filename == "<string>" or os.path.abspath(filename).startswith(package)
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None and ours(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @dataclass(frozen=True)
@@ -106,6 +123,25 @@ class CommOptions:
         check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_MODES)
         check_timeout(self.timeout_s)
         check_seed(self.seed)
+        self._warn_if_delayed_full_step()
+
+    def _warn_if_delayed_full_step(self) -> None:
+        """A consensus step above 0.5 is only stable when each fragment's correction lands
+        before that fragment is sent again, i.e. when ``fragments > staleness``.
+
+        With ``staleness >= fragments`` a fragment's next round quantizes it before the previous
+        round's correction was applied, so a disagreement e follows ``e' = e - gamma * L e_old``
+        (L: the graph's Laplacian-like ``I - W``): at gamma = 1 it oscillates on the complete
+        graph and grows on the ring (its largest eigenvalue of ``I - W`` is 4/3). Not an error:
+        a gamma a little above 0.5 still converges, slowly."""
+        if (self.gamma is not None and self.gamma > 0.5 and self.staleness > 0
+                and self.staleness >= self.fragments):
+            warnings.warn(
+                f"gamma={self.gamma} with staleness={self.staleness} >= fragments="
+                f"{self.fragments}: each fragment is sent again before its previous round's "
+                "correction is applied, and a consensus step above 0.5 then oscillates or "
+                "diverges; use fragments > staleness (e.g. sync_every=2, fragments=2) or "
+                "gamma <= 0.5", UserWarning, stacklevel=_first_frame_outside_qcomm())
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], *, stacklevel: int = 3) -> CommOptions:

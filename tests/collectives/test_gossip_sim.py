@@ -234,3 +234,29 @@ def test_states_of_another_wire_format_load_only_when_their_bytes_decode_the_sam
     else:
         fresh.load_state_dict(old)
         assert fresh.rounds_started == 3
+
+
+@pytest.mark.parametrize(("graph", "n"), [("ring", 4), ("ring", 5), ("complete", 4)])
+@pytest.mark.parametrize(("staleness", "fragments_too_few", "fragments_enough"),
+                         [(1, 1, 2), (2, 2, 4)])
+def test_full_consensus_step_needs_more_fragments_than_staleness(
+        graph: str, n: int, staleness: int, fragments_too_few: int,
+        fragments_enough: int) -> None:
+    # gamma = 1 mixes a fragment all the way to its neighbours' mean. When the fragment is
+    # sent again before that correction is applied (staleness >= fragments), the delayed step
+    # overshoots: the disagreement never falls (complete graph: it oscillates) or grows (ring).
+    # With one more fragment than rounds in flight each correction lands first and the same
+    # gamma converges fast. CommOptions warns about the first case.
+    spec = QuantSpec(8, 128, "nearest")
+
+    def distance_after(fragments: int, rounds: int) -> float:
+        xs = _xs(n, seed=3)
+        sim = GossipSimulator(n, NUMEL, graph=graph, spec=spec, staleness=staleness,
+                              gamma=1.0, fragments=fragments)
+        d0 = sim.consensus_distance(xs)
+        for _ in range(rounds):
+            sim.step(xs)
+        return sim.consensus_distance(xs) / d0
+
+    assert distance_after(fragments_too_few, 60) > 0.1
+    assert distance_after(fragments_enough, 60) < 1e-3

@@ -4,6 +4,7 @@ the schedule, the bytes it sends, consensus while training, exact averaging and 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -188,3 +189,20 @@ def test_fragmented_gossip_over_gloo_matches_in_memory(gloo) -> None:
         torch.set_num_threads(threads)
     for a, b in zip(over_gloo, in_memory, strict=True):
         assert all((x == y.numpy()).all() for x, y in zip(a, b, strict=True))
+
+
+def test_full_consensus_step_with_too_few_fragments_warns() -> None:
+    model = mlp(0)
+    with pytest.warns(UserWarning, match=r"gamma=1.0 with staleness=1 >= fragments=1") as rec:
+        HierarchicalOptimizer(torch.optim.AdamW(model.parameters()), gamma=1.0)
+    assert rec[0].filename == __file__  # points at the caller's line, not at qcomm
+    with pytest.warns(UserWarning, match=r"staleness=2 >= fragments=2"):
+        HierarchicalOptimizer(torch.optim.AdamW(model.parameters()), gamma=0.6, staleness=2,
+                              sync_every=2, fragments=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Each fragment's correction lands before it is sent again, or the step is small.
+        HierarchicalOptimizer(torch.optim.AdamW(model.parameters()), gamma=1.0,
+                              sync_every=2, fragments=2)
+        HierarchicalOptimizer(torch.optim.AdamW(model.parameters()), gamma=1.0, staleness=0)
+        HierarchicalOptimizer(torch.optim.AdamW(model.parameters()), gamma=0.5)
