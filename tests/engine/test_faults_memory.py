@@ -135,7 +135,7 @@ def test_corrupt_payload_error_is_a_peer_error_and_a_value_error() -> None:
     ("bits", (4, 8), "ranks [0, 1]: 4; ranks [2, 3]: 8"),
     ("block_size", (128, 256), "ranks [0, 1]: 128; ranks [2, 3]: 256"),
     ("staleness", (1, 2), "ranks [0, 1]: 1; ranks [2, 3]: 2"),
-    ("gamma", (0.3, 0.9), "ranks [0, 1]: 0.3; ranks [2, 3]: 0.9"),
+    ("gamma", (0.3, 0.45), "ranks [0, 1]: 0.3; ranks [2, 3]: 0.45"),
     ("graph", ("ring", "complete"), "ranks [0, 1]: 'ring'; ranks [2, 3]: 'complete'"),
     ("sync_every", (1, 2), "ranks [0, 1]: 1; ranks [2, 3]: 2"),
     ("intra_bits", (None, 8), "ranks [0, 1]: None; ranks [2, 3]: 8"),
