@@ -47,7 +47,7 @@ def _first_frame_outside_qcomm() -> int:
     """The ``stacklevel`` (seen from the caller's ``warnings.warn``) of the innermost frame
     outside this package: the user's line, however many of our frames lie between (the
     dataclass's generated ``__init__``, named ``<string>``, counts as ours)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
     def ours(filename: str) -> bool:
         return filename == "<string>" or os.path.abspath(filename).startswith(package)
