@@ -1,12 +1,13 @@
 import os
 import signal
+import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from qcomm.testing.multiprocess import WorldError, WorldPool, run_world
+from qcomm.testing.multiprocess import WorldError, WorldPool, free_ports, run_world
 
 
 def _sum_ranks(rank: int, world_size: int, n: int) -> float:
@@ -93,3 +94,14 @@ def test_pool_restarts_after_a_failure():
         second = pool.run(_pid)
         assert pool.starts == 2 and set(first).isdisjoint(second)
         assert pool.run(_sum_ranks, args=(3,)) == [1.0, 1.0]
+
+
+def test_free_ports_drawn_together_are_distinct_and_bindable() -> None:
+    # Worlds started together each need their own store port: drawn one at a time and released
+    # at once, the kernel may hand the same port out twice.
+    for _ in range(20):
+        ports = free_ports(6)
+        assert len(set(ports)) == 6, ports
+        for port in ports:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", port))

@@ -37,7 +37,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from qcomm.testing.multiprocess import WorldError, free_port
+from qcomm.testing.multiprocess import WorldError, free_ports
 
 __all__ = ["describe_status", "fresh_world_exits"]
 
@@ -175,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     statuses: list[list[str]] = []
     for group in groups:
         pids: list[list[int]] = []
-        for _ in group:
-            port = free_port()
+        # Distinct ports for the worlds of a group: a port drawn and released for one world is
+        # free again until its rank 0 binds it, and a second draw could hand it to the next
+        # world (its rank 0 then fails to bind, its other ranks wait on the first world).
+        for port in free_ports(len(group)):
             pids.append([])
             for rank in range(args.world_size):
                 pid = os.fork()

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["WorldError", "WorldPool", "WorldPools", "free_port", "run_world"]
+__all__ = ["WorldError", "WorldPool", "WorldPools", "free_port", "free_ports", "run_world"]
 
 
 class WorldError(RuntimeError):
@@ -49,9 +49,24 @@ class WorldError(RuntimeError):
 
 def free_port() -> int:
     """A TCP port on localhost that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on localhost that are free right now.
+
+    All sockets stay bound until every port is drawn, so the kernel cannot hand the same port
+    out twice: worlds started together (whose stores bind only later) get distinct ports."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _child(rank: int, world_size: int, port: int, env: dict[str, str], pg_timeout_s: float,
