@@ -43,10 +43,11 @@ WIRE_FIELDS = ("bits", "block_size", "rounding", "graph", "mixing", "staleness",
                "sync_every", "fragments", "outer_momentum", "outer_lr")
 
 
-def _first_frame_outside_qcomm() -> int:
+def _user_stacklevel() -> int:
     """The ``stacklevel`` (seen from the caller's ``warnings.warn``) of the innermost frame
-    outside this package: the user's line, however many of our frames lie between (the
-    dataclass's generated ``__init__``, named ``<string>``, counts as ours)."""
+    outside this package: the user's line, however many of our frames lie between (optimizer
+    constructors and their subclasses', ``from_kwargs``, the dataclass's generated
+    ``__init__``, named ``<string>``)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
     def ours(filename: str) -> bool:
@@ -141,10 +142,10 @@ class CommOptions:
                 f"{self.fragments}: each fragment is sent again before its previous round's "
                 "correction is applied, and a consensus step above 0.5 then oscillates or "
                 "diverges; use fragments > staleness (e.g. sync_every=2, fragments=2) or "
-                "gamma <= 0.5", UserWarning, stacklevel=_first_frame_outside_qcomm())
+                "gamma <= 0.5", UserWarning, stacklevel=_user_stacklevel())
 
     @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any], *, stacklevel: int = 3) -> CommOptions:
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> CommOptions:
         """Build from an optimizer's keyword arguments: unknown names raise TypeError listing
         the accepted ones; deprecated names (``topology``, ``gossip_step``) are mapped to
         today's with a DeprecationWarning."""
@@ -157,7 +158,7 @@ class CommOptions:
                 if new in kwargs:
                     raise TypeError(f"pass either {name}= (deprecated) or {new}=, not both")
                 warnings.warn(f"{name}= is deprecated, use {new}=", DeprecationWarning,
-                              stacklevel=stacklevel)
+                              stacklevel=_user_stacklevel())
                 aliases[new] = name
                 name = new
             elif name not in fields:

@@ -50,8 +50,6 @@ class ASSGD(HierarchicalOptimizer):
     (unfreezing one later raises); ``add_param_group`` is refused after that step.
     """
 
-    _init_depth = 1
-
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
                  momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False, *, maximize: bool = False, foreach: bool | None = None,

@@ -64,8 +64,6 @@ class HierarchicalOptimizer(Optimizer):
     dense (sparse gradients raise TypeError).
     """
 
-    _init_depth = 0  # constructor frames between the caller and this __init__ (subclasses)
-
     def __init__(self, optimizer: Optimizer, *, layout: Topology | None = None,
                  **comm_options: Any) -> None:
         if not isinstance(optimizer, Optimizer):
@@ -74,8 +72,8 @@ class HierarchicalOptimizer(Optimizer):
         if isinstance(optimizer, HierarchicalOptimizer):
             raise TypeError("optimizer is already a HierarchicalOptimizer; wrap the inner "
                             "torch optimizer once")
-        # Deprecation warnings point at the caller's line, through subclass constructors too.
-        self.comm = CommOptions.from_kwargs(comm_options, stacklevel=3 + self._init_depth)
+        # Its warnings point at the caller's line, through subclass constructors too.
+        self.comm = CommOptions.from_kwargs(comm_options)
         self._attach(optimizer, layout)
 
     def _attach(self, optimizer: Optimizer, layout: Topology | None) -> None:
