@@ -59,6 +59,7 @@ class _SharedGroup:
     """State every member of one in-memory group shares: a barrier and one slot per member."""
 
     def __init__(self, ranks: tuple[int, ...], timeout_s: float) -> None:
+        from qcomm.collectives.gossip.streams import Mailboxes
         from qcomm.collectives.gossip.transport import MemoryHub
 
         self.ranks = ranks
@@ -67,6 +68,8 @@ class _SharedGroup:
         self.slots: list[Any] = [None] * len(ranks)
         # Point-to-point mailboxes for gossip between the members (blocking waits: threads).
         self.hub = MemoryHub(len(ranks), blocking=True)
+        # Ordered streams between the members (wait-free gossip).
+        self.mailboxes = Mailboxes(len(ranks))
 
 
 class MemoryGroup:
@@ -85,6 +88,7 @@ class MemoryGroup:
         self.rank = rank
         self.size = len(self.ranks)
         self.hub = shared.hub
+        self.mailboxes = shared.mailboxes
 
     # -----------------------------------------------------------------------------------------
 
@@ -183,6 +187,7 @@ class MemoryWorld:
             for shared in self._groups.values():
                 shared.barrier.abort()
                 shared.hub.abort()
+                shared.mailboxes.abort()
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0) -> list[Any]:
         """Run ``fn(rank, *args)`` on one thread per rank; return the results in rank order.

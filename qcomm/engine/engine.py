@@ -174,19 +174,22 @@ class AveragingEngine:
         self._frozen = [p for p in params if not p.requires_grad]
         flat = gossip = None
         if topo.num_nodes > 1 and communicated:
-            from qcomm.collectives.gossip import CompressedGossip
+            from qcomm.collectives.gossip import CompressedGossip, WaitFreeGossip
 
             # Shards of whole fragments of whole codec blocks: every message has one length.
             flat = FlatParams(communicated, topo.procs_per_node,
                               opts.block_size * opts.fragments)
-            gossip = CompressedGossip(
+            kind, extra = ((WaitFreeGossip, {"max_backlog": opts.max_backlog})
+                           if opts.wait_free else (CompressedGossip, {}))
+            gossip = kind(
                 topo.rail_ranks, topo.rail_group, flat.shard_numel,
                 graph=opts.graph, mixing=opts.mixing, spec=opts.gossip_spec,
                 gamma=opts.gamma, staleness=opts.staleness, timeout_s=opts.timeout_s,
                 stats=self.comm_stats, fragments=opts.fragments,
                 outer_momentum=opts.outer_momentum, outer_lr=opts.outer_lr,
+                round_period=opts.round_period,
                 # One random stream per rail (rails quantize different shards).
-                seed=rail_seed(opts.seed, topo.local_rank),
+                seed=rail_seed(opts.seed, topo.local_rank), **extra,
             )
             self._shard = torch.empty(flat.shard_numel, dtype=torch.float32,
                                       device=flat.flat.device)
@@ -201,6 +204,8 @@ class AveragingEngine:
             if gossip is not None and self._pending.get("gossip") is not None:
                 gossip.load_state_dict(self._pending["gossip"])
             self._pending = None
+        if gossip is not None:
+            gossip.steps = self.steps  # the gossip's clock starts where the engine is
         self._ready = True
         self._log_layout(flat)
 
@@ -300,7 +305,7 @@ class AveragingEngine:
             self._check_frozen()
             topo = self._topology
             round_error, round_mask = None, None
-            if self._gossip is not None and self.round_due(self.steps):
+            if self._gossip is not None and self._gossip.round_due():
                 # Before anything of this step changes: receive and verify the round this
                 # step applies; the node agrees on it with the gradient mean (one collective).
                 round_error = self._receive_due_round()
@@ -308,7 +313,9 @@ class AveragingEngine:
             finite, node_finite, failed = node_mean_and_vote(
                 grads, topo, self._intra, grads_are_node_means=self._ddp_intra,
                 quantized=self.options.intra_spec is not None,
-                skip_across_nodes=self.options.on_nonfinite == "skip" and topo.num_nodes > 1,
+                # Wait-free nodes skip on their own: no peer waits for their rounds.
+                skip_across_nodes=(self.options.on_nonfinite == "skip" and topo.num_nodes > 1
+                                   and not self.options.wait_free),
                 timeout_s=self.options.timeout_s, round_mask=round_mask)
             if round_error is not None:
                 raise round_error
@@ -324,7 +331,7 @@ class AveragingEngine:
         by the caller once the node has agreed, so that no rank of the node updates its copy of
         the model alone and then waits for the others in the all-gather)."""
         try:
-            self._gossip.verify_next()
+            self._gossip.prepare()
         except PeerError as e:
             return e
         return None
@@ -361,15 +368,13 @@ class AveragingEngine:
         steps), the gossip round of the next fragment of the communicated parameters (those
         without a gradient this step are left as they are)."""
         self._grads_synced = False
-        if self.distributed and self._gossip is not None and self.round_due(self.steps):
-            keep = [p.grad is None for p in self._flat.params]
-            self._gossip_round(keep)
+        if self.distributed and self._gossip is not None:
+            if self._gossip.round_due():
+                keep = [p.grad is None for p in self._flat.params]
+                self._gossip_round(keep)
+            else:
+                self._gossip.end_step(None)
         self.steps += 1
-
-    def round_due(self, step: int) -> bool:
-        """Whether a gossip round starts after the local update of ``step`` (0-based, applied
-        steps): the last step of every period of ``sync_every / fragments`` steps."""
-        return (step + 1) % self.options.round_period == 0
 
     def skip_step(self) -> None:
         """End a step that :meth:`sync_gradients` voted to skip."""
@@ -397,7 +402,7 @@ class AveragingEngine:
         else:
             flat.load_from_params()
             shard.copy_(flat.shard(topo.local_rank))
-        changed = gossip.step(shard)
+        changed = gossip.end_step(shard)
         if not changed:
             return  # no round applied yet: the parameters are as they were
         if self.options.fragments == 1:
@@ -431,6 +436,26 @@ class AveragingEngine:
         self._intra.all_gather_into(gathered, part)
         for rank, piece in enumerate(gathered.view(L, -1)):
             flat.shard(rank)[frag].copy_(piece)
+
+    def node_any(self, flag: bool) -> bool:
+        """True when ``flag`` is True on any rank of this node (collective over the node's
+        ranks; one 1-element all-reduce on the fast link, nothing when alone on the node).
+
+        With ``wait_free`` each node may run its own number of steps, but the ranks of one node
+        must take the same steps (they hold one copy of the model): end a per-node time budget
+        with ``if opt.node_any(time.monotonic() > deadline): break`` so that every rank of the
+        node stops at the same step."""
+        flag = bool(flag)
+        if not self.distributed:
+            return flag
+        self.setup()
+        topo = self._topology
+        if topo.procs_per_node == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=topo.control_device())
+        all_reduce(t, topo.intra_group, "max", timeout_s=self.options.timeout_s, link="intra",
+                   operation="node_any")
+        return bool(t.item())
 
     # -----------------------------------------------------------------------------------------
     # evaluation, statistics, shutdown
@@ -473,7 +498,9 @@ class AveragingEngine:
             consensus step, None without gossip) and ``consensus_distance`` (``sqrt(mean_i
             ||x_i - mean x||^2)`` over nodes, float, or None when not asked for or with one
             node). ``gossip_step`` is a deprecated alias of ``gamma`` (reading it warns; it
-            goes in the next release).
+            goes in the next release). With ``wait_free`` also ``rounds_received`` and
+            ``lag_rounds``: per neighbour on this rank's rail (its global rank), the rounds of
+            it applied here and how many rounds this rank has started beyond them.
         """
         snap = self.comm_stats.snapshot()
         g = self._gossip
@@ -490,6 +517,11 @@ class AveragingEngine:
             "gossip_step": g.gamma if g is not None else None,  # deprecated alias of gamma
             "consensus_distance": None,
         }
+        if self.options.wait_free:
+            out["rounds_received"] = dict(zip(g.peer_ranks, g.received, strict=True)) \
+                if g is not None else {}
+            out["lag_rounds"] = dict(zip(g.peer_ranks, g.lag(), strict=True)) \
+                if g is not None else {}
         if consensus and g is not None:
             from qcomm.collectives.gossip import consensus_distance
 
@@ -510,8 +542,11 @@ class AveragingEngine:
         transport and every process-group reference. Never raises a peer's failure: after a
         :class:`~qcomm.collectives.errors.PeerError` it only releases. Idempotent."""
         if self._gossip is not None:
-            with contextlib.suppress(PeerError):
-                self._gossip.flush()
+            if not self.options.wait_free:
+                # A wait-free gossip's drain is a collective over the rail: close() must not
+                # wait for peers that may be gone; it says goodbye instead.
+                with contextlib.suppress(PeerError):
+                    self._gossip.flush()
             self._gossip.close()
         self._reset_runtime()
         self._closed = True
@@ -525,7 +560,11 @@ class AveragingEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's communication state: geometry, counters, gossip and intra-node codec
-        state (references), the options. See :mod:`qcomm.engine.state`."""
+        state (references), the options. See :mod:`qcomm.engine.state`. With ``wait_free`` it
+        drains the gossip first, a collective over the rail: every rank saves at the same
+        point (as :func:`qcomm.sgd.save_checkpoint` does)."""
+        if self._gossip is not None and self.options.wait_free:
+            self._gossip.drain()
         gossip = self._gossip.state_dict() if self._gossip is not None else (
             self._pending or {}).get("gossip")
         intra = self._intra.state_dict() if self._intra is not None else (
@@ -550,6 +589,8 @@ class AveragingEngine:
         if self._gossip is not None and gossip_state is not None:
             self._gossip.load_state_dict(gossip_state)
             gossip_state = None
+        if self._gossip is not None:
+            self._gossip.steps = self.steps
         if self._intra is not None and intra_state is not None:
             self._intra.load_state_dict(intra_state)
             intra_state = None

@@ -22,6 +22,7 @@ from qcomm.validation import (
     check_choice,
     check_fragments,
     check_gamma,
+    check_instance,
     check_int,
     check_outer_lr,
     check_outer_momentum,
@@ -40,7 +41,7 @@ DEPRECATED_NAMES = {"topology": "graph", "gossip_step": "gamma"}
 
 # Options that shape the wire format and the mixing: a checkpoint loads only into the same ones.
 WIRE_FIELDS = ("bits", "block_size", "rounding", "graph", "mixing", "staleness", "intra_bits",
-               "sync_every", "fragments", "outer_momentum", "outer_lr")
+               "sync_every", "fragments", "outer_momentum", "outer_lr", "wait_free")
 
 
 def _user_stacklevel() -> int:
@@ -83,8 +84,17 @@ class CommOptions:
         procs_per_node: ranks per node; None takes ``LOCAL_WORLD_SIZE`` (torchrun), else 1.
         bucket_mb: intra-node allreduce bucket size in MiB, > 0.
         on_nonfinite: ``"raise"`` or ``"skip"`` a step whose gradients hold NaN/Inf.
-        timeout_s: how long the gossip waits for a peer's round, > 0.
+        timeout_s: how long the gossip waits for a peer's round, > 0; with ``wait_free``, the
+            longest silence of a neighbour before it counts as failed.
         seed: seed of stochastic rounding, an int in [0, 2**64).
+        wait_free: False (default): bounded staleness, the round started ``staleness`` rounds
+            earlier is applied at each round and waited for, so every node runs at its slowest
+            neighbour's pace (deterministic: the same bits on every run). True: no node waits
+            for a neighbour's round; each takes what its neighbours sent whenever a round of
+            its own is due, and nodes may take different numbers of steps (see
+            :mod:`qcomm.collectives.gossip.wait_free`).
+        max_backlog: with ``wait_free``, messages per neighbour sent and not yet taken, >= 1:
+            the memory bound of a stream (a sender that reaches it waits for the neighbour).
     """
 
     bits: int = 4
@@ -104,6 +114,8 @@ class CommOptions:
     on_nonfinite: str = "raise"
     timeout_s: float = 300.0
     seed: int = 0
+    wait_free: bool = False
+    max_backlog: int = 32
 
     def __post_init__(self) -> None:
         # The shared checks of qcomm.validation: the same limits and wording as the gossip and
@@ -124,6 +136,8 @@ class CommOptions:
         check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_MODES)
         check_timeout(self.timeout_s)
         check_seed(self.seed)
+        check_instance("wait_free", self.wait_free, bool, what="True or False")
+        check_int("max_backlog", self.max_backlog, low=1)
         self._warn_if_delayed_full_step()
 
     def _warn_if_delayed_full_step(self) -> None:

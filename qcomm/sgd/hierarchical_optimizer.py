@@ -200,6 +200,12 @@ class HierarchicalOptimizer(Optimizer):
         :meth:`qcomm.engine.AveragingEngine.stats`."""
         return self.engine.stats(consensus=consensus)
 
+    def node_any(self, flag: bool) -> bool:
+        """True when ``flag`` is True on any rank of this node (collective over the node):
+        how the ranks of a node agree to stop a per-node time budget at the same step. See
+        :meth:`qcomm.engine.AveragingEngine.node_any`."""
+        return self.engine.node_any(flag)
+
     def flush(self) -> None:
         """Wait for the gossip rounds in flight (collective: every rank at the same step); the
         parameters do not change. See :meth:`qcomm.engine.AveragingEngine.flush`."""

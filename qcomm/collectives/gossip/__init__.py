@@ -1,7 +1,9 @@
-"""Compressed asynchronous gossip between nodes (CHOCO-SGD with bounded staleness).
+"""Compressed asynchronous gossip between nodes (CHOCO-SGD), in two modes.
 
 Split as in SGP: :mod:`.graphs` (who talks to whom), :mod:`.mixing` (weights), :mod:`.transport`
-(moving payloads: Gloo point-to-point or in-process), :mod:`.choco` (the algorithm),
+(one payload per round: Gloo point-to-point or in-process), :mod:`.streams` (ordered message
+streams per neighbour), :mod:`.choco` (bounded staleness: every node at its slowest neighbour's
+pace, deterministic), :mod:`.wait_free` (no node waits for a neighbour's round),
 :mod:`.simulate` (n members in one process, for tests and tuning).
 """
 
@@ -10,7 +12,8 @@ from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError
 from .choco import CompressedGossip, consensus_distance, default_gamma
 from .graphs import GRAPHS, adjacency, neighbours
 from .mixing import MIXINGS, mixing_matrix, spectral_gap
-from .simulate import GossipSimulator
+from .simulate import GossipSimulator, WaitFreeSimulator
+from .wait_free import WaitFreeGossip
 
 __all__ = [
     "GRAPHS",
@@ -20,6 +23,8 @@ __all__ = [
     "PeerError",
     "PeerLostError",
     "PeerTimeoutError",
+    "WaitFreeGossip",
+    "WaitFreeSimulator",
     "adjacency",
     "consensus_distance",
     "default_gamma",

@@ -198,7 +198,7 @@ class CompressedGossip:
                  spec: QuantSpec = QuantSpec(4, 128, "stochastic"),  # noqa: B008 (frozen)
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
-                 outer_momentum: float = 0.0, outer_lr: float = 1.0,
+                 outer_momentum: float = 0.0, outer_lr: float = 1.0, round_period: int = 1,
                  transport: Transport | None = None,
                  _transport: Transport | None = None) -> None:
         # _transport: an in-process Transport (the simulator's); then group_ranks is
@@ -223,6 +223,7 @@ class CompressedGossip:
         self.outer_momentum = check_outer_momentum(outer_momentum)
         self.outer_lr = check_outer_lr(outer_lr)
         self._outer = self.outer_momentum != 0 or self.outer_lr != 1
+        self.round_period = check_int("round_period", round_period, low=1)
         check_instance("stats", stats, CommStats, allow_none=True)
         self.stats = stats if stats is not None else CommStats()
 
@@ -259,6 +260,7 @@ class CompressedGossip:
         self.message_nbytes = self.nbytes + SEAL_NBYTES  # what crosses the link per message
 
         # internal state (buffers lazily, on x's device)
+        self.steps = 0  # the clock: local steps ended (end_step calls)
         self.rounds_started = 0
         self.rounds_applied = 0
         self._hat_own: torch.Tensor | None = None
@@ -271,7 +273,30 @@ class CompressedGossip:
         self._closed = False
 
     # -----------------------------------------------------------------------------------------
-    # the step
+    # the schedule: the two calls a training loop makes around each local update
+
+    def round_due(self) -> bool:
+        """Whether the step in progress ends with a round: the last step of every
+        ``round_period`` steps."""
+        return (self.steps + 1) % self.round_period == 0
+
+    def prepare(self) -> None:
+        """Before the local update of a step that ends with a round: wait for and verify the
+        round that step applies (:meth:`verify_next`), so that a failure surfaces before
+        anything of the step changes."""
+        if self.round_due():
+            self.verify_next()
+
+    def end_step(self, x: torch.Tensor | None) -> list[int]:
+        """After the local update: advance the clock and, when a round is due, run it on
+        ``x`` (:meth:`step`; ``x`` may be None when none is due). Returns the fragments of
+        ``x`` that changed."""
+        due = self.round_due()
+        self.steps += 1
+        return self.step(x) if due else []
+
+    # -----------------------------------------------------------------------------------------
+    # one round
 
     def step(self, x: torch.Tensor) -> list[int]:
         """One gossip round on ``x`` (float32 ``[numel]``, contiguous, updated in place).
@@ -304,6 +329,8 @@ class CompressedGossip:
             return []
         if self._hat_own is None or (self._outer and self._anchor is None):
             return None
+        if not self.round_due():
+            return []
         t, due = self.rounds_started, self.rounds_started - self.staleness
         return sorted({t % self.fragments} | ({due % self.fragments} if due >= 0 else set()))
 

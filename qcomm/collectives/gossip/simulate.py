@@ -14,6 +14,7 @@ check that real multi-process runs give the very same bits.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -56,3 +57,85 @@ class GossipSimulator:
         v = torch.stack([x.reshape(-1).to(torch.float64) for x in xs])
         mean = v.sum(dim=0) / len(xs)
         return math.sqrt(float(((v - mean) ** 2).sum()) / len(xs))
+
+
+class WaitFreeSimulator:
+    """``n`` wait-free gossip members (:class:`~.wait_free.WaitFreeGossip`) in one process, on
+    a clock of ticks: member i takes one local step every ``periods[i]`` ticks (5 = five times
+    slower than a member with 1), and a message from i to j becomes visible ``delay(i, j)``
+    ticks after it was sent. Deterministic: the same arguments give the same bits.
+
+    A member whose round would exceed ``max_backlog`` messages not yet taken by a neighbour
+    stalls (takes no step) until that neighbour has taken one, as a real sender waits.
+
+        sim = WaitFreeSimulator(4, numel=4096, periods=[5, 1, 1, 1])
+        xs = [torch.randn(4096) for _ in range(4)]
+        sim.run(xs, ticks=200)          # member 0 takes 40 steps, the others 200
+        sim.drain()                     # every message delivered and applied
+
+    Keyword arguments go to WaitFreeGossip (``round_period``, ``gamma``, ``fragments``, ...).
+    """
+
+    def __init__(self, n: int, numel: int, *, graph: str = "ring",
+                 periods: list[int] | None = None, delay: int | Callable[[int, int], int] = 0,
+                 max_backlog: int = 32, **kwargs) -> None:
+        from .streams import Mailboxes, MemoryStreams
+        from .wait_free import WaitFreeGossip
+
+        check_graph(graph)
+        self.n = n
+        self.periods = list(periods) if periods is not None else [1] * n
+        if len(self.periods) != n or not all(isinstance(p, int) and p >= 1
+                                             for p in self.periods):
+            raise ValueError(f"periods must be {n} ints >= 1, got {periods!r}")
+        self.now = 0.0
+        delay_fn = delay if callable(delay) else (lambda i, j: float(delay))
+        self.boxes = Mailboxes(n, clock=lambda: self.now, delay=delay_fn)
+        self.stats = [CommStats() for _ in range(n)]
+        self.streams = [MemoryStreams(self.boxes, i, neighbours(graph, i, n),
+                                      max_backlog=max_backlog, timeout_s=1e9,
+                                      stats=self.stats[i]) for i in range(n)]
+        self.members = [
+            WaitFreeGossip(list(range(n)), None, numel, graph=graph, stats=self.stats[i],
+                           max_backlog=max_backlog, _streams=self.streams[i], **kwargs)
+            for i in range(n)
+        ]
+        self.stalled_ticks = [0] * n
+
+    def _blocked(self, i: int) -> bool:
+        return self.members[i].round_due() and self.streams[i].blocked()
+
+    def tick(self, xs: list[torch.Tensor],
+             update: Callable[[int, torch.Tensor, int], None] | None = None) -> None:
+        """One tick: every member whose period divides the tick takes one step: receive
+        (prepare), ``update(i, xs[i], step)`` (the local update, in place), round (end_step)."""
+        t = int(self.now)
+        for i, (m, x) in enumerate(zip(self.members, xs, strict=True)):
+            if t % self.periods[i]:
+                continue
+            if self._blocked(i):
+                self.stalled_ticks[i] += 1
+                continue
+            m.prepare()
+            if update is not None:
+                update(i, x, m.steps)
+            m.end_step(x)
+        self.now += 1
+
+    def run(self, xs: list[torch.Tensor], ticks: int,
+            update: Callable[[int, torch.Tensor, int], None] | None = None) -> None:
+        """``ticks`` ticks (see :meth:`tick`)."""
+        for _ in range(ticks):
+            self.tick(xs, update)
+
+    def drain(self) -> None:
+        """Deliver every message sent and apply it (what the engine does before the exact
+        average)."""
+        now, self.now = self.now, float("inf")
+        for m in self.members:
+            m.send_marker()
+        for m in self.members:
+            m.await_markers()
+        self.now = now
+
+    consensus_distance = staticmethod(GossipSimulator.consensus_distance)
