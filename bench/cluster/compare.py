@@ -114,18 +114,31 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
     """
     cfg, lay, ranks = result["config"], result["layout"], result["ranks"]
     steps, nodes = cfg["steps"], lay["nodes"]
+    # Steps each rank took in the window: --steps, or its node's own count under a per-node
+    # time budget (wait-free gossip). Per-step figures divide by each rank's own count.
+    for r in ranks:
+        r.setdefault("steps", steps)
     step_med = statistics.median(r["step_median_s"] for r in ranks)
     loop = max(r["loop_s"] for r in ranks)
     comm_frac = statistics.fmean(max(0.0, 1.0 - r["baseline_median_s"] / r["step_median_s"])
                                  for r in ranks)
-    tx = [r["iface_tx_bytes"] for r in ranks if r["iface_tx_bytes"] is not None]
-    iface = sum(tx) / len(tx) / steps if tx else None
-    pk = [r["iface_tx_packets"] for r in ranks if r.get("iface_tx_packets") is not None]
-    packets = sum(pk) / len(pk) / steps if pk and len(pk) == len(tx) else None
+    counted = [r for r in ranks if r["iface_tx_bytes"] is not None]
+    iface = statistics.fmean(r["iface_tx_bytes"] / r["steps"] for r in counted) \
+        if counted else None
+    pk = [r for r in counted if r.get("iface_tx_packets") is not None]
+    packets = statistics.fmean(r["iface_tx_packets"] / r["steps"] for r in pk) \
+        if pk and len(pk) == len(counted) else None
     payload = M.tcp_payload(iface, packets) if packets is not None else None
-    qstats = [r["qcomm_bytes"] for r in ranks if r.get("qcomm_bytes") is not None]
-    qcomm_inter = (sum(q["inter"] for q in qstats) / nodes / steps) if qstats else None
-    qcomm_intra = (sum(q["intra"] for q in qstats) / nodes / steps) if qstats else None
+    qstats = [r for r in ranks if r.get("qcomm_bytes") is not None]
+    qcomm_inter = (sum(r["qcomm_bytes"]["inter"] / r["steps"] for r in qstats) / nodes) \
+        if qstats else None
+    qcomm_intra = (sum(r["qcomm_bytes"]["intra"] / r["steps"] for r in qstats) / nodes) \
+        if qstats else None
+    heads = sorted((r for r in ranks if r.get("local_rank", 0) == 0),
+                   key=lambda r: r.get("node", 0))
+    node_steps = [r["steps"] for r in heads]
+    node_rates = [r["steps"] / r["loop_s"] for r in heads]
+    node_compute = [r["baseline_median_s"] for r in heads]
     layout = M.Layout(nodes, lay["procs"])
     notes = result.get("notes") or {}
     expected = M.expected_inter_bytes(
@@ -150,7 +163,11 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
         "metric": metric,
         "goal": goal,
         "step_median_s": step_med,
-        "samples_per_s": lay["world"] * cfg["batch"] * steps / loop,
+        # Samples of every rank over the slowest rank's loop (the job ends with it).
+        "samples_per_s": sum(cfg["batch"] * r["steps"] for r in ranks) / loop,
+        "node_steps": node_steps,
+        "node_steps_per_s": node_rates,
+        "node_compute_step_s": node_compute,
         "time_to_target_s": time_to_target(result["curve"], target, metric, goal),
         "final": result[f"final_{metric}"],
         "inter_bytes_iface": iface,
@@ -202,6 +219,10 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for key in ("bytes_rel_diff", "payload_rel_diff"):
         got = [r[key] for r in ok if r.get(key) is not None]
         row[key] = max(got) if got else None
+    for key in ("node_steps", "node_steps_per_s", "node_compute_step_s"):
+        lists = [r[key] for r in ok if r.get(key)]
+        if lists and all(len(v) == len(lists[0]) for v in lists):
+            row[key] = [statistics.median(col) for col in zip(*lists, strict=True)]
     for key in ("inter_bytes_qcomm", "intra_bytes_qcomm", "inter_bytes_formula",
                 "inter_packets_iface", "inter_payload_iface", "compute_step_s", "fwd_bwd_s",
                 "opt_step_s"):
@@ -367,7 +388,9 @@ def workload_command(workload: str, method: str, args: argparse.Namespace, data:
                      out_json: Path) -> list[str]:
     """workload.py's arguments for one run."""
     s = settings(workload, args)
-    return [str(WORKLOAD), "--workload", workload, "--method", method, "--data", str(data),
+    budget = (["--time-budget", str(args.time_budget)] if args.time_budget else []) + \
+        (["--max-steps", str(args.max_steps)] if args.max_steps else [])
+    return [str(WORKLOAD), "--workload", workload, "--method", method, "--data", str(data), *budget,
             "--out", str(out_json), "--width", str(s["width"]), "--depth", str(s["depth"]),
             "--batch", str(s["batch"]), "--lr", str(s["lr"]), "--momentum", str(s["momentum"]),
             "--weight-decay", str(s["weight_decay"]), "--steps", str(s["steps"]),
@@ -381,11 +404,13 @@ def workload_command(workload: str, method: str, args: argparse.Namespace, data:
 
 
 def run_one(cluster: str, layout: M.Layout, cmd_args: list[str], timeout: int, out_json: Path,
-            log: Path, bar: Any) -> tuple[int, str]:
-    """Launch one run on the cluster; stream node 0's progress into ``bar``."""
+            log: Path, bar: Any, slow: tuple[int, float] = (0, 1.0)) -> tuple[int, str]:
+    """Launch one run on the cluster (``slow``: the last ``slow[0]`` nodes capped to
+    ``1 / slow[1]`` of the others' CPU); stream node 0's progress into ``bar``."""
     out_json.unlink(missing_ok=True)
     cmd = ["bash", str(NETNS), "launch", "--id", cluster, "--nodes", str(layout.nodes),
            "--procs", str(layout.procs), "--timeout", str(timeout),
+           "--slow-nodes", str(slow[0]), "--slowdown", str(slow[1]),
            "--logdir", str(log.parent / log.stem), "--", *cmd_args]
     # torchrun of this interpreter's environment (netns.sh looks for TORCHRUN first).
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -545,6 +570,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--diloco-sync-every.")
     p.add_argument("--streaming-delay", type=int, default=1,
                    help="Streaming DiLoCo's fragment_sync_delay, in inner steps.")
+    p.add_argument("--delay-ms", type=float, default=None,
+                   help="One-way latency between nodes, ms: the nodes are joined by the "
+                        "delayline forwarder (netns.sh) instead of the bridge. Left out: the "
+                        "bridge, no latency.")
+    p.add_argument("--slow-nodes", type=int, default=0,
+                   help="Slow the last K nodes of every layout down with a CPU cap (a cgroup "
+                        "quota, see netns.sh); 0: every node at full speed.")
+    p.add_argument("--slowdown", type=float, default=2.0,
+                   help="How much slower a slow node computes: 2 is half speed.")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="Seconds of training per node for the methods whose nodes may take "
+                        "different numbers of steps (qcomm variants ending in -wf); the others "
+                        "take --steps steps.")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="With --time-budget: the most steps a node takes (default 100 x steps: the "
+                        "budget decides).")
     p.add_argument("--timeout", type=int, default=900, help="The seconds allowed per run.")
     p.add_argument("--agree", type=float, default=0.05,
                    help="Largest relative difference allowed between the two byte counts.")
@@ -604,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         tag = f"{lay.nodes}x{lay.procs}"
         try:
             netns("up", "--id", cluster, "--nodes", str(lay.nodes), "--rate", rate,
-                  "--owner", str(os.getpid()))
+                  "--owner", str(os.getpid()),
+                  *(["--delay-ms", f"{args.delay_ms:g}"] if args.delay_ms is not None else []))
             # Repetitions interleaved: every method once, then every method again.
             for rep in range(args.repeats):
                 for w in workloads:
@@ -626,7 +668,8 @@ def main(argv: list[str] | None = None) -> int:
                         with tqdm(total=settings(w, args)["steps"], desc=f"  {name}",
                                   position=1, leave=False) as bar:
                             rc, tail = run_one(cluster, lay, cmd, args.timeout, out_json,
-                                               outdir / "runs" / f"{stem}.log", bar)
+                                               outdir / "runs" / f"{stem}.log", bar,
+                                               (args.slow_nodes, args.slowdown))
                         if rc != 0 or not out_json.exists():
                             tqdm.write(f"{stem}: FAILED (exit {rc}); log "
                                        f"{outdir}/runs/{stem}.log\n{tail}")

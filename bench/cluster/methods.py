@@ -51,14 +51,15 @@ class MethodInfo:
 
 
 # qcomm variants by name: <kind>-<bits>[-h<H>[f<F>]][-s<staleness>][-g<gamma x 100>]
-# [-m<outer momentum x 10>][-o<outer lr x 10>][-ring|-exp|-complete][-n][-ddp] (-n: nearest
-# rounding), kind "assgd" (SGD, MNIST-1D only) or "qcomm-hier" (the workload's own optimizer,
-# e.g. AdamW). E.g. assgd-4-h8f4 (gossip every 8 steps in 4 fragments) or
-# qcomm-hier-2-h8f4-m5-ddp (outer momentum 0.5, node gradient mean by DDP).
+# [-m<outer momentum x 10>][-o<outer lr x 10>][-ring|-exp|-complete][-n][-ddp][-wf] (-n: nearest
+# rounding, -wf: wait-free gossip), kind "assgd" (SGD, MNIST-1D only) or "qcomm-hier" (the
+# workload's own optimizer, e.g. AdamW). E.g. assgd-4-h8f4 (gossip every 8 steps in 4
+# fragments) or qcomm-hier-2-h8f4-m5-ddp (outer momentum 0.5, node gradient mean by DDP).
 _VARIANT = re.compile(r"(?P<kind>assgd|qcomm-hier)-(?P<bits>[1248])"
                       r"(?:-h(?P<h>\d+)(?:f(?P<f>\d+))?)?"
                       r"(?:-s(?P<s>\d+))?(?:-g(?P<g>\d+))?(?:-m(?P<m>\d))?(?:-o(?P<o>\d+))?"
-                      r"(?:-(?P<graph>ring|exp|complete))?(?P<near>-n)?(?P<ddp>-ddp)?")
+                      r"(?:-(?P<graph>ring|exp|complete))?(?P<near>-n)?(?P<ddp>-ddp)?"
+                      r"(?P<wf>-wf)?")
 
 
 def qcomm_variant(name: str) -> dict[str, Any] | None:
@@ -82,7 +83,17 @@ def qcomm_variant(name: str) -> dict[str, Any] | None:
         out["graph"] = {"exp": "exponential"}.get(m["graph"], m["graph"])
     if m["near"]:
         out["rounding"] = "nearest"
+    if m["wf"]:
+        out["wait_free"] = True
     return out
+
+
+def per_node_budget(name: str) -> bool:
+    """Whether method ``name`` lets nodes take different numbers of steps (wait-free gossip):
+    then each node trains for its own time budget; every other method takes the same steps on
+    every rank."""
+    opts = qcomm_variant(name)
+    return bool(opts and opts.get("wait_free"))
 
 
 class _Registry(dict):
@@ -417,6 +428,9 @@ class Built:
         close: releases resources.
         context: entered around the training loop (warm-up and timed steps), left before
             ``finalize`` (torchft's DiLoCo is such a context manager).
+        node_any: ``node_any(flag)``: True when ``flag`` holds on any rank of this node
+            (collective over the node); how a per-node time budget ends on one step for the
+            node's ranks. None for methods whose ranks all take the same steps.
     """
 
     model: Any
@@ -428,6 +442,7 @@ class Built:
     close: Callable[[], None] = lambda: None
     notes: dict[str, Any] = field(default_factory=dict)
     context: AbstractContextManager = field(default_factory=nullcontext)
+    node_any: Callable[[bool], bool] | None = None
 
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -559,7 +574,8 @@ def _qcomm_adapter(name: str, module, cfg: Config) -> Built:
             opt.average_parameters()
 
         return Built(model, module, opt, flush=flush, finalize=finalize, comm_stats=stats,
-                     close=close, notes={"bits": bits, **comm})
+                     close=close, notes={"bits": bits, **comm},
+                     node_any=opt.node_any if comm.get("wait_free") else None)
     if name == "qcomm-hook":
         return _qcomm_hook(module, cfg)
     raise ValueError(f"not a qcomm method: {name!r}")
@@ -585,7 +601,8 @@ def _qcomm_hierarchical(module, cfg: Config, bits: int, ddp: bool = False,
     # flush: completes the gossip rounds in flight (collective; the workload calls it on every
     # rank at the same step), so what stats() counted is on the wire when counters are read.
     return Built(model, module, opt, flush=opt.flush, finalize=opt.average_parameters,
-                 comm_stats=stats, close=opt.close, notes={"bits": bits, **comm})
+                 comm_stats=stats, close=opt.close, notes={"bits": bits, **comm},
+                 node_any=opt.node_any if comm.get("wait_free") else None)
 
 
 def _qcomm_hook(module, cfg: Config) -> Built:

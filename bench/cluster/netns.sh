@@ -14,10 +14,26 @@
 # The namespaces have no route out and the bridge has no address: nothing here can reach the
 # host's network. The kernel has tbf/htb but no netem, so bandwidth is shaped, latency is not.
 #
+# Latency (--delay-ms D, D >= 0): the nodes are joined through delayline (delayline.c, built
+# with gcc on first use) instead of the bridge: one TUN device per node, moved into the node's
+# namespace as its qceth0, and one forwarder process in the root namespace that holds every
+# packet D ms (after serializing it at RATE on the destination's port) before it writes it to
+# the destination's device. MTU 65000 on these devices (the veths carry 64 kB GSO packets too),
+# so the forwarder moves few, large packets. bench/cluster/check_link.py measures what a link
+# really does (ping RTT, bulk TCP rate).
+#
 # Usage (root only):
-#   netns.sh up     --id ID --nodes N --rate RATE [--burst 256kb] [--owner PID]
+#   netns.sh up     --id ID --nodes N --rate RATE [--burst 256kb] [--delay-ms D] [--owner PID]
 #   netns.sh launch --id ID --nodes N --procs P [--timeout S] [--port PORT] [--logdir DIR] \
+#                   [--slow-nodes K --slowdown S] \
 #                   -- SCRIPT [ARGS...]          # one torchrun per node, in its namespace
+#
+# Slow nodes: the last K nodes run in a CPU cgroup (cgroup v1 cpu.cfs_quota_us, or v2 cpu.max,
+# with a 10 ms period so that the cap bites within a step) whose quota gives each of their
+# processes 1/S of the CPU a process of the other nodes gets: with C cores, N nodes of P
+# single-threaded processes, a fast process gets f = min(1, C / ((N-K) P + K P / S)) cores and
+# a slow node P f / S. A real CPU cap, not a sleep: the slow node's compute, codec work and
+# Python overhead all slow down, as on a slower machine.
 #   netns.sh counters --id ID --nodes N          # "k tx_bytes rx_bytes" of each node's qceth0
 #   netns.sh down   --id ID
 #   netns.sh clean                               # remove clusters whose owner process is gone
@@ -65,8 +81,35 @@ check_id() {
         "are limited to 15 characters), got '$1'"
 }
 
+# Bits per second of a tc rate such as 100mbit or 1gbit.
+rate_bits() {
+    local v=$1 num unit
+    num=${v%%[a-z]*}
+    unit=${v#"$num"}
+    case "$unit" in
+    bit) echo "$num" ;;
+    kbit) echo $((num * 1000)) ;;
+    mbit) echo $((num * 1000000)) ;;
+    gbit) echo $((num * 1000000000)) ;;
+    *) die "cannot read rate '$v'" ;;
+    esac
+}
+
+# The delayline binary, built from delayline.c next to this script when missing or older.
+delayline_bin() {
+    local src bin
+    src="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/delayline.c"
+    bin="$STATE_DIR/delayline"
+    if [ ! -x "$bin" ] || [ "$src" -nt "$bin" ]; then
+        command -v gcc >/dev/null || die "--delay-ms needs gcc to build delayline.c"
+        gcc -O2 -Wall -o "$bin.tmp" "$src" || die "building delayline.c failed"
+        mv "$bin.tmp" "$bin"
+    fi
+    echo "$bin"
+}
+
 cmd_up() {
-    local id="" nodes="" rate="" burst=256kb owner=$PPID
+    local id="" nodes="" rate="" burst=256kb owner=$PPID delay=""
     while [ $# -gt 0 ]; do
         case "$1" in
         --id) id=$2; shift 2 ;;
@@ -74,9 +117,12 @@ cmd_up() {
         --rate) rate=$2; shift 2 ;;
         --burst) burst=$2; shift 2 ;;
         --owner) owner=$2; shift 2 ;;
+        --delay-ms) delay=$2; shift 2 ;;
         *) die "up: unknown argument '$1'" ;;
         esac
     done
+    [ -z "$delay" ] || [[ "$delay" =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
+        die "--delay-ms must be a number of milliseconds >= 0, got '$delay'"
     check_id "$id"
     [[ "$nodes" =~ ^[0-9]+$ ]] && [ "$nodes" -ge 1 ] && [ "$nodes" -le 32 ] ||
         die "--nodes must be an integer in [1, 32], got '$nodes'"
@@ -91,6 +137,10 @@ cmd_up() {
     echo "$owner" >"$STATE_DIR/$id.owner"
     echo "$nodes" >"$STATE_DIR/$id.nodes"
 
+    if [ -n "$delay" ]; then
+        up_delayed "$id" "$nodes" "$rate" "$burst" "$delay"
+        return
+    fi
     local br k ns hv
     br=$(br_name "$id")
     ip link add name "$br" type bridge
@@ -116,6 +166,46 @@ cmd_up() {
     done
 }
 
+# The nodes joined by delayline (see the header): TUN devices qcd<ID>t<k> made by the forwarder
+# in the root namespace, each moved into its node's namespace as qceth0.
+up_delayed() {
+    local id=$1 nodes=$2 rate=$3 burst=$4 delay=$5 bin k ns dev
+    bin=$(delayline_bin)
+    local -a names=()
+    for ((k = 0; k < nodes; k++)); do
+        names+=("qcd${id}t${k}")
+    done
+    local ready="$STATE_DIR/$id.delayline.out"
+    "$bin" --delay-ms "$delay" --rate "$(rate_bits "$rate")" --subnet "$SUBNET" "${names[@]}" \
+        >"$ready" 2>"$STATE_DIR/$id.delayline.log" &
+    echo $! >"$STATE_DIR/$id.delayline"
+    for ((k = 0; k < 100; k++)); do
+        grep -q ready "$ready" 2>/dev/null && break
+        kill -0 "$(cat "$STATE_DIR/$id.delayline")" 2>/dev/null ||
+            die "delayline exited: $(cat "$STATE_DIR/$id.delayline.log")"
+        sleep 0.05
+    done
+    grep -q ready "$ready" || die "delayline did not start within 5 s"
+    for ((k = 0; k < nodes; k++)); do
+        ns=$(ns_name "$id" "$k")
+        dev=${names[$k]}
+        ip netns add "$ns"
+        ip link set "$dev" netns "$ns"
+        ip -n "$ns" link set "$dev" name "$IFACE"
+        ip netns exec "$ns" sysctl -qw "net.ipv6.conf.$IFACE.disable_ipv6=1" 2>/dev/null || true
+        ip -n "$ns" link set "$IFACE" mtu 65000
+        ip -n "$ns" addr add "$SUBNET.$((k + 1))/24" dev "$IFACE"
+        ip -n "$ns" link set lo up
+        ip -n "$ns" link set "$IFACE" up
+        # Windows for a long fat link: 32 MB, the most Gloo asks for (50 ms at 1 Gbit/s is a
+        # 12.5 MB round trip).
+        ip netns exec "$ns" sysctl -qw net.ipv4.tcp_rmem="4096 131072 33554432" \
+            net.ipv4.tcp_wmem="4096 16384 33554432" 2>/dev/null || true
+        ip netns exec "$ns" tc qdisc replace dev "$IFACE" root tbf rate "$rate" burst "$burst" \
+            latency 100ms
+    done
+}
+
 cmd_down() {
     local id=""
     while [ $# -gt 0 ]; do
@@ -136,6 +226,15 @@ cmd_down() {
         ip netns del "$ns" 2>/dev/null || true
     done
     ip link del "$(br_name "$id")" 2>/dev/null || true
+    if [ -e "$STATE_DIR/$id.delayline" ]; then
+        kill -TERM "$(cat "$STATE_DIR/$id.delayline")" 2>/dev/null || true
+        rm -f "$STATE_DIR/$id.delayline" "$STATE_DIR/$id.delayline.out" \
+            "$STATE_DIR/$id.delayline.log"
+    fi
+    # Slow nodes' CPU cgroups a killed launch left behind.
+    for ns in /sys/fs/cgroup/cpu/qcb"${id}"n* /sys/fs/cgroup/qcb"${id}"n*; do
+        [ -d "$ns" ] && remove_cgroup "$ns"
+    done
     rm -f "$STATE_DIR/$id.owner" "$STATE_DIR/$id.nodes"
 }
 
@@ -182,8 +281,42 @@ cmd_counters() {
 # One torchrun per node inside its namespace, each under `timeout`. Node 0's output goes to
 # stdout (the workload's progress lines; the caller keeps it), the others' to DIR/node<k>.log. The first node that
 # fails stops the others; the exit status is the first failure's (124: a timeout).
+# The CPU cgroup directory of node k of cluster ID (cgroup v1's cpu hierarchy, or v2).
+cpu_cgroup() {
+    if [ -e /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]; then
+        echo "/sys/fs/cgroup/cpu/qcb${1}n${2}"
+    elif [ -e /sys/fs/cgroup/cgroup.controllers ]; then
+        echo "/sys/fs/cgroup/qcb${1}n${2}"
+    else
+        die "no CPU cgroup controller found (neither /sys/fs/cgroup/cpu nor cgroup v2)"
+    fi
+}
+
+# Create node k's cgroup with a quota of NUM/DEN cores (a 10 ms period).
+make_slow_cgroup() {
+    local dir=$1 num=$2 den=$3 period=10000 quota
+    quota=$((period * num / den))
+    mkdir -p "$dir"
+    if [ -e "$dir/cpu.cfs_quota_us" ]; then
+        echo "$period" >"$dir/cpu.cfs_period_us"
+        echo "$quota" >"$dir/cpu.cfs_quota_us"
+    else
+        echo "+cpu" >/sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true
+        echo "$quota $period" >"$dir/cpu.max"
+    fi
+}
+
+remove_cgroup() {
+    local dir=$1 p
+    [ -d "$dir" ] || return 0
+    for p in $(cat "$dir/cgroup.procs" 2>/dev/null || true); do
+        kill -KILL "$p" 2>/dev/null || true
+    done
+    rmdir "$dir" 2>/dev/null || true
+}
+
 cmd_launch() {
-    local id="" nodes="" procs="" tmo=600 port="" logdir=""
+    local id="" nodes="" procs="" tmo=600 port="" logdir="" slow=0 slowdown=1
     while [ $# -gt 0 ]; do
         case "$1" in
         --id) id=$2; shift 2 ;;
@@ -192,10 +325,20 @@ cmd_launch() {
         --timeout) tmo=$2; shift 2 ;;
         --port) port=$2; shift 2 ;;
         --logdir) logdir=$2; shift 2 ;;
+        --slow-nodes) slow=$2; shift 2 ;;
+        --slowdown) slowdown=$2; shift 2 ;;
         --) shift; break ;;
         *) die "launch: unknown argument '$1'" ;;
         esac
     done
+    [[ "$slow" =~ ^[0-9]+$ ]] && [ "$slow" -lt "${nodes:-0}" ] ||
+        die "--slow-nodes must be an integer in [0, nodes) (one node at least stays fast), got '$slow'"
+    [[ "$slowdown" =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
+        die "--slowdown must be a number >= 1 (2: half speed), got '$slowdown'"
+    # Integer arithmetic in thousandths: slowdown S -> S1000.
+    local s1000
+    s1000=$(awk -v s="$slowdown" 'BEGIN { printf "%d", s * 1000 + 0.5 }')
+    [ "$s1000" -ge 1000 ] || die "--slowdown must be >= 1, got '$slowdown'"
     check_id "$id"
     [ $# -ge 1 ] || die "launch: give the training script after --"
     [[ "$procs" =~ ^[0-9]+$ ]] && [ "$procs" -ge 1 ] || die "--procs must be a positive integer"
@@ -205,12 +348,30 @@ cmd_launch() {
     local torchrun=${TORCHRUN:-$(command -v torchrun || true)}
     [ -n "$torchrun" ] || die "torchrun not found (activate the venv or set TORCHRUN)"
 
-    local -a pids=()
-    local k ns
+    local -a pids=() cgroups=()
+    local k ns cores
+    cores=$(nproc)
     for ((k = 0; k < nodes; k++)); do
         ns=$(ns_name "$id" "$k")
         [ -e "/run/netns/$ns" ] || die "launch: namespace $ns does not exist (run 'up' first)"
-        local -a cmd=(ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$IFACE" OMP_NUM_THREADS=1
+        local -a wrap=()
+        if [ "$slow" -gt 0 ] && [ "$k" -ge $((nodes - slow)) ] && [ "$s1000" -gt 1000 ]; then
+            local cg
+            cg=$(cpu_cgroup "$id" "$k")
+            # P f / S cores, f = min(1, C / ((N-K) P + K P / S)); in thousandths of S:
+            # saturated, P C / (S ((N-K) P + K P / S)) = C 1000 / ((N-K) S1000 + K 1000).
+            local busy=$(((nodes - slow) * procs * s1000 + slow * procs * 1000))
+            if [ $((cores * s1000)) -ge "$busy" ]; then
+                make_slow_cgroup "$cg" $((procs * 1000)) "$s1000"   # f = 1: P / S cores
+            else
+                make_slow_cgroup "$cg" $((cores * 1000)) $(((nodes - slow) * s1000 + slow * 1000))
+            fi
+            cgroups+=("$cg")
+            # The shell joins the cgroup, then becomes the node's launcher: everything the node
+            # starts inherits the cap.
+            wrap=(bash -c 'echo $$ >"$0/cgroup.procs" && exec "$@"' "$cg")
+        fi
+        local -a cmd=("${wrap[@]}" ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$IFACE" OMP_NUM_THREADS=1
             QCB_IFACE="$IFACE" timeout --kill-after=15 "$tmo"
             "$torchrun" --nnodes "$nodes" --node-rank "$k" --nproc-per-node "$procs"
             --master-addr "$SUBNET.1" --master-port "$port" --max-restarts 0
@@ -231,6 +392,10 @@ cmd_launch() {
         local p
         for p in "${pids[@]}"; do
             kill -TERM "$p" 2>/dev/null || true
+        done
+        sleep 1
+        for p in "${cgroups[@]}"; do
+            remove_cgroup "$p"
         done
         exit 143
     }
@@ -255,6 +420,9 @@ cmd_launch() {
                 kill -TERM "$k" 2>/dev/null || true
             done
         fi
+    done
+    for k in "${cgroups[@]}"; do
+        remove_cgroup "$k"
     done
     if [ "$rc" -ne 0 ]; then
         for ((k = 1; k < nodes; k++)); do

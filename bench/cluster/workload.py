@@ -12,12 +12,18 @@ batches, batch size, optimizer and step budget. What happens on each rank:
 2. ``--warmup`` training steps, untimed (connection set-up, first-bucket rebuilds, allocator);
 3. barrier, then local rank 0 reads its node's interface counters (/proc/net/dev of the node's
    namespace) and every rank reads qcomm's byte counters;
-4. ``--steps`` timed training steps; rank 0 keeps a copy of its parameters at ``--snapshots``
-   evenly spaced steps with the wall-clock time since the window opened;
+4. ``--steps`` timed training steps; each node's local rank 0 keeps a copy of its parameters
+   at ``--snapshots`` evenly spaced steps with the wall-clock time since the window opened.
+   Methods that let nodes take different numbers of steps (wait-free gossip) get a time budget
+   per node instead when ``--time-budget`` is given: each node trains until that many seconds
+   have passed (at most ``--max-steps`` steps), and the snapshots are taken at evenly spaced
+   times;
 5. traffic in flight is completed, barrier, counters read again;
 6. the final model is made (e.g. parameters averaged), rank 0 evaluates it and every snapshot on
    the held-out data (test accuracy or validation loss), and writes one JSON with every rank's
-   numbers to ``--out``.
+   numbers to ``--out``. A snapshot is evaluated as the model a user stopping there would keep:
+   the average of the nodes' parameters (for methods whose nodes hold the same parameters it
+   is those), timed at the latest of the nodes' snapshot times.
 
 Progress goes to stdout as ``QCB_PROGRESS <done> <total>`` lines (rank 0), for compare.py's bar.
 """
@@ -65,6 +71,17 @@ def read_tcp_retransmits() -> int:
     with open("/proc/net/snmp") as f:
         rows = [line.split() for line in f if line.startswith("Tcp:")]
     return int(rows[1][rows[0].index("RetransSegs")])
+
+
+def average_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The element-wise mean of the nodes' state dicts (floating tensors; others: node 0's)."""
+    out = {}
+    for key, first in states[0].items():
+        if first.is_floating_point():
+            out[key] = torch.stack([st[key] for st in states]).mean(dim=0)
+        else:
+            out[key] = first
+    return out
 
 
 def _write_profile(profiler, path: Path) -> None:
@@ -133,6 +150,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streaming-delay", type=int, default=1,
                    help="Streaming DiLoCo's fragment_sync_delay: inner steps a fragment's "
                         "allreduce overlaps.")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="Seconds of training per node for methods whose nodes may take "
+                        "different numbers of steps (wait-free gossip, names ending in -wf); "
+                        "other methods take --steps steps on every rank. Left out: every "
+                        "method takes --steps steps.")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="With --time-budget: the most steps a node takes (default 100 x --steps: "
+                        "the budget decides).")
     p.add_argument("--pg-timeout", type=float, default=300.0,
                    help="Seconds any collective may take before the run fails.")
     p.add_argument("--profile", action="store_true",
@@ -158,7 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     layout = M.Layout(world // procs, procs)
     iface = os.environ.get("QCB_IFACE", "qceth0")
 
-    total = args.warmup + args.steps
+    # Per-rank batches for every step a rank may take (a per-node budget may take more).
+    per_node = args.time_budget is not None and M.per_node_budget(args.method)
+    max_steps = (args.max_steps or 100 * args.steps) if per_node else args.steps
+    total = args.warmup + max_steps
     work = W.load(args.workload, Path(args.data), rank=rank, seed=args.seed, batch=args.batch,
                   total_steps=total, args=args)
     info = work.info
@@ -217,15 +245,26 @@ def main(argv: list[str] | None = None) -> None:
     counters0 = read_iface_bytes(iface) if local_rank == 0 and layout.nodes > 1 else None
     retrans0 = read_tcp_retransmits() if counters0 is not None else None
     stats0 = built.comm_stats()
+    budget = args.time_budget if per_node else None
+    # Snapshot marks: steps (every rank takes the same ones), or times (per-node budgets).
     snap_steps = {round(k * args.steps / args.snapshots) for k in range(1, args.snapshots + 1)}
+    snap_times = [k * budget / args.snapshots for k in range(1, args.snapshots + 1)] \
+        if budget is not None else []
     snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
     step_times: list[float] = []
     fwd_bwd: list[float] = []
     opt_times: list[float] = []
     report_every = max(1, args.steps // 50)
     t_open = time.perf_counter()
-    if rank == 0:
-        snapshots.append((0, 0.0, {k: v.clone() for k, v in built.module.state_dict().items()}))
+    keeps_snapshots = local_rank == 0  # one per node: the node's ranks hold the same model
+
+    def snapshot(mark: int) -> None:
+        # Parameters only: a copy of 2 MB costs ~1 ms, evaluation happens after the run.
+        snapshots.append((mark, time.perf_counter() - t_open,
+                          {k: v.clone() for k, v in built.module.state_dict().items()}))
+
+    if keeps_snapshots:
+        snapshot(0)
 
     # 4. the timed steps
     profiler = None
@@ -234,21 +273,34 @@ def main(argv: list[str] | None = None) -> None:
 
         profiler = cProfile.Profile()
         profiler.enable()
-    for s in range(1, args.steps + 1):
+    s = 0
+    while s < max_steps:
+        if budget is not None:
+            if built.node_any(time.perf_counter() - t_open >= budget):
+                break
+        elif s >= args.steps:
+            break
+        s += 1
         t = time.perf_counter()
         a, b = train_step(args.warmup + s - 1)
         step_times.append(time.perf_counter() - t)
         fwd_bwd.append(a)
         opt_times.append(b)
+        elapsed = time.perf_counter() - t_open
+        if keeps_snapshots:
+            if budget is None and s in snap_steps:
+                snapshot(s)
+            while budget is not None and len(snapshots) <= len(snap_times) \
+                    and elapsed >= snap_times[len(snapshots) - 1]:
+                snapshot(len(snapshots))
         if rank == 0:
-            if s in snap_steps:
-                elapsed = time.perf_counter() - t_open
-                # Parameters only: a copy of 2 MB costs ~1 ms, evaluation happens after the run.
-                snapshots.append((s, elapsed, {k: v.clone() for k, v in
-                                               built.module.state_dict().items()}))
-            if s % report_every == 0 or s == args.steps:
-                print(f"QCB_PROGRESS {s} {args.steps}", flush=True)
+            done = s if budget is None else min(args.steps, round(args.steps * elapsed / budget))
+            if s % report_every == 0:
+                print(f"QCB_PROGRESS {done} {args.steps}", flush=True)
+    steps_done = s
     t_loop = time.perf_counter() - t_open
+    if rank == 0:
+        print(f"QCB_PROGRESS {args.steps} {args.steps}", flush=True)
     if profiler is not None:
         profiler.disable()
         _write_profile(profiler, Path(f"{args.out}.prof{rank}.txt"))
@@ -264,8 +316,12 @@ def main(argv: list[str] | None = None) -> None:
     # 6. final model, evaluation, results
     context.__exit__(None, None, None)
     built.finalize()
+    snap_file = Path(f"{args.out}.node{node}.snapshots")
+    if keeps_snapshots:  # every namespace shares the file system
+        torch.save(snapshots, snap_file)
+    dist.barrier()
     mine = {
-        "rank": rank, "node": node, "local_rank": local_rank,
+        "rank": rank, "node": node, "local_rank": local_rank, "steps": steps_done,
         "step_median_s": statistics.median(step_times),
         "step_mean_s": statistics.fmean(step_times),
         "fwd_bwd_median_s": statistics.median(fwd_bwd),
@@ -284,10 +340,20 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         evaluator = work.make_model()
         metric = info.metric
+        per_node = []
+        for n in range(layout.nodes):
+            f = Path(f"{args.out}.node{n}.snapshots")
+            per_node.append(torch.load(f, weights_only=True))
+            f.unlink()
         curve = []
-        for s, elapsed, state in snapshots:
-            evaluator.load_state_dict(state)
-            curve.append({"step": s, "time_s": elapsed, metric: work.evaluate(evaluator)})
+        for i in range(max(len(snaps) for snaps in per_node)):
+            # A node that stopped before this mark (--max-steps) counts with its last snapshot.
+            points = [snaps[min(i, len(snaps) - 1)] for snaps in per_node]
+            evaluator.load_state_dict(average_states([st for _, _, st in points]))
+            curve.append({"step": points[0][0] if budget is None else
+                          statistics.fmean(p[0] for p in points),
+                          "time_s": max(p[1] for p in points),
+                          metric: work.evaluate(evaluator)})
         final = work.evaluate(built.module)
         result = {
             "method": args.method,

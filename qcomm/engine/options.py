@@ -115,7 +115,7 @@ class CommOptions:
     timeout_s: float = 300.0
     seed: int = 0
     wait_free: bool = False
-    max_backlog: int = 32
+    max_backlog: int = 64
 
     def __post_init__(self) -> None:
         # The shared checks of qcomm.validation: the same limits and wording as the gossip and

@@ -78,7 +78,7 @@ class WaitFreeSimulator:
 
     def __init__(self, n: int, numel: int, *, graph: str = "ring",
                  periods: list[int] | None = None, delay: int | Callable[[int, int], int] = 0,
-                 max_backlog: int = 32, **kwargs) -> None:
+                 max_backlog: int = 64, **kwargs) -> None:
         from .streams import Mailboxes, MemoryStreams
         from .wait_free import WaitFreeGossip
 

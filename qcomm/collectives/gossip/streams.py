@@ -46,9 +46,11 @@ from qcomm.collectives.stats import CommStats
 __all__ = ["GlooStreams", "Mailboxes", "MemoryStreams", "MessageStreams"]
 
 TAG_MODULUS = 1 << 20
-# Receives (and sends) each neighbour keeps posted ahead: enough to keep a link with latency
-# busy (several messages per round trip), few enough that the buffers stay small.
-DEFAULT_DEPTH = 4
+# Receives (and sends) each neighbour keeps posted ahead. Gloo moves a message only into a
+# posted receive, and a receive posted after one arrived is known to the sender a one-way delay
+# later: a stream carries at most `depth` messages per round trip. 16 keeps a 100 ms round trip
+# busy at a round every 6 ms; the buffers cost 16 messages per neighbour.
+DEFAULT_DEPTH = 16
 
 
 class MessageStreams(ABC):

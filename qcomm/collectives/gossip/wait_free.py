@@ -112,7 +112,7 @@ class WaitFreeGossip:
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
                  outer_momentum: float = 0.0, outer_lr: float = 1.0, round_period: int = 1,
-                 max_backlog: int = 32, _streams: MessageStreams | None = None) -> None:
+                 max_backlog: int = 64, _streams: MessageStreams | None = None) -> None:
         self.graph = check_graph(graph)
         self.mixing = check_mixing(mixing)
         self.spec = check_spec(spec)
