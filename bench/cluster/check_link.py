@@ -159,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="MiB the TCP stream sends; 0: about 4 s at the link rate (at least "
                         "8 MiB).")
     p.add_argument("--out", default="", help="JSON file to write.")
-    p.add_argument("--serve", nargs=2, type=int, help=argparse.SUPPRESS)
-    p.add_argument("--probe", nargs=2, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--serve", nargs=2, type=int, metavar=("COUNT", "BYTES"),
+                   help="Run node 1's end (the driver starts it inside the namespace): echo "
+                        "COUNT datagrams, then receive BYTES over TCP.")
+    p.add_argument("--probe", nargs=2, type=int, metavar=("COUNT", "BYTES"),
+                   help="Run node 0's end (the driver starts it inside the namespace): time "
+                        "COUNT echoes, then send BYTES over TCP.")
     args = p.parse_args(argv)
     if args.serve:
         serve(*args.serve)

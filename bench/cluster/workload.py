@@ -324,6 +324,10 @@ def main(argv: list[str] | None = None) -> None:
         "rank": rank, "node": node, "local_rank": local_rank, "steps": steps_done,
         "step_median_s": statistics.median(step_times),
         "step_mean_s": statistics.fmean(step_times),
+        # Stalls: the longest step, and when the long ones (over 10x the median) happened.
+        "step_max_s": max(step_times),
+        "long_steps": [(i, round(t, 4)) for i, t in enumerate(step_times)
+                       if t > 10 * statistics.median(step_times)][:50],
         "fwd_bwd_median_s": statistics.median(fwd_bwd),
         "opt_step_median_s": statistics.median(opt_times),
         "baseline_median_s": statistics.median(base_times),

@@ -41,13 +41,12 @@ from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
-from qcomm.deprecation import DeprecatedKeys
 from qcomm.engine.agreement import check_agreement, fingerprint
-from qcomm.engine.flat import FlatParams
 from qcomm.engine.gradients import NonFiniteGradientError, all_finite, node_mean_and_vote
+from qcomm.engine.node_gossip import NodeGossip
 from qcomm.engine.options import CommOptions
+from qcomm.engine.report import engine_stats, log_layout
 from qcomm.engine.state import EngineStateFile, check_loadable, geometry
-from qcomm.seeds import rail_seed
 from qcomm.validation import check_instance
 
 __all__ = ["AveragingEngine"]
@@ -89,9 +88,7 @@ class AveragingEngine:
         self._ready = False
         self._topology: Topology | None = None
         self._intra: IntraNodeAllreduce | None = None
-        self._gossip = None
-        self._flat: FlatParams | None = None
-        self._shard: torch.Tensor | None = None
+        self._node: NodeGossip | None = None   # the gossip between nodes, None on one node
         self._frozen: list[torch.Tensor] = []
         self._grads_synced = False   # sync_gradients ran for the step in progress
         self._go = True              # ... and its verdict
@@ -172,60 +169,34 @@ class AveragingEngine:
         params = self.params()
         communicated = [p for p in params if p.requires_grad]
         self._frozen = [p for p in params if not p.requires_grad]
-        flat = gossip = None
+        node = None
         if topo.num_nodes > 1 and communicated:
-            from qcomm.collectives.gossip import CompressedGossip, WaitFreeGossip
-
-            # Shards of whole fragments of whole codec blocks: every message has one length.
-            flat = FlatParams(communicated, topo.procs_per_node,
-                              opts.block_size * opts.fragments)
-            kind, extra = ((WaitFreeGossip, {"max_backlog": opts.max_backlog})
-                           if opts.wait_free else (CompressedGossip, {}))
-            gossip = kind(
-                topo.rail_ranks, topo.rail_group, flat.shard_numel,
-                graph=opts.graph, mixing=opts.mixing, spec=opts.gossip_spec,
-                gamma=opts.gamma, staleness=opts.staleness, timeout_s=opts.timeout_s,
-                stats=self.comm_stats, fragments=opts.fragments,
-                outer_momentum=opts.outer_momentum, outer_lr=opts.outer_lr,
-                round_period=opts.round_period,
-                # One random stream per rail (rails quantize different shards).
-                seed=rail_seed(opts.seed, topo.local_rank), **extra,
-            )
-            self._shard = torch.empty(flat.shard_numel, dtype=torch.float32,
-                                      device=flat.flat.device)
+            node = NodeGossip(communicated, topo, intra, opts, self.comm_stats)
         # One small collective before anything is exchanged: every rank must have the same
         # options and the same communicated parameters, or all raise the same ValueError.
         check_agreement(fingerprint(opts, communicated, self._ddp_intra), topo.world_group,
                         topo.world_size, topo.control_device(), opts.timeout_s)
-        self._topology, self._intra, self._flat, self._gossip = topo, intra, flat, gossip
+        self._topology, self._intra, self._node = topo, intra, node
         if self._pending is not None:
             if intra is not None and self._pending.get("intra") is not None:
                 intra.load_state_dict(self._pending["intra"])
-            if gossip is not None and self._pending.get("gossip") is not None:
-                gossip.load_state_dict(self._pending["gossip"])
+            if node is not None and self._pending.get("gossip") is not None:
+                node.gossip.load_state_dict(self._pending["gossip"])
             self._pending = None
-        if gossip is not None:
-            gossip.steps = self.steps  # the gossip's clock starts where the engine is
+        if node is not None:
+            node.gossip.steps = self.steps  # the gossip's clock starts where the engine is
         self._ready = True
-        self._log_layout(flat)
+        log_layout(topo, self.options, self._ddp_intra, node.flat.numel if node else 0)
 
-    def _log_layout(self, flat: FlatParams | None) -> None:
-        topo = self._topology
-        if topo.rank != 0:
-            return
-        L, N = topo.procs_per_node, topo.num_nodes
-        intra = ("DDP in backward" if self._ddp_intra else
-                 f"{self.options.intra_bits}-bit" if self.options.intra_bits else "fp32")
-        if N > 1:
-            n = flat.numel if flat is not None else 0
-            log.info("qcomm: %d nodes x %d ranks; gradients averaged inside each node (%s); "
-                     "%d parameters gossiped between nodes in %d-bit messages over a %s graph, "
-                     "each local rank carrying 1/%d of them on its rail", N, L, intra, n,
-                     self.options.bits, self.options.graph, L)
-        else:
-            log.warning("qcomm: 1 node x %d ranks: gradients are averaged inside the node (%s) "
-                        "and nothing is compressed, since no link between nodes exists. To "
-                        "emulate several nodes on one machine pass procs_per_node=.", L, intra)
+    @property
+    def _gossip(self) -> Any:
+        """The gossip object (None without one)."""
+        return self._node.gossip if self._node is not None else None
+
+    @property
+    def _flat(self) -> Any:
+        """The flat parameters (None without gossip)."""
+        return self._node.flat if self._node is not None else None
 
     def data_parallel(self, model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
         """Wrap ``model`` in ``DistributedDataParallel`` over this node's ranks, so gradients
@@ -305,10 +276,10 @@ class AveragingEngine:
             self._check_frozen()
             topo = self._topology
             round_error, round_mask = None, None
-            if self._gossip is not None and self._gossip.round_due():
+            if self._node is not None and self._node.round_due():
                 # Before anything of this step changes: receive and verify the round this
                 # step applies; the node agrees on it with the gradient mean (one collective).
-                round_error = self._receive_due_round()
+                round_error = self._node.prepare()
                 round_mask = 1 << topo.local_rank if round_error is not None else 0
             finite, node_finite, failed = node_mean_and_vote(
                 grads, topo, self._intra, grads_are_node_means=self._ddp_intra,
@@ -320,31 +291,11 @@ class AveragingEngine:
             if round_error is not None:
                 raise round_error
             if failed:
-                raise self._node_mate_failed(failed)
+                raise self._node.node_mate_failed(failed)
         if not finite:
             self._nonfinite(node_finite)
         self._grads_synced, self._go = True, finite
         return finite
-
-    def _receive_due_round(self) -> PeerError | None:
-        """Wait for and verify the gossip round this step will apply; the error, if any (raised
-        by the caller once the node has agreed, so that no rank of the node updates its copy of
-        the model alone and then waits for the others in the all-gather)."""
-        try:
-            self._gossip.prepare()
-        except PeerError as e:
-            return e
-        return None
-
-    def _node_mate_failed(self, mask: int) -> PeerError:
-        """The error of a rank whose node-mate(s) in ``mask`` could not use the round."""
-        topo = self._topology
-        ranks = [topo.node_ranks[i] for i in range(topo.procs_per_node) if mask >> i & 1]
-        round_ = self._gossip.rounds_started - self._gossip.staleness
-        return PeerError(
-            f"gossip round {round_}: ranks {ranks} of this node could not receive or verify "
-            "their rails' messages; nothing of this step was applied",
-            f"gossip round {round_}", ranks, "intra")
 
     def _nonfinite(self, node_finite: bool) -> None:
         """Raise, or count the skip."""
@@ -368,12 +319,8 @@ class AveragingEngine:
         steps), the gossip round of the next fragment of the communicated parameters (those
         without a gradient this step are left as they are)."""
         self._grads_synced = False
-        if self.distributed and self._gossip is not None:
-            if self._gossip.round_due():
-                keep = [p.grad is None for p in self._flat.params]
-                self._gossip_round(keep)
-            else:
-                self._gossip.end_step(None)
+        if self.distributed and self._node is not None:
+            self._node.end_step([p.grad is None for p in self._node.flat.params])
         self.steps += 1
 
     def skip_step(self) -> None:
@@ -384,58 +331,6 @@ class AveragingEngine:
         """The gradients were dropped (``zero_grad``): the next :meth:`sync_gradients` averages
         afresh."""
         self._grads_synced = False
-
-    def _gossip_round(self, keep: list[bool]) -> None:
-        flat, topo, gossip = self._flat, self._topology, self._gossip
-        # A separate buffer: the gossip owns its input only during step(), and the all-gather
-        # below must not read from the tensor it writes.
-        shard = self._shard
-        base = topo.local_rank * flat.shard_numel
-        reads = gossip.fragments_read_next() if self.options.fragments > 1 else None
-        by_range = reads is not None and flat.ranges_ok
-        if by_range:
-            # Only the fragments the round sends and mixes are copied in.
-            for f in reads:
-                frag = gossip.fragment(f)
-                flat.load_range(base + frag.start, base + frag.stop)
-                shard[frag].copy_(flat.flat[base + frag.start: base + frag.stop])
-        else:
-            flat.load_from_params()
-            shard.copy_(flat.shard(topo.local_rank))
-        changed = gossip.end_step(shard)
-        if not changed:
-            return  # no round applied yet: the parameters are as they were
-        if self.options.fragments == 1:
-            self._gather_shards(shard)
-        else:
-            for f in changed:
-                frag = gossip.fragment(f)
-                self._gather_fragment(shard, frag)
-                if by_range:
-                    for rank in range(topo.procs_per_node):
-                        at = rank * flat.shard_numel
-                        flat.store_range(at + frag.start, at + frag.stop, keep)
-        if not by_range:
-            flat.store_to_params(keep)
-
-    def _gather_shards(self, shard: torch.Tensor) -> None:
-        if self._intra is not None:
-            self._intra.all_gather_into(self._flat.flat, shard)
-        else:
-            self._flat.flat.copy_(shard)
-
-    def _gather_fragment(self, shard: torch.Tensor, frag: slice) -> None:
-        """Fragment ``frag`` of every local rank's shard into ``flat``: only the mixed fragment
-        differs between the node's ranks, so only it crosses the intra-node links."""
-        flat, L = self._flat, self._topology.procs_per_node
-        if self._intra is None:
-            flat.shard(0)[frag].copy_(shard[frag])
-            return
-        part = shard[frag].contiguous()
-        gathered = torch.empty(L * part.numel(), dtype=part.dtype, device=part.device)
-        self._intra.all_gather_into(gathered, part)
-        for rank, piece in enumerate(gathered.view(L, -1)):
-            flat.shard(rank)[frag].copy_(piece)
 
     def node_any(self, flag: bool) -> bool:
         """True when ``flag`` is True on any rank of this node (collective over the node's
@@ -467,21 +362,9 @@ class AveragingEngine:
         if not self.distributed:
             return
         self.setup()
-        topo = self._topology
-        if topo.num_nodes == 1 or self._gossip is None:
-            return  # synchronous data parallel: the ranks hold the same parameters already
-        self._gossip.flush()
-        flat = self._flat
-        flat.load_from_params()
-        shard = self._shard
-        shard.copy_(flat.shard(topo.local_rank))
-        # Ranks of a node hold the same parameters, so averaging shard l over rail l gives the
-        # global mean of shard l; one rail member computes each sum and all receive its bytes.
-        all_reduce(shard, topo.rail_group, timeout_s=self.options.timeout_s, link="inter",
-                   operation="average_parameters")
-        shard.div_(topo.num_nodes)
-        self._gather_shards(shard)
-        flat.store_to_params()
+        if self._node is not None:
+            self._node.average()
+        # else: synchronous data parallel, the ranks hold the same parameters already
 
     def stats(self, *, consensus: bool = False) -> dict[str, Any]:
         """What this rank sent and how the gossip is doing.
@@ -502,33 +385,11 @@ class AveragingEngine:
             ``lag_rounds``: per neighbour on this rank's rail (its global rank), the rounds of
             it applied here and how many rounds this rank has started beyond them.
         """
-        snap = self.comm_stats.snapshot()
-        g = self._gossip
-        out: dict[str, Any] = {
-            "steps": self.steps,
-            "skipped_steps": self.skipped_steps,
-            "bytes_sent": snap["bytes_sent"],
-            "messages_sent": snap["messages_sent"],
-            "staleness": g.staleness if g is not None else 0,
-            "gossip_rounds": g.rounds_started if g is not None else 0,
-            "fragment_rounds": _per_fragment(g.rounds_started if g is not None else 0,
-                                             self.options.fragments),
-            "gamma": g.gamma if g is not None else None,
-            "gossip_step": g.gamma if g is not None else None,  # deprecated alias of gamma
-            "consensus_distance": None,
-        }
-        if self.options.wait_free:
-            out["rounds_received"] = dict(zip(g.peer_ranks, g.received, strict=True)) \
-                if g is not None else {}
-            out["lag_rounds"] = dict(zip(g.peer_ranks, g.lag(), strict=True)) \
-                if g is not None else {}
-        if consensus and g is not None:
-            from qcomm.collectives.gossip import consensus_distance
-
-            x = self._flat.load_from_params()
-            out["consensus_distance"] = float(consensus_distance(
-                x, self._topology.rail_group, timeout_s=self.options.timeout_s))
-        return DeprecatedKeys(out, {"gossip_step": "gamma"})
+        out = engine_stats(self.steps, self.skipped_steps, self.comm_stats, self._gossip,
+                           self.options)
+        if consensus and self._node is not None:
+            out["consensus_distance"] = self._node.consensus_distance()
+        return out
 
     def flush(self) -> None:
         """Wait for the gossip rounds in flight and apply them to the public copies (parameters
@@ -541,7 +402,7 @@ class AveragingEngine:
         """Complete the gossip rounds in flight (when the peers still answer) and release the
         transport and every process-group reference. Never raises a peer's failure: after a
         :class:`~qcomm.collectives.errors.PeerError` it only releases. Idempotent."""
-        if self._gossip is not None:
+        if self._node is not None:
             if not self.options.wait_free:
                 # A wait-free gossip's drain is a collective over the rail: close() must not
                 # wait for peers that may be gone; it says goodbye instead.
@@ -563,9 +424,7 @@ class AveragingEngine:
         state (references), the options. See :mod:`qcomm.engine.state`. With ``wait_free`` it
         drains the gossip first, a collective over the rail: every rank saves at the same
         point (as :func:`qcomm.sgd.save_checkpoint` does)."""
-        if self._gossip is not None and self.options.wait_free:
-            self._gossip.drain()
-        gossip = self._gossip.state_dict() if self._gossip is not None else (
+        gossip = self._node.state() if self._node is not None else (
             self._pending or {}).get("gossip")
         intra = self._intra.state_dict() if self._intra is not None else (
             self._pending or {}).get("intra")
@@ -586,11 +445,11 @@ class AveragingEngine:
             self.comm_stats.load(state["comm_stats"])
         gossip_state = state["gossip"] if keep else None
         intra_state = state["intra"] if keep else None
-        if self._gossip is not None and gossip_state is not None:
-            self._gossip.load_state_dict(gossip_state)
+        if self._node is not None and gossip_state is not None:
+            self._node.gossip.load_state_dict(gossip_state)
             gossip_state = None
-        if self._gossip is not None:
-            self._gossip.steps = self.steps
+        if self._node is not None:
+            self._node.gossip.steps = self.steps
         if self._intra is not None and intra_state is not None:
             self._intra.load_state_dict(intra_state)
             intra_state = None
@@ -619,7 +478,3 @@ class AveragingEngine:
         self._warned_env = False
         self._reset_runtime()
 
-
-def _per_fragment(rounds: int, fragments: int) -> list[int]:
-    """Rounds started per fragment after ``rounds`` rounds (round t carries t % fragments)."""
-    return [rounds // fragments + (1 if f < rounds % fragments else 0) for f in range(fragments)]

@@ -41,7 +41,8 @@ class ASSGD(HierarchicalOptimizer):
             distributed step).
         **comm_options: the communication options (``bits``, ``block_size``, ``rounding``,
             ``graph``, ``mixing``, ``staleness``, ``gamma``, ``intra_bits``,
-            ``procs_per_node``, ``bucket_mb``, ``on_nonfinite``, ``timeout_s``, ``seed``); see
+            ``procs_per_node``, ``bucket_mb``, ``on_nonfinite``, ``timeout_s``, ``seed``,
+            ``wait_free``, ``max_backlog``); see
             :class:`~qcomm.sgd.HierarchicalOptimizer`. ``topology=`` and ``gossip_step=`` are
             deprecated names of ``graph`` and ``gamma``.
 

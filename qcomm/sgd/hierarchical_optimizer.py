@@ -56,7 +56,9 @@ class HierarchicalOptimizer(Optimizer):
             ``bits`` (4), ``block_size`` (128), ``rounding`` ("stochastic"), ``graph``
             ("ring"), ``mixing`` ("uniform"), ``staleness`` (1), ``gamma`` (None: a default
             for bits and staleness), ``intra_bits`` (None), ``procs_per_node`` (None),
-            ``bucket_mb`` (25), ``on_nonfinite`` ("raise"), ``timeout_s`` (300), ``seed`` (0).
+            ``bucket_mb`` (25), ``on_nonfinite`` ("raise"), ``timeout_s`` (300), ``seed`` (0),
+            ``sync_every`` (1), ``fragments`` (1), ``outer_momentum`` (0), ``outer_lr`` (1),
+            ``wait_free`` (False: nodes at one pace), ``max_backlog`` (64).
             ``topology=`` and ``gossip_step=`` are deprecated names of ``graph`` and ``gamma``.
 
     Every rank must start from the same parameters and call :meth:`step` the same number of

@@ -75,50 +75,20 @@ from qcomm.compress import (
     quantize,
 )
 from qcomm.deprecation import deprecated_names, warn_deprecated
-from qcomm.kernels.wire_format import SUPPORTED_BITS, check_spec
 from qcomm.seeds import gossip_message_seed
 from qcomm.validation import (
-    check_choice,
-    check_fragments,
-    check_gamma,
-    check_instance,
-    check_int,
-    check_outer_lr,
-    check_outer_momentum,
     check_seed,
-    check_staleness,
-    check_timeout,
 )
 
-from .graphs import check_graph, neighbours
+from .gamma import default_gamma
+from .graphs import neighbours
 from .integrity import SEAL_NBYTES, bad_messages, seal_
-from .mixing import check_mixing, mixing_matrix
+from .legacy import check_saved_wire_format, seal_saved_round
+from .member import GossipMember
+from .mixing import mixing_matrix
 from .transport import GlooTransport, MemoryTransport, RoundHandle, Transport
 
 __all__ = ["CompressedGossip", "PeerTimeoutError", "consensus_distance", "default_gamma"]
-
-# (bits, staleness) -> default gamma (docs/gossip_tuning.md); staleness > 2 uses the staleness-2
-# entry scaled down.
-_DEFAULT_GAMMA: dict[tuple[int, int], float] = {
-    (8, 0): 0.5, (8, 1): 0.3, (8, 2): 0.2,
-    (4, 0): 0.4, (4, 1): 0.3, (4, 2): 0.2,
-    (2, 0): 0.3, (2, 1): 0.3, (2, 2): 0.2,
-    (1, 0): 0.1, (1, 1): 0.05, (1, 2): 0.05,
-}
-
-
-def default_gamma(bits: int, staleness: int) -> float:
-    """The default consensus step size for ``bits``-bit messages applied ``staleness`` rounds
-    late: about half the largest gamma that converged in the measurement of
-    docs/gossip_tuning.md, so that a graph or data set a little harsher than the measured ones
-    still converges."""
-    check_choice("bits", bits, SUPPORTED_BITS)
-    check_staleness(staleness)
-    if staleness <= 2:
-        return _DEFAULT_GAMMA[(bits, staleness)]
-    # Beyond the measured range: shrink like 1 / staleness (the delay-stability rule of thumb).
-    return _DEFAULT_GAMMA[(bits, 2)] * 2.0 / staleness
-
 
 @dataclass
 class _Round:
@@ -157,7 +127,7 @@ def _check_group(group_ranks: object, group: dist.ProcessGroup | None) -> tuple[
     return ranks, dist.get_rank(group)
 
 
-class CompressedGossip:
+class CompressedGossip(GossipMember):
     """Compressed, asynchronous CHOCO gossip of one fp32 vector per member.
 
     Args:
@@ -209,23 +179,11 @@ class CompressedGossip:
                             "qcomm.collectives.gossip.GossipSimulator (members in one process)")
             _transport = _transport or transport
         # hyperparameters (checked with the limits every layer shares, then fixed)
-        self.graph = check_graph(graph)
-        self.mixing = check_mixing(mixing)
-        self.spec = check_spec(spec)
-        self.numel = check_int("numel", numel, low=1)
-        self.staleness = check_staleness(staleness)
-        self.gamma = check_gamma(default_gamma(spec.bits, self.staleness) if gamma is None
-                                 else gamma)
-        self.timeout_s = check_timeout(timeout_s)
-        self.seed = check_seed(seed)
-        self.fragments = check_fragments(fragments, self.numel, "numel")
-        self.fragment_numel = numel // fragments
-        self.outer_momentum = check_outer_momentum(outer_momentum)
-        self.outer_lr = check_outer_lr(outer_lr)
-        self._outer = self.outer_momentum != 0 or self.outer_lr != 1
-        self.round_period = check_int("round_period", round_period, low=1)
-        check_instance("stats", stats, CommStats, allow_none=True)
-        self.stats = stats if stats is not None else CommStats()
+        self._set_hyperparameters(
+            numel, graph=graph, mixing=mixing, spec=spec, gamma=gamma, staleness=staleness,
+            timeout_s=timeout_s, seed=seed, fragments=fragments,
+            outer_momentum=outer_momentum, outer_lr=outer_lr, round_period=round_period,
+            stats=stats)
 
         if _transport is not None:
             if group is not None:
@@ -260,7 +218,6 @@ class CompressedGossip:
         self.message_nbytes = self.nbytes + SEAL_NBYTES  # what crosses the link per message
 
         # internal state (buffers lazily, on x's device)
-        self.steps = 0  # the clock: local steps ended (end_step calls)
         self.rounds_started = 0
         self.rounds_applied = 0
         self._hat_own: torch.Tensor | None = None
@@ -274,11 +231,6 @@ class CompressedGossip:
 
     # -----------------------------------------------------------------------------------------
     # the schedule: the two calls a training loop makes around each local update
-
-    def round_due(self) -> bool:
-        """Whether the step in progress ends with a round: the last step of every
-        ``round_period`` steps."""
-        return (self.steps + 1) % self.round_period == 0
 
     def prepare(self) -> None:
         """Before the local update of a step that ends with a round: wait for and verify the
@@ -315,11 +267,6 @@ class CompressedGossip:
         self.begin(x)
         return self.finish(x)
 
-    def fragment(self, index: int) -> slice:
-        """The elements of fragment ``index``."""
-        m = self.fragment_numel
-        return slice(index * m, (index + 1) * m)
-
     def fragments_read_next(self) -> list[int] | None:
         """The fragments of ``x`` the next :meth:`step` reads: the one its round sends and the
         one it mixes (the round started ``staleness`` rounds before); None when it reads all
@@ -333,22 +280,6 @@ class CompressedGossip:
             return []
         t, due = self.rounds_started, self.rounds_started - self.staleness
         return sorted({t % self.fragments} | ({due % self.fragments} if due >= 0 else set()))
-
-    def _check_x(self, x: object) -> torch.Tensor:
-        if self._closed:
-            raise RuntimeError("CompressedGossip is closed")
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype != torch.float32:
-            raise TypeError(f"x must have dtype float32, got {x.dtype}")
-        if x.numel() != self.numel:
-            raise ValueError(f"x must have numel {self.numel}, got {x.numel()}")
-        if not x.is_contiguous():
-            raise ValueError("x must be contiguous (it is updated in place)")
-        if self._hat_own is not None and x.device != self._hat_own.device:
-            raise ValueError(f"x must be on {self._hat_own.device} (where the gossip state "
-                             f"lives), got {x.device}")
-        return x.view(-1)
 
     def _ensure_buffers(self, like: torch.Tensor) -> None:
         if self._hat_own is None:
@@ -511,15 +442,7 @@ class CompressedGossip:
         if state["config"] != self._config():
             raise ValueError(f"state was saved with config {state['config']}, this gossip has "
                              f"{self._config()}")
-        # Payloads in flight are bytes of the wire format they were saved with (states before
-        # the version was recorded are format 1). Formats 1 and 2 differ only in the 2-bit code.
-        saved_format = int(state.get("wire_format", 1))
-        if saved_format != WIRE_FORMAT_VERSION and (
-                saved_format > WIRE_FORMAT_VERSION or self.spec.bits == 2) and state["in_flight"]:
-            raise ValueError(f"state holds {self.spec.bits}-bit messages in wire format "
-                             f"{saved_format}, which this version (format {WIRE_FORMAT_VERSION}) "
-                             "decodes differently; restart the gossip state (world-size change "
-                             "mode 'reinit') or resume with the version that saved it")
+        check_saved_wire_format(state, self.spec.bits)
         if self._in_flight and any(r.handle is not None for r in self._in_flight):
             raise RuntimeError("load_state_dict with rounds of this instance in flight")
         copy = lambda t: None if t is None else t.detach().clone()
@@ -532,19 +455,10 @@ class CompressedGossip:
         self._momentum = copy(state.get("momentum"))
         self._anchor = copy(state.get("anchor"))
         self._scratch = None
-        self._in_flight = deque(_Round(int(r), self._sealed(int(r), copy(p)), None)
-                                for r, p in state["in_flight"])
-
-    def _sealed(self, round: int, payloads: torch.Tensor) -> torch.Tensor:
-        """Rounds saved before messages carried seals (qcomm 0.1.0): seal them as received."""
-        if payloads.shape[-1] == self.message_nbytes:
-            return payloads
-        out = torch.zeros(payloads.shape[0], self.message_nbytes, dtype=torch.uint8,
-                          device=payloads.device)
-        out[:, :self.nbytes] = payloads
-        for k, sender in enumerate([self.member, *self.peers]):
-            seal_(out[k], round, sender)
-        return out
+        senders = [self.member, *self.peers]
+        self._in_flight = deque(
+            _Round(int(r), seal_saved_round(copy(p), int(r), senders, self.message_nbytes),
+                   None) for r, p in state["in_flight"])
 
     def close(self) -> None:
         """Forget rounds in flight and release the transport. Never blocks, also after a

@@ -53,24 +53,17 @@ from qcomm.compress import (
     packed_nbytes,
     quantize,
 )
-from qcomm.kernels.wire_format import check_spec
 from qcomm.seeds import gossip_message_seed, seal_key
 from qcomm.validation import (
-    check_fragments,
-    check_gamma,
-    check_instance,
     check_int,
-    check_outer_lr,
-    check_outer_momentum,
     check_seed,
-    check_staleness,
-    check_timeout,
 )
 
-from .choco import _check_group, default_gamma
-from .graphs import check_graph, neighbours
+from .choco import _check_group
+from .graphs import neighbours
 from .integrity import SEAL_NBYTES, bad_messages, seal_
-from .mixing import check_mixing, mixing_matrix
+from .member import GossipMember
+from .mixing import mixing_matrix
 from .streams import GlooStreams, MemoryStreams, MessageStreams
 
 __all__ = ["GOODBYE_ROUND", "MARKER_ROUND", "WaitFreeGossip"]
@@ -81,7 +74,7 @@ MARKER_ROUND = 1 << 61
 GOODBYE_ROUND = 1 << 62
 
 
-class WaitFreeGossip:
+class WaitFreeGossip(GossipMember):
     """Compressed CHOCO gossip of one fp32 vector per member, wait-free (module docstring).
 
     Args:
@@ -113,24 +106,12 @@ class WaitFreeGossip:
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
                  outer_momentum: float = 0.0, outer_lr: float = 1.0, round_period: int = 1,
                  max_backlog: int = 64, _streams: MessageStreams | None = None) -> None:
-        self.graph = check_graph(graph)
-        self.mixing = check_mixing(mixing)
-        self.spec = check_spec(spec)
-        self.numel = check_int("numel", numel, low=1)
-        self.staleness = check_staleness(staleness)
-        self.gamma = check_gamma(default_gamma(spec.bits, self.staleness) if gamma is None
-                                 else gamma)
-        self.timeout_s = check_timeout(timeout_s)
-        self.seed = check_seed(seed)
-        self.fragments = check_fragments(fragments, self.numel, "numel")
-        self.fragment_numel = numel // fragments
-        self.outer_momentum = check_outer_momentum(outer_momentum)
-        self.outer_lr = check_outer_lr(outer_lr)
-        self._outer = self.outer_momentum != 0 or self.outer_lr != 1
-        self.round_period = check_int("round_period", round_period, low=1)
+        self._set_hyperparameters(
+            numel, graph=graph, mixing=mixing, spec=spec, gamma=gamma, staleness=staleness,
+            timeout_s=timeout_s, seed=seed, fragments=fragments,
+            outer_momentum=outer_momentum, outer_lr=outer_lr, round_period=round_period,
+            stats=stats)
         self.max_backlog = check_int("max_backlog", max_backlog, low=1)
-        check_instance("stats", stats, CommStats, allow_none=True)
-        self.stats = stats if stats is not None else CommStats()
         if _streams is not None:
             self.group_ranks, self.member = list(range(_streams.size)), _streams.member
         else:
@@ -151,8 +132,7 @@ class WaitFreeGossip:
         self._streams_given = _streams is not None
         self.level = "inter"
 
-        # the clock and the counters
-        self.steps = 0
+        # the counters (the clock, steps, is the base class's)
         self.rounds_started = 0
         self.received = [0] * len(self.peers)     # messages of each neighbour applied
         # buffers (lazily, on x's device)
@@ -173,15 +153,6 @@ class WaitFreeGossip:
 
     # -----------------------------------------------------------------------------------------
     # the schedule
-
-    def round_due(self) -> bool:
-        """Whether the step in progress ends with a round (its last step of the period)."""
-        return (self.steps + 1) % self.round_period == 0
-
-    def fragment(self, index: int) -> slice:
-        """The elements of fragment ``index``."""
-        m = self.fragment_numel
-        return slice(index * m, (index + 1) * m)
 
     def fragments_read_next(self) -> list[int] | None:
         """The fragments of ``x`` the next :meth:`end_step` reads (sends and mixes), [] when no
@@ -345,22 +316,6 @@ class WaitFreeGossip:
         xf.add_(correction, alpha=self.gamma)
         if self._outer:
             self._anchor[frag].copy_(xf)
-
-    def _check_x(self, x: object) -> torch.Tensor:
-        if self._closed:
-            raise RuntimeError("WaitFreeGossip is closed")
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype != torch.float32:
-            raise TypeError(f"x must have dtype float32, got {x.dtype}")
-        if x.numel() != self.numel:
-            raise ValueError(f"x must have numel {self.numel}, got {x.numel()}")
-        if not x.is_contiguous():
-            raise ValueError("x must be contiguous (it is updated in place)")
-        if self._hat_own is not None and x.device != self._hat_own.device:
-            raise ValueError(f"x must be on {self._hat_own.device} (where the gossip state "
-                             f"lives), got {x.device}")
-        return x.view(-1)
 
     def _ensure_buffers(self, like: torch.Tensor) -> None:
         dev = like.device

@@ -1,0 +1,84 @@
+"""What every gossip member has, whichever mode: its validated hyperparameters, the step clock
+that says when a round is due, and the fragments a round carries."""
+
+from __future__ import annotations
+
+import torch
+
+from qcomm.collectives.stats import CommStats
+from qcomm.compress import QuantSpec
+from qcomm.kernels.wire_format import check_spec
+from qcomm.validation import (
+    check_fragments,
+    check_gamma,
+    check_instance,
+    check_int,
+    check_outer_lr,
+    check_outer_momentum,
+    check_seed,
+    check_staleness,
+    check_timeout,
+)
+
+from .gamma import default_gamma
+from .graphs import check_graph
+from .mixing import check_mixing
+
+__all__ = ["GossipMember"]
+
+
+class GossipMember:
+    """Base of :class:`~.choco.CompressedGossip` and :class:`~.wait_free.WaitFreeGossip`."""
+
+    _closed = False
+    _hat_own: torch.Tensor | None = None
+
+    def _set_hyperparameters(self, numel: int, *, graph: str, mixing: str, spec: QuantSpec,
+                             gamma: float | None, staleness: int, timeout_s: float, seed: int,
+                             fragments: int, outer_momentum: float, outer_lr: float,
+                             round_period: int, stats: CommStats | None) -> None:
+        """Check the hyperparameters with the limits every layer shares, then fix them."""
+        self.graph = check_graph(graph)
+        self.mixing = check_mixing(mixing)
+        self.spec = check_spec(spec)
+        self.numel = check_int("numel", numel, low=1)
+        self.staleness = check_staleness(staleness)
+        self.gamma = check_gamma(default_gamma(spec.bits, self.staleness) if gamma is None
+                                 else gamma)
+        self.timeout_s = check_timeout(timeout_s)
+        self.seed = check_seed(seed)
+        self.fragments = check_fragments(fragments, self.numel, "numel")
+        self.fragment_numel = self.numel // self.fragments
+        self.outer_momentum = check_outer_momentum(outer_momentum)
+        self.outer_lr = check_outer_lr(outer_lr)
+        self._outer = self.outer_momentum != 0 or self.outer_lr != 1
+        self.round_period = check_int("round_period", round_period, low=1)
+        check_instance("stats", stats, CommStats, allow_none=True)
+        self.stats = stats if stats is not None else CommStats()
+        self.steps = 0  # the clock: local steps ended (end_step calls)
+
+    def round_due(self) -> bool:
+        """Whether the step in progress ends with a round: the last step of every
+        ``round_period`` steps."""
+        return (self.steps + 1) % self.round_period == 0
+
+    def fragment(self, index: int) -> slice:
+        """The elements of fragment ``index``."""
+        m = self.fragment_numel
+        return slice(index * m, (index + 1) * m)
+
+    def _check_x(self, x: object) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != torch.float32:
+            raise TypeError(f"x must have dtype float32, got {x.dtype}")
+        if x.numel() != self.numel:
+            raise ValueError(f"x must have numel {self.numel}, got {x.numel()}")
+        if not x.is_contiguous():
+            raise ValueError("x must be contiguous (it is updated in place)")
+        if self._hat_own is not None and x.device != self._hat_own.device:
+            raise ValueError(f"x must be on {self._hat_own.device} (where the gossip state "
+                             f"lives), got {x.device}")
+        return x.view(-1)

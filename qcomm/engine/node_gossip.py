@@ -1,0 +1,200 @@
+"""One rank's part of the gossip between nodes: the flat parameters, its shard, the node's share.
+
+The communicated parameters live in one flat buffer (:class:`~qcomm.engine.flat.FlatParams`)
+split into one shard per local rank; local rank l gossips shard l with the ranks of its rail
+(rank l of every other node), through a :class:`~qcomm.collectives.gossip.CompressedGossip`
+(bounded staleness) or a :class:`~qcomm.collectives.gossip.WaitFreeGossip`. The gossip owns the
+schedule (its clock counts the steps, a round every ``sync_every / fragments`` of them, each
+carrying one fragment); this class adds what a node's ranks do around it: bring the fragments
+a round reads up to date (nothing to do when the parameters live in the flat buffer), run the
+round, all-gather what it changed over the node (only the changed fragment crosses the
+intra-node links), and leave parameters that had no gradient this step as they were.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qcomm.collectives.errors import PeerError
+from qcomm.collectives.intra import IntraNodeAllreduce
+from qcomm.collectives.primitives import all_reduce
+from qcomm.collectives.stats import CommStats
+from qcomm.collectives.topology import Topology
+from qcomm.engine.flat import FlatParams
+from qcomm.engine.options import CommOptions
+from qcomm.seeds import rail_seed
+
+__all__ = ["NodeGossip"]
+
+
+class NodeGossip:
+    """The gossip of ``params``' shard of this rank, on its rail (module docstring).
+
+    Args:
+        params: the communicated parameters (each once, in order; they may become views of
+            the flat buffer, see :class:`~qcomm.engine.flat.FlatParams`).
+        topology: the job's layout, groups created.
+        intra: the node's allreduce (its all-gather), None when alone on the node.
+        options: the communication options.
+        stats: where the gossip counts its bytes.
+    """
+
+    def __init__(self, params: list[torch.Tensor], topology: Topology,
+                 intra: IntraNodeAllreduce | None, options: CommOptions,
+                 stats: CommStats) -> None:
+        from qcomm.collectives.gossip import CompressedGossip, WaitFreeGossip
+
+        self.topology = topology
+        self.intra = intra
+        self.options = options
+        # Shards of whole fragments of whole codec blocks: every message has one length.
+        self.flat = FlatParams(params, topology.procs_per_node,
+                               options.block_size * options.fragments)
+        kind, extra = ((WaitFreeGossip, {"max_backlog": options.max_backlog})
+                       if options.wait_free else (CompressedGossip, {}))
+        self.gossip = kind(
+            topology.rail_ranks, topology.rail_group, self.flat.shard_numel,
+            graph=options.graph, mixing=options.mixing, spec=options.gossip_spec,
+            gamma=options.gamma, staleness=options.staleness, timeout_s=options.timeout_s,
+            stats=stats, fragments=options.fragments, outer_momentum=options.outer_momentum,
+            outer_lr=options.outer_lr, round_period=options.round_period,
+            # One random stream per rail (rails quantize different shards).
+            seed=rail_seed(options.seed, topology.local_rank), **extra)
+        # With copies (parameters not aliased), the gossip's own buffer: it owns its input only
+        # during a round, and the node's all-gather must not read from what it writes.
+        self._shard = None if self.flat.aliased else torch.empty(
+            self.flat.shard_numel, dtype=torch.float32, device=self.flat.flat.device)
+
+    # -----------------------------------------------------------------------------------------
+    # the two calls around the local update
+
+    def round_due(self) -> bool:
+        """Whether the step in progress ends with a gossip round."""
+        return self.gossip.round_due()
+
+    def prepare(self) -> PeerError | None:
+        """Before the local update of a step that ends with a round: receive and verify what
+        the round applies. Returns the failure instead of raising it: the caller raises it once
+        the node agreed, so that no rank of the node updates alone."""
+        try:
+            self.gossip.prepare()
+        except PeerError as e:
+            return e
+        return None
+
+    def node_mate_failed(self, mask: int) -> PeerError:
+        """The error of a rank whose node-mate(s) in ``mask`` (bits by local rank) could not
+        use the round: the node raises together, nothing of the step applied."""
+        topo = self.topology
+        ranks = [topo.node_ranks[i] for i in range(topo.procs_per_node) if mask >> i & 1]
+        round_ = self.gossip.rounds_started - self.gossip.staleness
+        return PeerError(
+            f"gossip round {round_}: ranks {ranks} of this node could not receive or verify "
+            "their rails' messages; nothing of this step was applied",
+            f"gossip round {round_}", ranks, "intra")
+
+    def end_step(self, keep: list[bool]) -> None:
+        """After the local update: advance the gossip's clock and, when a round is due, run it
+        and bring the node's ranks up to date. ``keep[i]``: parameter i had no gradient this
+        step, so the round leaves it as it was."""
+        if not self.gossip.round_due():
+            self.gossip.end_step(None)
+            return
+        flat, gossip = self.flat, self.gossip
+        flat.check_aliased()
+        saved = flat.snapshot(keep)
+        shard = self._load_shard()
+        changed = gossip.end_step(shard)
+        if changed:
+            self._share(shard, changed, keep)
+        flat.restore(saved)
+
+    def _load_shard(self) -> torch.Tensor:
+        """This rank's shard, current in the fragments the round reads."""
+        flat, gossip = self.flat, self.gossip
+        rank = self.topology.local_rank
+        if flat.aliased:
+            return flat.shard(rank)
+        shard = self._shard
+        reads = gossip.fragments_read_next() if self.options.fragments > 1 else None
+        if reads is not None and flat.ranges_ok:
+            # Only the fragments the round sends and mixes are copied in.
+            base = rank * flat.shard_numel
+            for f in reads:
+                frag = gossip.fragment(f)
+                flat.load_range(base + frag.start, base + frag.stop)
+                shard[frag].copy_(flat.flat[base + frag.start: base + frag.stop])
+            self._by_range = True
+        else:
+            flat.load_from_params()
+            shard.copy_(flat.shard(rank))
+            self._by_range = False
+        return shard
+
+    def _share(self, shard: torch.Tensor, changed: list[int], keep: list[bool]) -> None:
+        """Every local rank's changed fragments into ``flat`` (and the parameters)."""
+        flat, L = self.flat, self.topology.procs_per_node
+        if self.options.fragments == 1:
+            if self.intra is not None:
+                self.intra.all_gather_into(flat.flat, shard.clone() if flat.aliased else shard)
+            elif not flat.aliased:
+                flat.flat.copy_(shard)
+            flat.store_to_params(keep)
+            return
+        for f in changed:
+            frag = self.gossip.fragment(f)
+            if self.intra is not None:
+                part = shard[frag].contiguous()
+                gathered = torch.empty(L * part.numel(), dtype=part.dtype, device=part.device)
+                self.intra.all_gather_into(gathered, part)
+                for rank, piece in enumerate(gathered.view(L, -1)):
+                    flat.shard(rank)[frag].copy_(piece)
+            elif not flat.aliased:
+                flat.shard(0)[frag].copy_(shard[frag])
+            if not flat.aliased and self._by_range:
+                for rank in range(L):
+                    at = rank * flat.shard_numel
+                    flat.store_range(at + frag.start, at + frag.stop, keep)
+        if not flat.aliased and not self._by_range:
+            flat.store_to_params(keep)
+
+    # -----------------------------------------------------------------------------------------
+    # collective points
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """Every rank's parameters <- their exact global mean (collective), after the gossip
+        drained what is in flight."""
+        self.gossip.flush()
+        flat, topo = self.flat, self.topology
+        flat.check_aliased()
+        flat.load_from_params()
+        shard = flat.shard(topo.local_rank).clone()
+        # Ranks of a node hold the same parameters, so averaging shard l over rail l gives the
+        # global mean of shard l; one rail member computes each sum and all receive its bytes.
+        all_reduce(shard, topo.rail_group, timeout_s=self.options.timeout_s, link="inter",
+                   operation="average_parameters")
+        shard.div_(topo.num_nodes)
+        if self.intra is not None:
+            self.intra.all_gather_into(flat.flat, shard)
+        else:
+            flat.flat.copy_(shard)
+        flat.store_to_params()
+
+    def consensus_distance(self) -> float:
+        """``sqrt(mean_i ||x_i - mean x||^2)`` over the nodes (collective over the rail)."""
+        from qcomm.collectives.gossip import consensus_distance
+
+        self.flat.check_aliased()
+        x = self.flat.load_from_params()
+        return float(consensus_distance(x, self.topology.rail_group,
+                                        timeout_s=self.options.timeout_s))
+
+    def state(self) -> dict[str, Any]:
+        """The gossip's state (with ``wait_free``, a drain first: a collective over the
+        rail)."""
+        if self.options.wait_free:
+            self.gossip.drain()
+        return self.gossip.state_dict()
