@@ -258,9 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     t_open = time.perf_counter()
     keeps_snapshots = local_rank == 0  # one per node: the node's ranks hold the same model
 
-    def snapshot(mark: int) -> None:
+    def snapshot(step: int) -> None:
         # Parameters only: a copy of 2 MB costs ~1 ms, evaluation happens after the run.
-        snapshots.append((mark, time.perf_counter() - t_open,
+        snapshots.append((step, time.perf_counter() - t_open,
                           {k: v.clone() for k, v in built.module.state_dict().items()}))
 
     if keeps_snapshots:
@@ -290,9 +290,10 @@ def main(argv: list[str] | None = None) -> None:
         if keeps_snapshots:
             if budget is None and s in snap_steps:
                 snapshot(s)
+            # Time marks: snapshot 0 is the start, snapshot k belongs to snap_times[k - 1].
             while budget is not None and len(snapshots) <= len(snap_times) \
                     and elapsed >= snap_times[len(snapshots) - 1]:
-                snapshot(len(snapshots))
+                snapshot(s)
         if rank == 0:
             done = s if budget is None else min(args.steps, round(args.steps * elapsed / budget))
             if s % report_every == 0:
@@ -354,8 +355,7 @@ def main(argv: list[str] | None = None) -> None:
             # A node that stopped before this mark (--max-steps) counts with its last snapshot.
             points = [snaps[min(i, len(snaps) - 1)] for snaps in per_node]
             evaluator.load_state_dict(average_states([st for _, _, st in points]))
-            curve.append({"step": points[0][0] if budget is None else
-                          statistics.fmean(p[0] for p in points),
+            curve.append({"step": statistics.fmean(p[0] for p in points),
                           "time_s": max(p[1] for p in points),
                           metric: work.evaluate(evaluator)})
         final = work.evaluate(built.module)

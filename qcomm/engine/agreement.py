@@ -67,7 +67,7 @@ _OPTION_CODECS: dict[str, tuple[Callable[[Any], int], Callable[[int], Any]]] = {
     "intra_bits": _optional_int(),
     "bucket_mb": _optional_float(),
     "on_nonfinite": _choice(NONFINITE_MODES),
-    "wait_free": _optional_int(),
+    "wait_free": _choice((False, True)),
 }
 _LAYOUT_FIELDS = ("communicated parameters", "communicated elements",
                   "parameter shapes and dtypes", "node gradient mean by DDP")

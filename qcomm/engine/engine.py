@@ -404,8 +404,8 @@ class AveragingEngine:
         :class:`~qcomm.collectives.errors.PeerError` it only releases. Idempotent."""
         if self._node is not None:
             if not self.options.wait_free:
-                # A wait-free gossip's drain is a collective over the rail: close() must not
-                # wait for peers that may be gone; it says goodbye instead.
+                # A wait-free drain waits for every neighbour's marker: close() must not wait
+                # for peers that may be gone; it says goodbye instead.
                 with contextlib.suppress(PeerError):
                     self._gossip.flush()
             self._gossip.close()

@@ -105,18 +105,19 @@ class NodeGossip:
         flat, gossip = self.flat, self.gossip
         flat.check_aliased()
         saved = flat.snapshot(keep)
-        shard = self._load_shard()
+        shard, by_range = self._load_shard()
         changed = gossip.end_step(shard)
         if changed:
-            self._share(shard, changed, keep)
+            self._share(shard, changed, keep, by_range)
         flat.restore(saved)
 
-    def _load_shard(self) -> torch.Tensor:
-        """This rank's shard, current in the fragments the round reads."""
+    def _load_shard(self) -> tuple[torch.Tensor, bool]:
+        """This rank's shard, current in the fragments the round reads, and whether only those
+        were copied in (then only the changed ones are copied out)."""
         flat, gossip = self.flat, self.gossip
         rank = self.topology.local_rank
         if flat.aliased:
-            return flat.shard(rank)
+            return flat.shard(rank), False
         shard = self._shard
         reads = gossip.fragments_read_next() if self.options.fragments > 1 else None
         if reads is not None and flat.ranges_ok:
@@ -126,14 +127,13 @@ class NodeGossip:
                 frag = gossip.fragment(f)
                 flat.load_range(base + frag.start, base + frag.stop)
                 shard[frag].copy_(flat.flat[base + frag.start: base + frag.stop])
-            self._by_range = True
-        else:
-            flat.load_from_params()
-            shard.copy_(flat.shard(rank))
-            self._by_range = False
-        return shard
+            return shard, True
+        flat.load_from_params()
+        shard.copy_(flat.shard(rank))
+        return shard, False
 
-    def _share(self, shard: torch.Tensor, changed: list[int], keep: list[bool]) -> None:
+    def _share(self, shard: torch.Tensor, changed: list[int], keep: list[bool],
+               by_range: bool) -> None:
         """Every local rank's changed fragments into ``flat`` (and the parameters)."""
         flat, L = self.flat, self.topology.procs_per_node
         if self.options.fragments == 1:
@@ -153,11 +153,11 @@ class NodeGossip:
                     flat.shard(rank)[frag].copy_(piece)
             elif not flat.aliased:
                 flat.shard(0)[frag].copy_(shard[frag])
-            if not flat.aliased and self._by_range:
+            if by_range:
                 for rank in range(L):
                     at = rank * flat.shard_numel
                     flat.store_range(at + frag.start, at + frag.stop, keep)
-        if not flat.aliased and not self._by_range:
+        if not flat.aliased and not by_range:
             flat.store_to_params(keep)
 
     # -----------------------------------------------------------------------------------------
@@ -193,8 +193,8 @@ class NodeGossip:
                                         timeout_s=self.options.timeout_s))
 
     def state(self) -> dict[str, Any]:
-        """The gossip's state (with ``wait_free``, a drain first: a collective over the
-        rail)."""
+        """The gossip's state (with ``wait_free``, a drain first: every rank of the rail must
+        call it at the same point)."""
         if self.options.wait_free:
             self.gossip.drain()
         return self.gossip.state_dict()

@@ -247,3 +247,35 @@ def test_bad_arguments_name_themselves(name: str, value: object, match: str) -> 
     streams = MemoryStreams(boxes, 0, [1], max_backlog=4, timeout_s=1.0)
     with pytest.raises(ValueError, match=match):
         WaitFreeGossip([0, 1], None, NUMEL, _streams=streams, **{name: value})
+
+
+@pytest.mark.parametrize(("x", "error", "match"), [
+    (torch.zeros(NUMEL, dtype=torch.float64), TypeError, "float32"),
+    (torch.zeros(NUMEL - 1), ValueError, "numel"),
+    (torch.zeros(0), ValueError, "numel"),
+    (torch.zeros(2, NUMEL)[:, 0], ValueError, "numel"),
+    (torch.zeros(NUMEL * 2)[::2], ValueError, "contiguous"),
+    ("not a tensor", TypeError, "torch.Tensor"),
+])
+def test_a_bad_x_is_refused_and_changes_nothing(x: object, error: type, match: str) -> None:
+    sim = WaitFreeSimulator(2, NUMEL, spec=SPEC)
+    sim.run(_start(2), 2)
+    m = sim.members[0]
+    before = (m.steps, m.rounds_started, list(m.received), sim.boxes.pending(0, 1))
+    with pytest.raises(error, match=match):
+        m.end_step(x)
+    assert (m.steps, m.rounds_started, list(m.received), sim.boxes.pending(0, 1)) == before
+
+
+def test_a_nonfinite_x_is_refused_before_anything_is_sent() -> None:
+    sim = WaitFreeSimulator(2, NUMEL, spec=SPEC)
+    xs = _start(2)
+    sim.run(xs, 2)
+    m = sim.members[0]
+    own = m._hat_own.clone()
+    before = (m.steps, m.rounds_started)
+    xs[0][3] = float("nan")
+    with pytest.raises(FloatingPointError):
+        m.end_step(xs[0])
+    assert sim.boxes.pending(0, 1) == 0 and torch.equal(m._hat_own, own)
+    assert (m.steps, m.rounds_started) == before

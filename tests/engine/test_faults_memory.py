@@ -139,6 +139,7 @@ def test_corrupt_payload_error_is_a_peer_error_and_a_value_error() -> None:
     ("graph", ("ring", "complete"), "ranks [0, 1]: 'ring'; ranks [2, 3]: 'complete'"),
     ("sync_every", (1, 2), "ranks [0, 1]: 1; ranks [2, 3]: 2"),
     ("intra_bits", (None, 8), "ranks [0, 1]: None; ranks [2, 3]: 8"),
+    ("wait_free", (False, True), "ranks [0, 1]: False; ranks [2, 3]: True"),
     ("model", (8, 9), "communicated elements"),
 ])
 def test_disagreeing_ranks_raise_valueerror_everywhere(field: str, values: tuple,

@@ -244,6 +244,8 @@ class CompressedGossip(GossipMember):
         ``x`` (:meth:`step`; ``x`` may be None when none is due). Returns the fragments of
         ``x`` that changed."""
         due = self.round_due()
+        if due:
+            self._check_x(x)  # a bad x changes nothing, the clock included
         self.steps += 1
         return self.step(x) if due else []
 

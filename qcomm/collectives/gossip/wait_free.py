@@ -18,17 +18,18 @@ neighbours have sent whenever a round of its own is due:
 
 Nothing bounds the lag in rounds: a node twice as fast sends twice as many rounds, and its
 neighbours apply them in batches. What is bounded is memory (``max_backlog`` messages per
-neighbour sent and not yet taken; beyond it the sender waits) and silence (a neighbour heard
-from for ``timeout_s`` is a :class:`~qcomm.collectives.errors.PeerTimeoutError`).
+neighbour sent and not yet taken; beyond it the sender waits) and silence (a neighbour not
+heard from for ``timeout_s`` is a :class:`~qcomm.collectives.errors.PeerTimeoutError`).
 
 The average. When every member's messages reach its neighbours within ``staleness`` rounds of
 its own and all run at one pace, each copy holds the same rounds as the ``own_pub`` it is
 compared with, the mixing term is antisymmetric, and the average over members is preserved as
 in the synchronous mode. Otherwise it is not exactly: a fast member mixes more often with a
 slow neighbour's older copy than the neighbour mixes with it, so the average drifts toward the
-faster members by an amount of the order of ``gamma`` times the members' disagreement per
-round (measured in the tests and docs/gossip_tuning.md). :meth:`drain`, a collective, brings
-every copy up to date; the engine's exact average follows it.
+faster members (measured by ``bench/wait_free_mixing.py``, docs/decisions.md; training still
+ends at the optimum of all the members' data, ``tests/collectives/test_wait_free.py``).
+:meth:`drain`, a collective, brings every copy up to date; the engine's exact average follows
+it.
 
 Round schedule (the one clock): :meth:`end_step` is called once per local step; a round is
 due at the last step of every ``round_period`` steps and carries fragment ``t % fragments`` of
@@ -84,7 +85,7 @@ class WaitFreeGossip(GossipMember):
         numel: floats each member gossips (its shard), >= 1.
         graph, mixing, spec, seed, fragments, outer_momentum, outer_lr: as
             :class:`~.choco.CompressedGossip`.
-        gamma: consensus step in (0, 1]; None: :func:`~.choco.default_gamma` (bits, staleness).
+        gamma: consensus step in (0, 1]; None: :func:`~.gamma.default_gamma` (bits, staleness).
         staleness: rounds by which the member's own copy in the mixing lags its fresh copy
             (the delay its messages are expected to take), >= 0.
         timeout_s: silence after which a neighbour's stream fails, > 0.
@@ -92,12 +93,10 @@ class WaitFreeGossip(GossipMember):
         max_backlog: messages per neighbour sent and not yet taken, >= 1.
         stats: counts the bytes sent (level ``"inter"``); None: a private one.
 
-    Buffers (fp32 ``[numel]`` x (degree + 2), x 4 more with an outer step) are created at the
+    Buffers (fp32 ``[numel]`` x (degree + 2), 2 more with an outer step) are created at the
     first round on x's device; the streams (and their threads, over Gloo) at the first
     :meth:`prepare` or :meth:`end_step`. The constructor communicates nothing.
     """
-
-    wait_free = True
 
     def __init__(self, group_ranks: list[int], group: Any, numel: int, *,
                  graph: str = "ring", mixing: str = "uniform",
@@ -221,9 +220,7 @@ class WaitFreeGossip(GossipMember):
             peer = self.peers[k]
             while box:
                 m = box[0]
-                zero = not bool(m[:self.nbytes].any())
-                if zero and self._stored_seal(m) == seal_key(MARKER_ROUND + self._markers[k],
-                                                             peer):
+                if self._is_control(m, MARKER_ROUND + self._markers[k], peer):
                     self._markers[k] += 1
                     box.popleft()
                     continue
@@ -266,14 +263,14 @@ class WaitFreeGossip(GossipMember):
             PeerError: a neighbour's stream failed, or it did not take its messages
                 (``max_backlog``) within ``timeout_s``; nothing of the round was applied.
         """
-        due = self.round_due()
-        self.steps += 1
-        if not due:
+        if not self.round_due():
+            self.steps += 1
             return []
+        x = self._check_x(x)  # a bad x changes nothing, the clock included
         if self.size == 1:
+            self.steps += 1
             self.rounds_started += 1
             return []
-        x = self._check_x(x)
         self._ensure_buffers(x)
         streams = self._streams_now()
         t = self.rounds_started
@@ -285,6 +282,7 @@ class WaitFreeGossip(GossipMember):
                  out=message[:self.nbytes])
         seal_(message, t, self.member)
         streams.send(message)  # may raise (a neighbour's stream failed): nothing changed
+        self.steps += 1
         dequant_accumulate(message[:self.nbytes], own, self.spec)
         self._own_delay.append((t, message))
         while len(self._own_delay) > self.staleness:
@@ -350,8 +348,7 @@ class WaitFreeGossip(GossipMember):
 
     def send_marker(self) -> None:
         """First half of :meth:`drain`: mark the end of what this member sent so far."""
-        marker = torch.zeros(self.message_nbytes, dtype=torch.uint8)
-        seal_(marker, MARKER_ROUND + self._drains, self.member)
+        marker = self._control_message(MARKER_ROUND + self._drains)
         self._drains += 1
         self._streams_now().send(marker)
 
@@ -370,8 +367,7 @@ class WaitFreeGossip(GossipMember):
             if not waiting:
                 break
             left = deadline - time.monotonic()
-            if left <= 0 or getattr(streams.boxes if isinstance(streams, MemoryStreams)
-                                    else None, "simulated", False):
+            if left <= 0 or streams.simulated:
                 raise PeerTimeoutError(
                     f"gossip drain (rank {self.group_ranks[self.member]}): no marker",
                     self.timeout_s, [self.peer_ranks[k] for k in waiting], self.level)
@@ -382,15 +378,21 @@ class WaitFreeGossip(GossipMember):
     # -----------------------------------------------------------------------------------------
     # goodbye and close
 
-    def _goodbye(self) -> torch.Tensor:
+    def _control_message(self, round: int) -> torch.Tensor:
+        """A marker or goodbye: all-zero codec bytes sealed with ``round``."""
         m = torch.zeros(self.message_nbytes, dtype=torch.uint8)
-        seal_(m, GOODBYE_ROUND, self.member)
+        seal_(m, round, self.member)
         return m
+
+    def _is_control(self, message: torch.Tensor, round: int, sender: int) -> bool:
+        """Whether ``message`` from member ``sender`` is its control message ``round``: zero
+        codec bytes sum to zero, so the seal is the key itself."""
+        return (self._stored_seal(message) == seal_key(round, sender)
+                and not bool(message[:self.nbytes].any()))
 
     def _is_goodbye(self, message: torch.Tensor, sender: int) -> bool:
         """Whether ``message`` from member ``sender`` is its goodbye."""
-        return (self._stored_seal(message) == seal_key(GOODBYE_ROUND, sender)
-                and not bool(message[:self.nbytes].any()))
+        return self._is_control(message, GOODBYE_ROUND, sender)
 
     def close(self) -> None:
         """Say goodbye to the neighbours (their streams from us end cleanly) and stop the
@@ -399,7 +401,7 @@ class WaitFreeGossip(GossipMember):
             return
         self._closed = True
         if self._streams is not None:
-            self._streams.close(self._goodbye())
+            self._streams.close(self._control_message(GOODBYE_ROUND))
             if not self._streams_given:
                 self._streams = None
 
