@@ -490,3 +490,9 @@ class GlooStreams(MessageStreams):
             for link in self._links:
                 link.closing = True
             self.cond.notify_all()
+            done = [link.receiver for link in self._links if link.ended or link.recv_error]
+        # Threads that are leaving: let them finish, so that the works they held (receives
+        # posted ahead and never waited for) are released now, not while the interpreter or
+        # the process group is being torn down.
+        for thread in [*done, *(link.sender for link in self._links)]:
+            thread.join(timeout=2.0)
