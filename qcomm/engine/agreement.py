@@ -68,6 +68,7 @@ _OPTION_CODECS: dict[str, tuple[Callable[[Any], int], Callable[[int], Any]]] = {
     "bucket_mb": _optional_float(),
     "on_nonfinite": _choice(NONFINITE_MODES),
     "wait_free": _choice((False, True)),
+    "on_peer_loss": _choice(("raise", "continue")),
 }
 _LAYOUT_FIELDS = ("communicated parameters", "communicated elements",
                   "parameter shapes and dtypes", "node gradient mean by DDP")

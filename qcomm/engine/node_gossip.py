@@ -13,6 +13,7 @@ intra-node links), and leave parameters that had no gradient this step as they w
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -52,7 +53,8 @@ class NodeGossip:
         # Shards of whole fragments of whole codec blocks: every message has one length.
         self.flat = FlatParams(params, topology.procs_per_node,
                                options.block_size * options.fragments)
-        kind, extra = ((WaitFreeGossip, {"max_backlog": options.max_backlog})
+        kind, extra = ((WaitFreeGossip, {"max_backlog": options.max_backlog,
+                                         "on_peer_loss": options.on_peer_loss})
                        if options.wait_free else (CompressedGossip, {}))
         self.gossip = kind(
             topology.rail_ranks, topology.rail_group, self.flat.shard_numel,
@@ -163,10 +165,16 @@ class NodeGossip:
     # -----------------------------------------------------------------------------------------
     # collective points
 
+    @property
+    def survivable(self) -> bool:
+        """Whether the gossip goes on without a lost node (then every sum over the nodes runs
+        along the gossip's closed ring, not over the rail's process group)."""
+        return self.options.on_peer_loss == "continue"
+
     @torch.no_grad()
     def average(self) -> None:
-        """Every rank's parameters <- their exact global mean (collective), after the gossip
-        drained what is in flight."""
+        """Every rank's parameters <- their exact mean over the live nodes (collective), after
+        the gossip drained what is in flight."""
         self.gossip.flush()
         flat, topo = self.flat, self.topology
         flat.check_aliased()
@@ -174,9 +182,13 @@ class NodeGossip:
         shard = flat.shard(topo.local_rank).clone()
         # Ranks of a node hold the same parameters, so averaging shard l over rail l gives the
         # global mean of shard l; one rail member computes each sum and all receive its bytes.
-        all_reduce(shard, topo.rail_group, timeout_s=self.options.timeout_s, link="inter",
-                   operation="average_parameters")
-        shard.div_(topo.num_nodes)
+        if self.survivable:
+            shard, live = self.gossip.survivors_sum(shard)
+            shard.div_(live)
+        else:
+            all_reduce(shard, topo.rail_group, timeout_s=self.options.timeout_s, link="inter",
+                       operation="average_parameters")
+            shard.div_(topo.num_nodes)
         if self.intra is not None:
             self.intra.all_gather_into(flat.flat, shard)
         else:
@@ -189,6 +201,12 @@ class NodeGossip:
 
         self.flat.check_aliased()
         x = self.flat.load_from_params()
+        if self.survivable:
+            self.gossip.drain()  # a new neighbour's hello is taken before the sums
+            v = x.detach().reshape(-1).to(torch.float64)
+            total, n = self.gossip.survivors_sum(v)
+            sq, _ = self.gossip.survivors_sum(torch.sum((v - total / n) ** 2).reshape(1))
+            return math.sqrt(float(sq) / n)
         return float(consensus_distance(x, self.topology.rail_group,
                                         timeout_s=self.options.timeout_s))
 

@@ -31,17 +31,19 @@ from qcomm.validation import (
     check_timeout,
 )
 
-__all__ = ["DEPRECATED_NAMES", "GRAPHS", "MIXINGS", "NONFINITE_MODES", "WIRE_FIELDS",
-           "CommOptions"]
+__all__ = ["DEPRECATED_NAMES", "GRAPHS", "MIXINGS", "NONFINITE_MODES", "PEER_LOSS_MODES",
+           "WIRE_FIELDS", "CommOptions"]
 
 NONFINITE_MODES = ("raise", "skip")
+PEER_LOSS_MODES = ("raise", "continue")
 
 # Old argument names still accepted (with a DeprecationWarning) -> today's names.
 DEPRECATED_NAMES = {"topology": "graph", "gossip_step": "gamma"}
 
 # Options that shape the wire format and the mixing: a checkpoint loads only into the same ones.
 WIRE_FIELDS = ("bits", "block_size", "rounding", "graph", "mixing", "staleness", "intra_bits",
-               "sync_every", "fragments", "outer_momentum", "outer_lr", "wait_free")
+               "sync_every", "fragments", "outer_momentum", "outer_lr", "wait_free",
+               "on_peer_loss")
 
 
 def _user_stacklevel() -> int:
@@ -95,6 +97,12 @@ class CommOptions:
             :mod:`qcomm.collectives.gossip.wait_free`).
         max_backlog: with ``wait_free``, messages per neighbour sent and not yet taken, >= 1:
             the memory bound of a stream (a sender that reaches it waits for the neighbour).
+        on_peer_loss: what a node does when a neighbouring node dies or stays silent past
+            ``timeout_s``: ``"raise"`` (default) the named
+            :class:`~qcomm.collectives.errors.PeerError` on every survivor, or ``"continue"``
+            without it: the neighbour is dropped, the ring closes over the gap and the
+            survivors train on; :meth:`average_parameters` averages the survivors. Needs
+            ``wait_free=True``. A failure inside a node still ends that node.
     """
 
     bits: int = 4
@@ -116,6 +124,7 @@ class CommOptions:
     seed: int = 0
     wait_free: bool = False
     max_backlog: int = 64
+    on_peer_loss: str = "raise"
 
     def __post_init__(self) -> None:
         # The shared checks of qcomm.validation: the same limits and wording as the gossip and
@@ -138,6 +147,10 @@ class CommOptions:
         check_seed(self.seed)
         check_instance("wait_free", self.wait_free, bool, what="True or False")
         check_int("max_backlog", self.max_backlog, low=1)
+        check_choice("on_peer_loss", self.on_peer_loss, PEER_LOSS_MODES)
+        if self.on_peer_loss == "continue" and not self.wait_free:
+            raise ValueError("on_peer_loss='continue' needs wait_free=True: a node that waits "
+                             "for its neighbours' rounds cannot go on without one")
         self._warn_if_delayed_full_step()
 
     def _warn_if_delayed_full_step(self) -> None:

@@ -60,8 +60,8 @@ def engine_stats(steps: int, skipped_steps: int, comm_stats: CommStats, gossip: 
         "consensus_distance": None,
     }
     if options.wait_free:
-        out["rounds_received"] = dict(zip(g.peer_ranks, g.received, strict=True)) \
-            if g is not None else {}
-        out["lag_rounds"] = dict(zip(g.peer_ranks, g.lag(), strict=True)) \
-            if g is not None else {}
+        out["rounds_received"] = g.rounds_received() if g is not None else {}
+        out["lag_rounds"] = g.lag() if g is not None else {}
+        out["live_nodes"] = g.live_members() if g is not None else 1
+        out["dropped_ranks"] = [e["rank"] for e in g.losses] if g is not None else []
     return DeprecatedKeys(out, {"gossip_step": "gamma"})

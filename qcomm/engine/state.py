@@ -13,11 +13,14 @@ One rank's entry (``optimizer.state_dict()["qcomm"]``)::
 Format 1 (qcomm 0.1.0's ASSGD) is the same with the options ``topology`` and ``gossip_step``
 named the old way; it loads unchanged.
 
-Loading into a different geometry (world size or ranks per node): ``"error"`` refuses it;
-``"reinit"`` restarts the gossip state. That drops nothing: CHOCO's not-yet-communicated
-residual ``x - x_hat`` lives in the parameters themselves, and the mixing corrections of rounds
-in flight sum to zero over the nodes, so the global mean of the parameters is preserved. The
-intra_bits residuals are laid out for the old node and cannot move: a non-zero one refuses.
+Loading into a different geometry (world size or ranks per node), or a state saved after
+nodes were lost (``on_peer_loss="continue"``: its gossip links are not this run's graph):
+``"error"`` refuses it; ``"reinit"`` restarts the gossip state (and then any rank may load any
+rank's entry: a node that comes back loads a survivor's checkpoint). That drops nothing:
+CHOCO's not-yet-communicated residual ``x - x_hat`` lives in the parameters themselves, and
+the mixing corrections of rounds in flight sum to zero over the nodes, so the global mean of
+the parameters is preserved. The intra_bits residuals are laid out for the old node and
+cannot move: a non-zero one refuses.
 """
 
 from __future__ import annotations
@@ -89,6 +92,18 @@ def check_loadable(state: object, options: CommOptions, topology: Topology | Non
                          f"{READABLE_FORMATS}")
     world, ppn, rank = geometry(options.procs_per_node, topology)
     same = state["world_size"] == world and state["procs_per_node"] == ppn
+    lost = (state.get("gossip") or {}).get("lost") or []
+    if same and lost:
+        if on_world_size_change == "error":
+            raise ValueError(
+                f"checkpoint was saved after gossip neighbours were lost (members {lost} of "
+                "its rail): its gossip links are not this run's graph; pass "
+                "on_world_size_change='reinit' to keep the parameters and optimizer state and "
+                "restart the gossip state")
+        same = False
+        change = f"gossip neighbours were lost (members {lost} of its rail)"
+    else:
+        change = f"world size changed from {state['world_size']} to {world}"
     if not same and on_world_size_change == "error":
         raise ValueError(
             f"checkpoint was saved with world size {state['world_size']} "
@@ -109,12 +124,12 @@ def check_loadable(state: object, options: CommOptions, topology: Topology | Non
     if _nonzero_residuals(state["intra"]):
         raise ValueError(
             f"checkpoint was saved with world size {state['world_size']}, this run has "
-            f"world size {world}: the intra_bits error-feedback residuals are laid "
-            "out for the old node and cannot be carried over"
+            f"world size {world}, and {change}: the intra_bits error-feedback residuals are "
+            "laid out for the old node and cannot be carried over"
         )
     if warn and state["gossip"] is not None:
         warnings.warn(
-            f"world size changed from {state['world_size']} to {world}: the gossip state "
+            f"{change}: the gossip state "
             "is re-initialized (CHOCO's residual x - x_hat lives in the parameters, "
             "and dropped mixing corrections sum to zero over nodes, so the global "
             "mean of the parameters is preserved)", stacklevel=4,

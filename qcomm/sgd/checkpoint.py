@@ -69,7 +69,10 @@ def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
     With a changed world size and ``on_world_size_change="reinit"``, rank r reads the file of
     saved rank ``r % saved_world_size`` and the gossip state starts afresh (see
     :meth:`HierarchicalOptimizer.load_state_dict`). With ``"error"`` (default) a ValueError
-    names both sizes.
+    names both sizes. With ``"reinit"``, a rank whose file is not in ``directory`` (a node
+    that was lost before the survivors saved, and came back) reads the lowest rank's file
+    present: after ``average_parameters()`` every survivor holds the
+    same parameters.
     Nothing is loaded when an error is raised.
     """
     if on_world_size_change not in WORLD_CHANGE_MODES:
@@ -78,8 +81,11 @@ def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
     rank, world = _rank_world()
     path = checkpoint_path(directory, rank)
     saved_world = _saved_world_size(directory, path)
-    if saved_world != world and on_world_size_change == "reinit":
-        path = checkpoint_path(directory, rank % saved_world)
+    if on_world_size_change == "reinit":
+        if saved_world != world:
+            path = checkpoint_path(directory, rank % saved_world)
+        if not path.exists():  # lost before the save
+            path = sorted(Path(directory).glob("rank*.pt"))[0]
     elif not path.exists():
         raise ValueError(
             f"checkpoint was saved with world size {saved_world} but this run has world size "

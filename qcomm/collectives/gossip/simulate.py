@@ -101,6 +101,13 @@ class WaitFreeSimulator:
             for i in range(n)
         ]
         self.stalled_ticks = [0] * n
+        self.killed: set[int] = set()
+
+    def kill(self, i: int) -> None:
+        """Member i dies now: it takes no more steps; what it sent stays on the wire, then its
+        streams fail as broken connections."""
+        self.killed.add(i)
+        self.boxes.kill(i)
 
     def _blocked(self, i: int) -> bool:
         return self.members[i].round_due() and self.streams[i].blocked()
@@ -111,7 +118,7 @@ class WaitFreeSimulator:
         (prepare), ``update(i, xs[i], step)`` (the local update, in place), round (end_step)."""
         t = int(self.now)
         for i, (m, x) in enumerate(zip(self.members, xs, strict=True)):
-            if t % self.periods[i]:
+            if t % self.periods[i] or i in self.killed:
                 continue
             if self._blocked(i):
                 self.stalled_ticks[i] += 1
@@ -132,10 +139,26 @@ class WaitFreeSimulator:
         """Deliver every message sent and apply it (what the engine does before the exact
         average)."""
         now, self.now = self.now, float("inf")
-        for m in self.members:
+        live = [m for i, m in enumerate(self.members) if i not in self.killed]
+        for m in live:
             m.send_marker()
-        for m in self.members:
+        for m in live:
             m.await_markers()
         self.now = now
+
+    def load_state_dicts(self, states: list[dict | None]) -> None:
+        """Load every member's :meth:`~.wait_free.WaitFreeGossip.state_dict` (None: a member
+        lost before the save, killed here too), with streams to the neighbours each saved."""
+        from .streams import MemoryStreams
+
+        for i, (m, st) in enumerate(zip(self.members, states, strict=True)):
+            if st is None:
+                self.kill(i)
+                continue
+            s = self.streams[i]
+            self.streams[i] = m._streams = MemoryStreams(
+                self.boxes, i, st["peers"], max_backlog=s.max_backlog, timeout_s=s.timeout_s,
+                stats=self.stats[i])
+            m.load_state_dict(st)
 
     consensus_distance = staticmethod(GossipSimulator.consensus_distance)

@@ -16,6 +16,13 @@ returned by :meth:`MessageStreams.take`; the caller decides what to raise. A mem
 cleanly closes its streams with a goodbye message (:meth:`MessageStreams.close`), which ends
 them at the neighbours without an error.
 
+Membership: a stream can be dropped (:meth:`MessageStreams.drop`: its neighbour is treated as
+gone) and a stream to a new neighbour opened (:meth:`MessageStreams.open`) while the others go
+on; the wait-free gossip does both when a neighbour is lost. Beside the fixed-size messages, a
+stream carries whole vectors (:meth:`MessageStreams.send_vector` /
+:meth:`MessageStreams.recv_vector`), in their own order: a new neighbour's starting copy, the
+survivors' exact average.
+
 Two implementations:
 
 * :class:`GlooStreams`: ``torch.distributed`` point-to-point on a Gloo group. Gloo transfers a
@@ -74,15 +81,48 @@ class MessageStreams(ABC):
     simulated: bool = False
 
     @abstractmethod
-    def send(self, message: torch.Tensor) -> None:
+    def send(self, message: torch.Tensor) -> list[tuple[int, PeerError]]:
         """Queue ``message`` (uint8 ``[nbytes]``, not modified afterwards) on the stream to
-        every neighbour whose stream has not ended. Returns at once unless a neighbour has
-        ``max_backlog`` messages not yet taken: then waits for it to take one.
+        every neighbour whose stream is open (not ended, dropped or failed). Returns at once
+        unless a neighbour has ``max_backlog`` messages not yet taken: then waits for it to
+        take one.
 
-        Raises:
-            PeerTimeoutError: that neighbour took nothing within ``timeout_s``.
-            PeerError: the stream to a neighbour failed earlier.
+        Returns:
+            ``(k, error)`` for every stream the message was not queued on because it failed
+            (earlier, or now: that neighbour took nothing within ``timeout_s``,
+            :class:`~qcomm.collectives.errors.PeerTimeoutError`); the caller decides.
         """
+
+    @abstractmethod
+    def send_to(self, k: int, message: torch.Tensor) -> PeerError | None:
+        """Queue ``message`` on stream ``k`` only (as :meth:`send`); its failure, if any."""
+
+    @abstractmethod
+    def open(self, peer: int, peer_rank: int) -> int:
+        """Open streams to and from member ``peer`` (global rank ``peer_rank``): returns its
+        index ``k``. The neighbour must open its streams to this member too."""
+
+    @abstractmethod
+    def drop(self, k: int) -> None:
+        """Stop stream ``k`` (both directions), without a goodbye: nothing more is sent on it
+        or taken from it. Other streams are untouched."""
+
+    def live(self) -> list[int]:
+        """Indices of the streams not dropped."""
+        return [k for k in range(len(self.peers)) if k not in self._dropped]
+
+    @abstractmethod
+    def send_vector(self, k: int, vector: torch.Tensor) -> None:
+        """Send ``vector`` (any dtype, contiguous, on the CPU, not modified afterwards) to
+        ``peers[k]``, ordered with this stream's other vectors, not with its messages.
+        Returns at once; a failure shows on the stream."""
+
+    @abstractmethod
+    def recv_vector(self, k: int, out: torch.Tensor, timeout_s: float | None = None
+                    ) -> PeerError | None:
+        """Receive ``peers[k]``'s next vector into ``out`` (its shape and dtype), waiting up
+        to ``timeout_s`` (None: the streams'); the failure instead, if any (``out`` is then
+        undefined)."""
 
     @abstractmethod
     def take(self, k: int) -> tuple[list[torch.Tensor], PeerError | None]:
@@ -132,41 +172,59 @@ class Mailboxes:
         self.simulated = clock is not None
         self._clock = clock
         self._delay = delay
-        self._queues: dict[tuple[int, int], deque] = {}
+        self._queues: dict[tuple, deque] = {}
         self._cond = threading.Condition()
         self._aborted = False
+        self.killed: set[int] = set()
 
-    def _queue(self, src: int, dst: int) -> deque:
-        return self._queues.setdefault((src, dst), deque())
+    def _queue(self, src: int, dst: int, kind: str = "m") -> deque:
+        return self._queues.setdefault((src, dst, kind), deque())
 
-    def post(self, src: int, dst: int, message: torch.Tensor | None) -> None:
-        """Queue ``message`` (None: the stream ends) from ``src`` to ``dst``."""
+    def post(self, src: int, dst: int, message: torch.Tensor | None, kind: str = "m") -> None:
+        """Queue ``message`` (None: the stream ends) from ``src`` to ``dst``; ``kind`` "v"
+        for the vector queue. Nothing is queued from or to a killed member."""
         at = 0.0
         if self._clock is not None:
             at = self._clock() + (self._delay(src, dst) if self._delay else 0.0)
         with self._cond:
-            self._queue(src, dst).append((at, message))
+            if src in self.killed or dst in self.killed:
+                return
+            self._queue(src, dst, kind).append((at, message))
             self._cond.notify_all()
+
+    def kill(self, member: int) -> None:
+        """``member`` dies: what it sent and is queued stays (it was on the wire); then each
+        of its streams fails as a broken connection (:meth:`lost`)."""
+        with self._cond:
+            self.killed.add(member)
+            self._cond.notify_all()
+
+    def lost(self, src: int, dst: int, kind: str = "m") -> bool:
+        """Whether ``src`` was killed and nothing of it is left to take by ``dst``."""
+        with self._cond:
+            return src in self.killed and not self._queue(src, dst, kind)
 
     def _visible(self, entry: tuple) -> bool:
         return self._clock is None or entry[0] <= self._clock()
 
-    def take(self, src: int, dst: int) -> list[torch.Tensor | None]:
-        """Every visible message from ``src`` to ``dst``, in order (removed)."""
+    def take(self, src: int, dst: int, kind: str = "m", limit: int | None = None
+             ) -> list[torch.Tensor | None]:
+        """The visible messages from ``src`` to ``dst`` (at most ``limit``), in order
+        (removed)."""
         out = []
         with self._cond:
-            q = self._queue(src, dst)
-            while q and self._visible(q[0]):
+            q = self._queue(src, dst, kind)
+            while q and self._visible(q[0]) and (limit is None or len(out) < limit):
                 out.append(q.popleft()[1])
             if out:
                 self._cond.notify_all()
         return out
 
-    def ready(self, src: int, dst: int) -> bool:
-        """Whether a message from ``src`` to ``dst`` is visible."""
+    def ready(self, src: int, dst: int, kind: str = "m") -> bool:
+        """Whether a message from ``src`` to ``dst`` is visible (or ``src`` is lost)."""
         with self._cond:
-            q = self._queue(src, dst)
-            return bool(q) and self._visible(q[0])
+            q = self._queue(src, dst, kind)
+            return (bool(q) and self._visible(q[0])) or (src in self.killed and not q)
 
     def pending(self, src: int, dst: int) -> int:
         """Messages from ``src`` not yet taken by ``dst``."""
@@ -196,7 +254,8 @@ class MemoryStreams(MessageStreams):
     """Streams over :class:`Mailboxes` (members in one process).
 
     Silence is measured on the wall clock since the stream last delivered, as the Gloo receiver
-    thread measures it; in a simulation (mailboxes with a clock) there is none to detect.
+    thread measures it; in a simulation (mailboxes with a clock) there is none to detect. A
+    killed member's streams fail as broken connections once what it sent was taken.
     """
 
     def __init__(self, boxes: Mailboxes, member: int, peers: list[int], *,
@@ -215,32 +274,72 @@ class MemoryStreams(MessageStreams):
         self._heard = [time.monotonic()] * len(self.peers)  # when each stream last delivered
         self._ended = [False] * len(self.peers)
         self._failed: list[PeerError | None] = [None] * len(self.peers)
+        self._dropped: set[int] = set()
+
+    def _lost_error(self, k: int, what: str) -> PeerLostError:
+        return PeerLostError(f"gossip stream {what} rank {self.peer_ranks[k]} (member "
+                             f"{self.member})", [self.peer_ranks[k]], self.level,
+                             detail="the member was killed")
+
+    def _open(self, k: int) -> bool:
+        return not (self._ended[k] or self._failed[k] is not None or k in self._dropped)
 
     def blocked(self) -> bool:
         """Whether :meth:`send` would wait now (a neighbour holds ``max_backlog`` messages)."""
-        return any(not self._ended[k] and self.boxes.pending(self.member, p) >= self.max_backlog
+        return any(self._open(k) and self.boxes.pending(self.member, p) >= self.max_backlog
                    for k, p in enumerate(self.peers))
 
-    def send(self, message: torch.Tensor) -> None:
-        for k, p in enumerate(self.peers):
-            if self._ended[k] or self._failed[k] is not None:
+    def send(self, message: torch.Tensor) -> list[tuple[int, PeerError]]:
+        failures = []
+        for k in range(len(self.peers)):
+            if self._ended[k] or k in self._dropped:
                 continue
-            room = lambda p=p: self.boxes.pending(self.member, p) < self.max_backlog
-            if not self.boxes.wait(room, self.timeout_s):
-                if self.simulated:
-                    raise RuntimeError(
-                        f"member {self.member} would wait for member {p} to take its messages "
-                        f"(max_backlog={self.max_backlog}) in a simulation, where nothing moves "
-                        "while it waits")
-                raise PeerTimeoutError(f"gossip stream to rank {self.peer_ranks[k]} (member "
-                                       f"{self.member}): max_backlog={self.max_backlog} "
-                                       "messages not taken", self.timeout_s,
-                                       [self.peer_ranks[k]], self.level)
-            # Shared, as over Gloo: the sender does not touch a message it sent.
-            self.boxes.post(self.member, p, message)
-            _record(self.level, self.stats, message)
+            err = self.send_to(k, message)
+            if err is not None:
+                failures.append((k, err))
+        return failures
+
+    def send_to(self, k: int, message: torch.Tensor) -> PeerError | None:
+        p = self.peers[k]
+        if self._failed[k] is None and p in self.boxes.killed:
+            self._failed[k] = self._lost_error(k, "to")
+        if self._failed[k] is not None:
+            return self._failed[k]
+        room = lambda: self.boxes.pending(self.member, p) < self.max_backlog \
+            or p in self.boxes.killed
+        if not self.boxes.wait(room, self.timeout_s):
+            if self.simulated:
+                raise RuntimeError(
+                    f"member {self.member} would wait for member {p} to take its messages "
+                    f"(max_backlog={self.max_backlog}) in a simulation, where nothing moves "
+                    "while it waits")
+            self._failed[k] = PeerTimeoutError(
+                f"gossip stream to rank {self.peer_ranks[k]} (member {self.member}): "
+                f"max_backlog={self.max_backlog} messages not taken", self.timeout_s,
+                [self.peer_ranks[k]], self.level)
+            return self._failed[k]
+        if p in self.boxes.killed:
+            self._failed[k] = self._lost_error(k, "to")
+            return self._failed[k]
+        # Shared, as over Gloo: the sender does not touch a message it sent.
+        self.boxes.post(self.member, p, message)
+        _record(self.level, self.stats, message)
+        return None
+
+    def open(self, peer: int, peer_rank: int) -> int:
+        self.peers.append(peer)
+        self.peer_ranks.append(peer_rank)
+        self._heard.append(time.monotonic())
+        self._ended.append(False)
+        self._failed.append(None)
+        return len(self.peers) - 1
+
+    def drop(self, k: int) -> None:
+        self._dropped.add(k)
 
     def take(self, k: int) -> tuple[list[torch.Tensor], PeerError | None]:
+        if k in self._dropped:
+            return [], None
         got = self.boxes.take(self.peers[k], self.member) if not self._ended[k] else []
         out = []
         for m in got:
@@ -249,7 +348,11 @@ class MemoryStreams(MessageStreams):
                 break
             out.append(m)
         now = time.monotonic()
-        if got:
+        if self._failed[k] is None and not self._ended[k] \
+                and self.boxes.lost(self.peers[k], self.member):
+            # after the last message it sent, the connection breaks
+            self._failed[k] = self._lost_error(k, "from")
+        elif got:
             self._heard[k] = now
         elif (self._failed[k] is None and not self._ended[k] and not self.simulated
               and now - self._heard[k] > self.timeout_s):
@@ -258,17 +361,39 @@ class MemoryStreams(MessageStreams):
                 self.timeout_s, [self.peer_ranks[k]], self.level)
         return out, self._failed[k]
 
+    def send_vector(self, k: int, vector: torch.Tensor) -> None:
+        if k not in self._dropped:
+            self.boxes.post(self.member, self.peers[k], vector, kind="v")
+            _record(self.level, self.stats, vector.view(-1).view(torch.uint8))
+
+    def recv_vector(self, k: int, out: torch.Tensor, timeout_s: float | None = None
+                    ) -> PeerError | None:
+        p = self.peers[k]
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        here = lambda: self.boxes.ready(p, self.member, "v")
+        if not self.boxes.wait(here, timeout_s):
+            return PeerTimeoutError(f"vector from rank {self.peer_ranks[k]} (member "
+                                    f"{self.member})", timeout_s,
+                                    [self.peer_ranks[k]], self.level)
+        got = self.boxes.take(p, self.member, "v", limit=1)
+        if not got:
+            return self._lost_error(k, "from")
+        out.copy_(got[0].view_as(out))
+        return None
+
     def wait_any(self, timeout_s: float) -> None:
-        self.boxes.wait(lambda: any(self.boxes.ready(p, self.member) for p in self.peers),
-                        timeout_s)
+        self.boxes.wait(lambda: any(self.boxes.ready(p, self.member)
+                                    for k, p in enumerate(self.peers)
+                                    if k not in self._dropped), timeout_s)
 
     def ended(self, k: int) -> bool:
         return self._ended[k]
 
     def close(self, goodbye: torch.Tensor | None = None) -> None:
         if goodbye is not None:
-            for p in self.peers:
-                self.boxes.post(self.member, p, None)
+            for k, p in enumerate(self.peers):
+                if k not in self._dropped:
+                    self.boxes.post(self.member, p, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,8 +424,10 @@ class _Link:
         self.recv_error: PeerError | None = None
         self.heard = time.monotonic()
         # sending
-        self.outbox: deque[torch.Tensor] = deque()   # queued, not yet posted
-        self.unconfirmed = 0   # queued or posted, not yet received by the peer
+        # queued, not yet posted: messages, and (vector,) tuples (their own tags)
+        self.outbox: deque[torch.Tensor | tuple[torch.Tensor]] = deque()
+        self.unconfirmed = 0   # messages queued or posted, not yet received by the peer
+        self.vectors_received = 0
         self.send_error: PeerError | None = None
         self.closing = False
         self.receiver = threading.Thread(target=self._receive_loop, daemon=True,
@@ -353,8 +480,8 @@ class _Link:
 
     def _send_loop(self) -> None:
         o = self.owner
-        posted: deque[tuple[torch.Tensor, object, float]] = deque()
-        seq = 0
+        posted: deque[tuple[bool, object, float]] = deque()
+        seq = vseq = 0
         started = time.monotonic()
         try:
             while True:
@@ -367,18 +494,24 @@ class _Link:
                     while self.outbox and len(posted) + len(batch) < o.depth:
                         batch.append(self.outbox.popleft())
                 for msg in batch:
-                    work = dist.isend(msg, group=o.group, tag=seq % TAG_MODULUS,
-                                      group_dst=self.peer)
-                    posted.append((msg, work, time.monotonic()))
-                    seq += 1
+                    if isinstance(msg, tuple):  # a vector: tags above the messages'
+                        work = dist.isend(msg[0], group=o.group, tag=TAG_MODULUS + vseq,
+                                          group_dst=self.peer)
+                        vseq += 1
+                    else:
+                        work = dist.isend(msg, group=o.group, tag=seq % TAG_MODULUS,
+                                          group_dst=self.peer)
+                        seq += 1
+                    # the work holds the tensor until it completes
+                    posted.append((not isinstance(msg, tuple), work, time.monotonic()))
                 if not posted:
                     continue
-                _msg, work, started = posted[0]
+                is_message, work, started = posted[0]
                 left = max(o.timeout_s - (time.monotonic() - started), 1e-3)
                 work.wait(timeout=datetime.timedelta(seconds=left))
                 posted.popleft()
                 with self.cond:
-                    self.unconfirmed -= 1
+                    self.unconfirmed -= is_message
                     self.cond.notify_all()
         except RuntimeError as e:
             # A peer silent for timeout_s timed out, whichever side's wait noticed first (a
@@ -427,42 +560,103 @@ class GlooStreams(MessageStreams):
         self.level = level
         self.depth = max(1, min(depth, max_backlog))
         self.cond = threading.Condition()
-        self._links = [_Link(self, k) for k in range(len(self.peers))]
-        for link in self._links:
-            link.receiver.start()
-            link.sender.start()
+        self._links: list[_Link] = []
+        self._dropped: set[int] = set()
+        for p in self.peers:
+            self._start_link(p)
 
-    def send(self, message: torch.Tensor) -> None:
-        for link in self._links:
-            with self.cond:
-                if link.ended:
-                    continue
-                ok = self.cond.wait_for(lambda link=link: link.unconfirmed < self.max_backlog
-                                        or link.send_error is not None, self.timeout_s)
-                if link.send_error is not None:
-                    raise link.recv_error or link.send_error
-                if not ok:
-                    raise PeerTimeoutError(
-                        f"gossip stream to rank {link.rank} (rank {self.rank}): max_backlog="
-                        f"{self.max_backlog} messages not taken", self.timeout_s,
-                        [link.rank], self.level)
-                link.outbox.append(message)
-                link.unconfirmed += 1
-                self.cond.notify_all()
-            _record(self.level, self.stats, message)
+    def _start_link(self, peer: int) -> int:
+        k = len(self._links)
+        if len(self.peers) == k:  # opened after the constructor
+            self.peers.append(peer)
+            self.peer_ranks.append(self.group_ranks[peer])
+        link = _Link(self, k)
+        self._links.append(link)
+        link.receiver.start()
+        link.sender.start()
+        return k
+
+    def open(self, peer: int, peer_rank: int) -> int:
+        return self._start_link(peer)
+
+    def drop(self, k: int) -> None:
+        link = self._links[k]
+        with self.cond:
+            self._dropped.add(k)
+            # Its threads leave at their next wake-up (a dead peer's waits fail); daemons.
+            link.closing = True
+            link.outbox.clear()
+            link.ready.clear()
+            self.cond.notify_all()
+
+    def send(self, message: torch.Tensor) -> list[tuple[int, PeerError]]:
+        failures = []
+        for k, link in enumerate(self._links):
+            if link.ended or k in self._dropped:
+                continue
+            err = self.send_to(k, message)
+            if err is not None:
+                failures.append((k, err))
+        return failures
+
+    def send_to(self, k: int, message: torch.Tensor) -> PeerError | None:
+        link = self._links[k]
+        with self.cond:
+            ok = self.cond.wait_for(lambda: link.unconfirmed < self.max_backlog
+                                    or link.send_error is not None, self.timeout_s)
+            if link.send_error is not None:
+                return link.recv_error or link.send_error
+            if not ok:
+                link.send_error = PeerTimeoutError(
+                    f"gossip stream to rank {link.rank} (rank {self.rank}): max_backlog="
+                    f"{self.max_backlog} messages not taken", self.timeout_s,
+                    [link.rank], self.level)
+                return link.send_error
+            link.outbox.append(message)
+            link.unconfirmed += 1
+            self.cond.notify_all()
+        _record(self.level, self.stats, message)
+        return None
+
+    def send_vector(self, k: int, vector: torch.Tensor) -> None:
+        link = self._links[k]
+        with self.cond:
+            if k in self._dropped:
+                return
+            link.outbox.append((vector,))
+            self.cond.notify_all()
+        _record(self.level, self.stats, vector.view(-1).view(torch.uint8))
+
+    def recv_vector(self, k: int, out: torch.Tensor, timeout_s: float | None = None
+                    ) -> PeerError | None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        link = self._links[k]
+        tag = TAG_MODULUS + link.vectors_received
+        link.vectors_received += 1
+        since = time.monotonic()
+        try:
+            work = dist.irecv(out, group=self.group, tag=tag, group_src=link.peer)
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            return _peer_error(e, f"vector from rank {link.rank} (rank {self.rank})",
+                               timeout_s, link.rank, self.level, since)
+        return None
 
     def take(self, k: int) -> tuple[list[torch.Tensor], PeerError | None]:
         link = self._links[k]
         with self.cond:
+            if k in self._dropped:
+                return [], None
             out = list(link.ready)
             link.ready.clear()
             self.cond.notify_all()   # room for the receiver to post more
-            return out, link.recv_error
+            return out, link.recv_error or (link.send_error if not link.ended else None)
 
     def wait_any(self, timeout_s: float) -> None:
         with self.cond:
-            self.cond.wait_for(lambda: any(link.ready or link.ended or link.recv_error
-                                           for link in self._links), timeout_s)
+            self.cond.wait_for(lambda: any(
+                link.ready or link.ended or link.recv_error or link.send_error
+                for k, link in enumerate(self._links) if k not in self._dropped), timeout_s)
 
     def ended(self, k: int) -> bool:
         with self.cond:
@@ -470,7 +664,9 @@ class GlooStreams(MessageStreams):
 
     def close(self, goodbye: torch.Tensor | None = None) -> None:
         with self.cond:
-            for link in self._links:
+            # Dropped streams were given up for dead: nothing is said to them or awaited.
+            links = [link for k, link in enumerate(self._links) if k not in self._dropped]
+            for link in links:
                 if goodbye is not None and link.send_error is None:
                     link.outbox.append(goodbye)
                     link.unconfirmed += 1
@@ -482,7 +678,7 @@ class GlooStreams(MessageStreams):
             # stream with an error; one that keeps training is given up after the bound).
             self.cond.wait_for(lambda: all((link.unconfirmed == 0 or link.send_error)
                                            and (link.ended or link.recv_error)
-                                           for link in self._links),
+                                           for link in links),
                                min(self.timeout_s, 10.0))
             # Threads blocked in a Gloo wait cannot be interrupted (Gloo cancels nothing, and a
             # wait that times out closes the connection); they are daemons, and a goodbye or
@@ -494,5 +690,5 @@ class GlooStreams(MessageStreams):
         # Threads that are leaving: let them finish, so that the works they held (receives
         # posted ahead and never waited for) are released now, not while the interpreter or
         # the process group is being torn down.
-        for thread in [*done, *(link.sender for link in self._links)]:
+        for thread in [*done, *(link.sender for link in links)]:
             thread.join(timeout=2.0)

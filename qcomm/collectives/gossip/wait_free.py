@@ -31,6 +31,21 @@ ends at the optimum of all the members' data, ``tests/collectives/test_wait_free
 :meth:`drain`, a collective, brings every copy up to date; the engine's exact average follows
 it.
 
+A lost neighbour (``on_peer_loss="continue"``): when a neighbour's stream fails (a broken
+connection, or silence past ``timeout_s``) the member drops it for good and the graph closes
+over the gap: on each side it links to the nearest member it does not know to be lost (in
+member order, cyclic), unless that one is a neighbour already. The new neighbours greet each
+other with a hello (their round count, drains and their ``hat_own``, sent whole), so each
+starts with an exact copy of the other; the new edge enters the mixing at round
+``max(r_i, r_j) + staleness`` on both sides (``r``: the rounds each had started when it
+linked), when both copies hold the same rounds as the lagged own copies they meet. Every edge
+keeps the graph's edge weight (on a regular graph all edges have one weight, so an edge's two
+ends agree without asking anyone): the weights stay symmetric and the survivors' average is
+preserved from the drop on, as before it. Both ends of a lost member decide the same link
+without a coordinator; a member that linked to one that is lost too finds out the same way and
+moves on. :meth:`survivors_sum` sums a vector over the live members along the closed ring.
+``on_peer_loss="raise"`` (default) raises the stream's error instead.
+
 Round schedule (the one clock): :meth:`end_step` is called once per local step; a round is
 due at the last step of every ``round_period`` steps and carries fragment ``t % fragments`` of
 ``x``; it mixes the fragment of round ``t - staleness``.
@@ -38,6 +53,7 @@ due at the last step of every ``round_period`` steps and carries fragment ``t % 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Any
@@ -56,6 +72,7 @@ from qcomm.compress import (
 )
 from qcomm.seeds import gossip_message_seed, seal_key
 from qcomm.validation import (
+    check_choice,
     check_int,
     check_seed,
 )
@@ -67,12 +84,16 @@ from .member import GossipMember
 from .mixing import mixing_matrix
 from .streams import GlooStreams, MemoryStreams, MessageStreams
 
-__all__ = ["GOODBYE_ROUND", "MARKER_ROUND", "WaitFreeGossip"]
+__all__ = ["GOODBYE_ROUND", "HELLO_ROUND", "MARKER_ROUND", "ON_PEER_LOSS", "WaitFreeGossip"]
 
-# The rounds a marker (the d-th drain: MARKER_ROUND + d) and a goodbye are sealed with, far
-# beyond any real round. Both have all-zero codec bytes, so their seal is the key itself.
+log = logging.getLogger("qcomm")
+
+# The rounds a hello, a marker (the d-th drain: MARKER_ROUND + d) and a goodbye are sealed
+# with, far beyond any real round. All have zero codec bytes, so their seal is the key itself.
+HELLO_ROUND = 1 << 60
 MARKER_ROUND = 1 << 61
 GOODBYE_ROUND = 1 << 62
+ON_PEER_LOSS = ("raise", "continue")
 
 
 class WaitFreeGossip(GossipMember):
@@ -92,6 +113,8 @@ class WaitFreeGossip(GossipMember):
         round_period: steps per round (``sync_every / fragments``), >= 1.
         max_backlog: messages per neighbour sent and not yet taken, >= 1.
         stats: counts the bytes sent (level ``"inter"``); None: a private one.
+        on_peer_loss: ``"raise"`` a neighbour's failure, or ``"continue"`` without it (the
+            module docstring).
 
     Buffers (fp32 ``[numel]`` x (degree + 2), 2 more with an outer step) are created at the
     first round on x's device; the streams (and their threads, over Gloo) at the first
@@ -104,13 +127,15 @@ class WaitFreeGossip(GossipMember):
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
                  outer_momentum: float = 0.0, outer_lr: float = 1.0, round_period: int = 1,
-                 max_backlog: int = 64, _streams: MessageStreams | None = None) -> None:
+                 max_backlog: int = 64, on_peer_loss: str = "raise",
+                 _streams: MessageStreams | None = None) -> None:
         self._set_hyperparameters(
             numel, graph=graph, mixing=mixing, spec=spec, gamma=gamma, staleness=staleness,
             timeout_s=timeout_s, seed=seed, fragments=fragments,
             outer_momentum=outer_momentum, outer_lr=outer_lr, round_period=round_period,
             stats=stats)
         self.max_backlog = check_int("max_backlog", max_backlog, low=1)
+        self.on_peer_loss = check_choice("on_peer_loss", on_peer_loss, ON_PEER_LOSS)
         if _streams is not None:
             self.group_ranks, self.member = list(range(_streams.size)), _streams.member
         else:
@@ -122,9 +147,8 @@ class WaitFreeGossip(GossipMember):
         if _streams is not None and _streams.peers != self.peers:
             raise ValueError(f"the streams' peers {_streams.peers} != the graph's {self.peers}")
         w = mixing_matrix(self.graph, self.size, self.mixing).to(torch.float32)
-        self._weights = torch.stack([w[self.member, p] for p in self.peers]) if self.peers \
-            else torch.zeros(0)
-        self._weight_sum = float(self._weights.sum())
+        # Every edge of a regular graph has this weight; a new edge after a loss gets it too.
+        self._edge_weight = float(w[self.member, self.peers[0]]) if self.peers else 0.0
         self.nbytes = packed_nbytes(self.fragment_numel, spec)
         self.message_nbytes = self.nbytes + SEAL_NBYTES
         self._streams = _streams
@@ -133,7 +157,14 @@ class WaitFreeGossip(GossipMember):
 
         # the counters (the clock, steps, is the base class's)
         self.rounds_started = 0
+        # Per stream k (to and from peers[k]; a stream of a lost neighbour stays, dead):
         self.received = [0] * len(self.peers)     # messages of each neighbour applied
+        self._live = [True] * len(self.peers)     # not lost
+        self._greeted = [True] * len(self.peers)  # its copy is set up (a new one: hello)
+        self._joins = [0] * len(self.peers)       # the first round it is mixed in
+        self._mix_weights: tuple | None = None    # cached (who is mixed, weights)
+        self.lost: set[int] = set()               # members known to be lost
+        self.losses: list[dict] = []              # what was dropped, when, why
         # buffers (lazily, on x's device)
         self._hat_own: torch.Tensor | None = None
         self._own_pub: torch.Tensor | None = None
@@ -185,7 +216,8 @@ class WaitFreeGossip(GossipMember):
     def prepare(self) -> None:
         """Before the local update of a step that ends with a round: take what every neighbour
         sent since the previous round, verify it, and apply it to that neighbour's copy.
-        Nothing is applied when anything fails.
+        Nothing is applied when anything fails (with ``on_peer_loss="continue"`` a failed
+        stream is dropped instead, see the module docstring).
 
         Raises:
             PeerTimeoutError, PeerLostError: a neighbour's stream failed (silence past
@@ -194,32 +226,56 @@ class WaitFreeGossip(GossipMember):
         """
         if self.size == 1 or not self.round_due():
             return
-        failure = self._take()
-        self._sort_inbox()
-        if failure is not None:
-            raise failure
+        failures = self._take()
+        self._sort_inbox(failures)
+        self._handle(failures)
         self._apply_pending()
 
-    def _take(self) -> PeerError | None:
-        """Move what arrived into the inboxes; the first stream failure, if any."""
+    def _take(self) -> list[tuple[int, PeerError]]:
+        """Move what arrived into the inboxes; the live streams that failed."""
         streams = self._streams_now()
-        failure = None
-        for k in range(len(self.peers)):
+        failures = []
+        for k in self._live_streams():
             msgs, err = streams.take(k)
             self._inbox[k].extend(msgs)
-            failure = failure or err
-        return failure
+            if err is not None:
+                failures.append((k, err))
+        return failures
+
+    def _live_streams(self) -> list[int]:
+        return [k for k, live in enumerate(self._live) if live]
+
+    def _handle(self, failures: list[tuple[int, PeerError]]) -> None:
+        """Raise the first failure, or (``on_peer_loss="continue"``) drop every failed
+        neighbour."""
+        if failures and self.on_peer_loss == "raise":
+            raise failures[0][1]
+        for k, err in failures:
+            self._lose(k, err)
 
     def _stored_seal(self, m: torch.Tensor) -> int:
         return int.from_bytes(m[self.nbytes:].cpu().numpy().tobytes(), "little", signed=True)
 
-    def _sort_inbox(self) -> None:
+    def _sort_inbox(self, failures: list[tuple[int, PeerError]]) -> None:
         """Verify the inboxes' messages in order: rounds go to ``_pending``, markers are
-        counted. Raises CorruptPayloadError at the first that fails (it stays in the inbox)."""
+        counted, a hello sets up the copy. Raises CorruptPayloadError at the first that fails
+        (it stays in the inbox); a hello whose vectors do not come adds to ``failures``."""
         for k, box in enumerate(self._inbox):
             peer = self.peers[k]
-            while box:
+            while box and self._live[k]:
                 m = box[0]
+                if not self._greeted[k]:
+                    if not self._is_control(m, HELLO_ROUND, peer):
+                        raise CorruptPayloadError(
+                            f"gossip stream from rank {self.peer_ranks[k]} (rank "
+                            f"{self.group_ranks[self.member]}), its first message",
+                            [self.peer_ranks[k]], self.level, "not a hello")
+                    box.popleft()
+                    err = self._take_hello(k)
+                    if err is not None:
+                        failures.append((k, err))
+                        break
+                    continue
                 if self._is_control(m, MARKER_ROUND + self._markers[k], peer):
                     self._markers[k] += 1
                     box.popleft()
@@ -262,6 +318,7 @@ class WaitFreeGossip(GossipMember):
         Raises:
             PeerError: a neighbour's stream failed, or it did not take its messages
                 (``max_backlog``) within ``timeout_s``; nothing of the round was applied.
+                With ``on_peer_loss="continue"`` that neighbour is dropped instead.
         """
         if not self.round_due():
             self.steps += 1
@@ -281,7 +338,9 @@ class WaitFreeGossip(GossipMember):
         quantize(diff, self.spec, seed=gossip_message_seed(self.seed, t, self.member),
                  out=message[:self.nbytes])
         seal_(message, t, self.member)
-        streams.send(message)  # may raise (a neighbour's stream failed): nothing changed
+        failures = streams.send(message)
+        if failures and self.on_peer_loss == "raise":
+            raise failures[0][1]  # nothing changed
         self.steps += 1
         dequant_accumulate(message[:self.nbytes], own, self.spec)
         self._own_delay.append((t, message))
@@ -290,14 +349,28 @@ class WaitFreeGossip(GossipMember):
             dequant_accumulate(m[:self.nbytes], self._own_pub[self.fragment(r % self.fragments)],
                                self.spec)
         self.rounds_started += 1
+        # A new neighbour's hello carries hat_own with this round in it.
+        self._handle(failures)
         mixed = t - self.staleness
         if mixed < 0:
             return []  # nothing to mix yet: x is as it was
         f = mixed % self.fragments
-        self._mix(x, f)
+        self._mix(x, f, t)
         return [f]
 
-    def _mix(self, x: torch.Tensor, f: int) -> None:
+    def _weights_at(self, t: int, device: torch.device) -> tuple[torch.Tensor, float]:
+        """float32 ``[streams]``: each neighbour's weight in the mixing of round t (0 for a
+        lost one, and for a new one before it joins), and their sum."""
+        mixed = tuple(live and greeted and t >= join for live, greeted, join
+                      in zip(self._live, self._greeted, self._joins, strict=True))
+        cached = self._mix_weights
+        if cached is None or cached[0] != mixed or cached[1].device != device:
+            w = torch.tensor([self._edge_weight if m else 0.0 for m in mixed],
+                             dtype=torch.float32)
+            self._mix_weights = cached = (mixed, w.to(device), float(w.sum()))
+        return cached[1], cached[2]
+
+    def _mix(self, x: torch.Tensor, f: int, t: int) -> None:
         frag = self.fragment(f)
         xf = x[frag]
         if self._outer:
@@ -309,8 +382,9 @@ class WaitFreeGossip(GossipMember):
             d.add_(u, alpha=self.outer_momentum)
             torch.add(a, d, alpha=self.outer_lr, out=xf)
         # sum_j w_ij (copy_j - own_pub) = (W row) @ copies - (sum_j w_ij) own_pub
-        correction = torch.mv(self._copies[:, frag].t(), self._weights.to(x.device))
-        correction.add_(self._own_pub[frag], alpha=-self._weight_sum)
+        w, w_sum = self._weights_at(t, x.device)
+        correction = torch.mv(self._copies[:, frag].t(), w)
+        correction.add_(self._own_pub[frag], alpha=-w_sum)
         xf.add_(correction, alpha=self.gamma)
         if self._outer:
             self._anchor[frag].copy_(xf)
@@ -325,6 +399,169 @@ class WaitFreeGossip(GossipMember):
         if self._outer and self._momentum is None and like.numel() == self.numel:
             self._momentum = torch.zeros(self.numel, dtype=torch.float32, device=dev)
             self._anchor = like.detach().clone()  # every fragment's start: x at the first round
+
+    # -----------------------------------------------------------------------------------------
+    # a lost neighbour: drop it, close the graph over the gap
+
+    def _lose(self, k: int, err: PeerError) -> None:
+        """Drop neighbour ``k`` for good and link to the nearest live member on each side
+        that is not a neighbour already."""
+        if not self._live[k]:
+            return
+        peer = self.peers[k]
+        self._live[k] = False
+        self._mix_weights = None
+        self._inbox[k].clear()
+        self._pending[k] = []
+        self._streams_now().drop(k)
+        self.lost.add(peer)
+        event = {"rank": self.peer_ranks[k], "member": peer, "step": self.steps,
+                 "round": self.rounds_started, "time": time.time(),
+                 "error": type(err).__name__, "detail": str(err)}
+        self.losses.append(event)
+        linked = []
+        for side in (1, -1):
+            j = self._nearest_live(side)
+            if j is not None and j not in self._live_peers():
+                self._greet(j)
+                linked.append(self.group_ranks[j])
+        log.warning("qcomm: rank %d dropped its gossip neighbour rank %d at step %d (%s: %s); "
+                    "%d of %d nodes live as far as it knows%s", self.group_ranks[self.member],
+                    event["rank"], self.steps, event["error"], err,
+                    self.live_members(), self.size,
+                    f"; linked to rank(s) {linked}" if linked else "")
+
+    def _live_peers(self) -> list[int]:
+        return [self.peers[k] for k in self._live_streams()]
+
+    def live_members(self) -> int:
+        """How many members are live, as far as this member knows (itself included)."""
+        return self.size - len(self.lost)
+
+    def _nearest_live(self, side: int) -> int | None:
+        """The nearest member on ``side`` (+1: higher indices, cyclic) not known to be lost;
+        None when this member is the only one."""
+        for d in range(1, self.size):
+            j = (self.member + side * d) % self.size
+            if j not in self.lost:
+                return j
+        return None
+
+    def _greet(self, peer: int) -> None:
+        """Open streams to ``peer`` and send it the hello: a control message, then two
+        vectors: int64 ``[rounds_started, drains]`` and this member's ``hat_own``."""
+        streams = self._streams_now()
+        k = streams.open(peer, self.group_ranks[peer])
+        assert k == len(self.peers), "streams and gossip disagree on the stream count"
+        self.peers.append(peer)
+        self.peer_ranks.append(self.group_ranks[peer])
+        self.received.append(0)
+        self._live.append(True)
+        self._greeted.append(False)
+        self._joins.append(self.rounds_started)  # raised to the later side's once greeted
+        self._inbox.append(deque())
+        self._pending.append([])
+        self._markers.append(0)
+        self._mix_weights = None
+        if self._copies is not None:
+            self._copies = torch.cat([self._copies, torch.zeros_like(self._copies[:1])])
+        err = streams.send_to(k, self._control_message(HELLO_ROUND))
+        if err is not None:
+            self._lose(k, err)
+            return
+        streams.send_vector(k, torch.tensor([self.rounds_started, self._drains],
+                                            dtype=torch.int64))
+        own = self._hat_own.cpu().clone() if self._hat_own is not None \
+            else torch.zeros(self.numel, dtype=torch.float32)
+        streams.send_vector(k, own)
+
+    def _take_hello(self, k: int) -> PeerError | None:
+        """The hello's vectors of stream ``k``: its copy, its round and drain counts."""
+        streams = self._streams_now()
+        meta = torch.zeros(2, dtype=torch.int64)
+        err = streams.recv_vector(k, meta)
+        copy = torch.zeros(self.numel, dtype=torch.float32)
+        err = err or streams.recv_vector(k, copy)
+        if err is not None:
+            return err
+        rounds, drains = (int(v) for v in meta)
+        if self._copies is None:
+            self._ensure_buffers(copy)
+        self._copies[k].copy_(copy)
+        self.received[k] = rounds
+        self._markers[k] = drains
+        # Both ends mix the edge from the same round on: both copies then hold the rounds of
+        # the lagged own copies they are compared with.
+        self._joins[k] = max(self._joins[k], rounds) + self.staleness
+        self._greeted[k] = True
+        self._mix_weights = None
+        return None
+
+    def survivors_sum(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The sum of ``t`` (any float dtype and shape) over the live members and their
+        count; every live member gets the same bits. Collective: every live member calls it
+        at the same point, after :meth:`drain`. The sum runs along the closed ring from the
+        lowest live member, and the total is passed around.
+
+        Raises:
+            PeerError: a member was lost during the sum (nothing is returned; the graph has
+                closed over it, and another call sums the remaining members).
+        """
+        right, left = self._nearest_live(1), self._nearest_live(-1)
+        if self.size == 1 or right is None:
+            return t.clone(), 1
+        streams = self._streams_now()
+        kr, kl = self._stream_of(right), self._stream_of(left)
+        cpu = t.detach().to("cpu", copy=True).contiguous()
+        leader = left > self.member  # the lowest live member: its left wraps around
+        last = right < self.member   # its right is the lowest
+
+        # Upstream members may each spend up to timeout_s finding a loss in their drain.
+        wait_s = 2 * self.timeout_s
+        # Beside the sum goes int64 [1 + size]: the count, and a 1 for every member someone
+        # knows to be lost; every member learns the union (stats say how many are live).
+        lost = torch.zeros(1 + self.size, dtype=torch.int64)
+        lost[1 + torch.tensor(sorted(self.lost), dtype=torch.int64)] = 1
+
+        def recv(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            out, info = torch.empty_like(cpu), torch.empty_like(lost)
+            err = streams.recv_vector(k, out, wait_s) or streams.recv_vector(k, info, wait_s)
+            if err is not None:
+                self._handle([(k, err)])
+                raise err
+            return out, info
+
+        def send(k: int, v: torch.Tensor, info: torch.Tensor) -> None:
+            streams.send_vector(k, v)
+            streams.send_vector(k, info)
+
+        lost[0] = 1
+        if leader:
+            send(kr, cpu, lost)
+            total, info = recv(kl)      # from the last
+            send(kr, total, info)       # around the ring, up to the last
+        else:
+            total, info = recv(kl)
+            total.add_(cpu)
+            upstream = int(info[0])
+            info = torch.maximum(info, lost)
+            info[0] = upstream + 1      # the count: the partial's and this member
+            send(kr, total, info)       # the last sends the total to the leader
+            if last:
+                recv(kl)                # the total, come around: already known here
+            else:
+                total, info = recv(kl)
+                send(kr, total, info)
+        count = int(info[0])
+        self.lost |= {m for m in range(self.size) if info[1 + m]}
+        # a copy: the tensor sent is the streams' until it has left
+        return total.to(t.device, copy=True), count
+
+    def _stream_of(self, peer: int) -> int:
+        for k in self._live_streams():
+            if self.peers[k] == peer:
+                return k
+        raise RuntimeError(f"no live stream to member {peer}")
 
     # -----------------------------------------------------------------------------------------
     # collective points
@@ -350,7 +587,7 @@ class WaitFreeGossip(GossipMember):
         """First half of :meth:`drain`: mark the end of what this member sent so far."""
         marker = self._control_message(MARKER_ROUND + self._drains)
         self._drains += 1
-        self._streams_now().send(marker)
+        self._handle(self._streams_now().send(marker))
 
     def await_markers(self) -> None:
         """Second half of :meth:`drain`: take and apply every message until each neighbour's
@@ -358,12 +595,14 @@ class WaitFreeGossip(GossipMember):
         streams = self._streams_now()
         deadline = time.monotonic() + self.timeout_s
         while True:
-            failure = self._take()
-            self._sort_inbox()
-            if failure is not None:
-                raise failure
-            waiting = [k for k in range(len(self.peers))
-                       if self._markers[k] < self._drains and not streams.ended(k)]
+            failures = self._take()
+            self._sort_inbox(failures)
+            self._handle(failures)
+            if failures:  # new neighbours get the full time to answer
+                deadline = time.monotonic() + self.timeout_s
+            waiting = [k for k in self._live_streams()
+                       if (not self._greeted[k] or self._markers[k] < self._drains)
+                       and not streams.ended(k)]
             if not waiting:
                 break
             left = deadline - time.monotonic()
@@ -379,7 +618,7 @@ class WaitFreeGossip(GossipMember):
     # goodbye and close
 
     def _control_message(self, round: int) -> torch.Tensor:
-        """A marker or goodbye: all-zero codec bytes sealed with ``round``."""
+        """A hello, marker or goodbye: all-zero codec bytes sealed with ``round``."""
         m = torch.zeros(self.message_nbytes, dtype=torch.uint8)
         seal_(m, round, self.member)
         return m
@@ -408,10 +647,14 @@ class WaitFreeGossip(GossipMember):
     # -----------------------------------------------------------------------------------------
     # statistics and checkpoints
 
-    def lag(self) -> list[int]:
-        """Per neighbour, this member's rounds minus the neighbour's rounds it has applied
-        (negative: the neighbour is ahead)."""
-        return [self.rounds_started - r for r in self.received]
+    def rounds_received(self) -> dict[int, int]:
+        """Per live neighbour (its global rank), the rounds of it applied here."""
+        return {self.peer_ranks[k]: self.received[k] for k in self._live_streams()}
+
+    def lag(self) -> dict[int, int]:
+        """Per live neighbour (its global rank), this member's rounds minus the neighbour's
+        rounds it has applied (negative: the neighbour is ahead)."""
+        return {r: self.rounds_started - n for r, n in self.rounds_received().items()}
 
     def _config(self) -> dict:
         return {"numel": self.numel, "size": self.size, "member": self.member,
@@ -433,10 +676,18 @@ class WaitFreeGossip(GossipMember):
             raise RuntimeError("WaitFreeGossip.state_dict() needs drain() on every member "
                                "first, with no round in between: otherwise messages in flight "
                                "would be lost on resume")
+        live = self._live_streams()
+        copies = self._copies if self._copies is None or len(live) == len(self.peers) \
+            else self._copies[live]
         return {"config": self._config(), "wire_format": WIRE_FORMAT_VERSION,
                 "gamma": self.gamma, "seed": self.seed, "steps": self.steps,
-                "rounds_started": self.rounds_started, "received": list(self.received),
-                "hat_own": self._hat_own, "own_pub": self._own_pub, "copies": self._copies,
+                "rounds_started": self.rounds_started,
+                # the live neighbours (after a loss, not the graph's), per neighbour
+                "peers": [self.peers[k] for k in live],
+                "received": [self.received[k] for k in live],
+                "joins": [self._joins[k] for k in live],
+                "lost": sorted(self.lost), "losses": list(self.losses),
+                "hat_own": self._hat_own, "own_pub": self._own_pub, "copies": copies,
                 "momentum": self._momentum, "anchor": self._anchor,
                 "own_delay": [(r, m) for r, m in self._own_delay]}
 
@@ -449,12 +700,23 @@ class WaitFreeGossip(GossipMember):
                              f"{self._config()}")
         if self._streams is not None and not self._streams_given:
             raise RuntimeError("load_state_dict after the streams started")
+        if self._streams_given and [int(p) for p in state["peers"]] != self._streams.peers:
+            raise ValueError(f"state's neighbours {state['peers']} != the given streams' "
+                             f"{self._streams.peers}")
         copy = lambda t: None if t is None else t.detach().clone()
         self.gamma = float(state["gamma"])
         self.seed = check_seed(state["seed"])
         self.steps = int(state["steps"])
         self.rounds_started = int(state["rounds_started"])
+        self.peers = [int(p) for p in state["peers"]]
+        self.peer_ranks = [self.group_ranks[p] for p in self.peers]
         self.received = [int(r) for r in state["received"]]
+        self._joins = [int(j) for j in state["joins"]]
+        self._live = [True] * len(self.peers)
+        self._greeted = [True] * len(self.peers)
+        self._mix_weights = None
+        self.lost = {int(m) for m in state["lost"]}
+        self.losses = [dict(e) for e in state["losses"]]
         self._hat_own, self._own_pub = copy(state["hat_own"]), copy(state["own_pub"])
         self._copies = copy(state["copies"])
         self._momentum, self._anchor = copy(state["momentum"]), copy(state["anchor"])
