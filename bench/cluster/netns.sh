@@ -448,11 +448,14 @@ cmd_launch() {
     # pids still running, so finished ones leave the list.
     local rc=0 done_pid status
     local -a left
+    # While the nodes run, bash's notices of jobs killed by SIGKILL ("line N: PID Killed ...":
+    # a lost node, or an agent stopped by reap_survivors; printed whenever bash reaps the job)
+    # are filtered out of stderr; everything else passes. Our messages go to fd 3 (stderr).
+    exec 3>&2 2> >(grep --line-buffered -v -E ': line [0-9]+: +[0-9]+ Killed ' >&3)
     while [ "${#pids[@]}" -gt 0 ]; do
         status=0
         done_pid=""
-        # stderr: bash's "PID Killed ..." notices (a lost node, or an agent stopped below).
-        wait -n -p done_pid "${pids[@]}" 2>/dev/null || status=$?
+        wait -n -p done_pid "${pids[@]}" || status=$?
         if [ -z "${done_pid:-}" ]; then
             # "no such job": bash already dropped a finished one (two nodes ending together);
             # find it, and its status is still there for a plain `wait`.
@@ -473,7 +476,7 @@ cmd_launch() {
         pids=("${left[@]}")
         if [ -n "$lost_pid" ] && [ "$done_pid" = "$lost_pid" ]; then
             echo "netns.sh: node $lost ended with status $status (its planned loss);" \
-                "the other nodes go on" >&2
+                "the other nodes go on" >&3
             if [ "${#pids[@]}" -gt 0 ]; then
                 reap_survivors "$reaped" "${pids[@]}" &
                 reaper=$!
@@ -485,7 +488,7 @@ cmd_launch() {
         fi
         if [ "$status" -ne 0 ] && [ "$rc" -eq 0 ]; then
             rc=$status
-            echo "netns.sh: a node exited with status $status; stopping the others" >&2
+            echo "netns.sh: a node exited with status $status; stopping the others" >&3
             for k in "${pids[@]}"; do
                 kill -TERM "$k" 2>/dev/null || true
             done
@@ -495,6 +498,7 @@ cmd_launch() {
         kill "$reaper" 2>/dev/null || true
         wait "$reaper" 2>/dev/null || true
     fi
+    exec 2>&3 3>&-
     rm -f "$reaped"
     for k in "${cgroups[@]}"; do
         remove_cgroup "$k"
