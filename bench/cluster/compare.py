@@ -21,6 +21,12 @@ JSON (workload.py); this script derives from it, per run:
 and per cell (workload, layout, rate, method) the median over the repetitions with the min and
 max beside it, and the targets for the qcomm method against ddp and the other peers (assgd-4 on
 MNIST-1D, qcomm-hier-4 on charlm), met or missed and by how much.
+
+With ``--kill-node K --kill-at F`` every process of node K dies (SIGKILL) at that fraction of
+each run, and each run is classified by what the survivors did: it stops (a failed collective:
+the step, the error's class, the best quality its snapshots reached), continues with the
+surviving nodes, or finished (the node was not lost); time to target and final quality are the
+survivors' (a method that stops counts only snapshots taken before the loss).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -105,12 +112,73 @@ def _metric(result: dict[str, Any]) -> tuple[str, str]:
     return m["name"], m["goal"]
 
 
+def kill_summary(result: dict[str, Any], target: float) -> dict[str, Any]:
+    """What the survivors of a lost node did, from a run's JSON written under ``--kill-node``.
+
+    ``behaviour``: ``"stops at step s: ErrorName"`` when a surviving rank's communication failed
+    (the earliest stop; ``steps a-b`` when the ranks stopped at different steps, the place in
+    parentheses when it was not a training step, e.g. ``finalize``), ``"continues with M
+    nodes"`` when the node was lost and every survivor finished (M: qcomm's ``live_nodes``
+    where reported, else the surviving nodes), ``"finished"`` when the node was not lost.
+    ``time_to_target_s``: the survivors' first snapshot reaching ``target``; for a method that
+    stops, only snapshots taken before the loss count (steps up to the kill step, or times up
+    to the kill time for per-node budgets). ``final``: the run's final quality (the surviving
+    nodes' final parameters averaged when every survivor finished, else the last snapshot);
+    ``best``: the best quality of the survivors' snapshots.
+    """
+    kill, ranks, curve = result["kill"], result["ranks"], result["curve"]
+    metric, goal = _metric(result)
+    survivors = sum(1 for n in result["nodes"] if not n["killed"])
+    stopped = [r for r in ranks if r.get("status") == "stopped"]
+    missing = result.get("missing_ranks") or []
+    stop = None
+    if stopped:
+        first = min(stopped, key=lambda r: (r["error"]["step"], r["rank"]))
+        at = sorted({r["error"]["step"] for r in stopped})
+        where = first["error"]["where"]
+        stop = {"step": at[0], "error": first["error"]["type"], "where": where,
+                "message": first["error"]["message"], "ranks": [r["rank"] for r in stopped]}
+        behaviour = (f"stops at step {at[0]}" if len(at) == 1 else
+                     f"stops at steps {at[0]}-{at[-1]}") \
+            + ("" if where == "step" else f" ({where})") + f": {stop['error']}"
+        outcome = "stops"
+    elif missing:
+        behaviour, outcome = f"stops: no result from ranks {missing}", "stops"
+    elif kill["happened"]:
+        live = [r["live_nodes"] for r in ranks if r.get("live_nodes") is not None]
+        behaviour = f"continues with {min(live) if live else survivors} nodes"
+        outcome = "continues"
+    else:
+        behaviour, outcome = "finished", "finished"
+    counted = curve
+    if outcome == "stops" and kill["happened"]:
+        if kill.get("step") is not None:
+            counted = [p for p in curve if p["step"] <= kill["step"]]
+        else:
+            counted = [p for p in curve if p["time_s"] <= kill["killed_at_s"]]
+    values = [p[metric] for p in curve]
+    best = (max(values) if goal == "max" else min(values)) if values else None
+    return {
+        "kill": {k: kill.get(k) for k in ("node", "at", "step", "time_s", "happened",
+                                          "killed_at_step", "killed_at_s")},
+        "behaviour": behaviour, "outcome": outcome, "stop": stop,
+        "survivor_nodes": survivors, "missing_ranks": missing,
+        "time_to_target_s": time_to_target(counted, target, metric, goal),
+        "final": result[f"final_{metric}"], "final_from": result.get("final_from"),
+        "best": best,
+    }
+
+
 def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
     """One run's JSON (workload.py) -> one repetition's row of the table.
 
     Bytes are per training step and per node (what one node puts on its link): interface
     counters are averaged over nodes; qcomm's stats are summed over a node's ranks, then averaged
     over nodes. ``comm_fraction`` is ``1 - compute-only step / step``, averaged over ranks.
+    A run with a lost node (``kill`` in the JSON) has rows of the surviving ranks only, some of
+    which may have stopped before their first step; :func:`kill_summary` adds what the
+    survivors did, and the bytes are not compared (the formulas assume every node took every
+    step, and no barrier closed the window).
     """
     cfg, lay, ranks = result["config"], result["layout"], result["ranks"]
     steps, nodes = cfg["steps"], lay["nodes"]
@@ -118,21 +186,24 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
     # time budget (wait-free gossip). Per-step figures divide by each rank's own count.
     for r in ranks:
         r.setdefault("steps", steps)
-    step_med = statistics.median(r["step_median_s"] for r in ranks)
+    timed = [r for r in ranks if r["step_median_s"] is not None and r["steps"] > 0]
+    step_med = statistics.median(r["step_median_s"] for r in timed) if timed else None
     loop = max(r["loop_s"] for r in ranks)
     comm_frac = statistics.fmean(max(0.0, 1.0 - r["baseline_median_s"] / r["step_median_s"])
-                                 for r in ranks)
-    counted = [r for r in ranks if r["iface_tx_bytes"] is not None]
+                                 for r in timed) if timed else None
+    counted = [r for r in ranks if r["iface_tx_bytes"] is not None and r["steps"] > 0]
     iface = statistics.fmean(r["iface_tx_bytes"] / r["steps"] for r in counted) \
         if counted else None
     pk = [r for r in counted if r.get("iface_tx_packets") is not None]
     packets = statistics.fmean(r["iface_tx_packets"] / r["steps"] for r in pk) \
         if pk and len(pk) == len(counted) else None
     payload = M.tcp_payload(iface, packets) if packets is not None else None
-    qstats = [r for r in ranks if r.get("qcomm_bytes") is not None]
-    qcomm_inter = (sum(r["qcomm_bytes"]["inter"] / r["steps"] for r in qstats) / nodes) \
+    qstats = [r for r in ranks if r.get("qcomm_bytes") is not None and r["steps"] > 0]
+    # Per node: every node, or the nodes with ranks in the JSON when a node was lost.
+    per = nodes if result.get("kill") is None else max(1, len({r["node"] for r in ranks}))
+    qcomm_inter = (sum(r["qcomm_bytes"]["inter"] / r["steps"] for r in qstats) / per) \
         if qstats else None
-    qcomm_intra = (sum(r["qcomm_bytes"]["intra"] / r["steps"] for r in qstats) / nodes) \
+    qcomm_intra = (sum(r["qcomm_bytes"]["intra"] / r["steps"] for r in qstats) / per) \
         if qstats else None
     heads = sorted((r for r in ranks if r.get("local_rank", 0) == 0),
                    key=lambda r: r.get("node", 0))
@@ -154,7 +225,7 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
     agree = M.agreement(iface, reference) if iface is not None and reference is not None else None
     agree_payload = (M.agreement(payload, reference)
                      if payload is not None and reference is not None else None)
-    return {
+    row = {
         "method": result["method"],
         "workload": result.get("workload", "mnist1d"),
         "layout": f"{nodes}x{lay['procs']}",
@@ -181,12 +252,16 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
         "bytes_rel_diff": agree,
         "comm_fraction": comm_frac,
         "compute_step_s": statistics.fmean(r["baseline_median_s"] for r in ranks),
-        "fwd_bwd_s": statistics.fmean(r["fwd_bwd_median_s"] for r in ranks),
-        "opt_step_s": statistics.fmean(r["opt_step_median_s"] for r in ranks),
+        "fwd_bwd_s": statistics.fmean(r["fwd_bwd_median_s"] for r in timed) if timed else None,
+        "opt_step_s": statistics.fmean(r["opt_step_median_s"] for r in timed) if timed else None,
         "loop_s": loop,
         "curve": result["curve"],
         "notes": notes,
     }
+    if result.get("kill") is not None:
+        row.update(kill_summary(result, target))
+        row["bytes_rel_diff"] = row["payload_rel_diff"] = None
+    return row
 
 
 def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -233,8 +308,12 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         t = r.get("time_to_target_s")
         return float("inf") if t is None else t
 
+    def step_key(r: dict[str, Any]) -> float:
+        t = r.get("step_median_s")
+        return float("inf") if t is None else t
+
     reached = any(r.get("time_to_target_s") is not None for r in ok)
-    order = sorted(ok, key=rank_key if reached else (lambda r: r["step_median_s"]))
+    order = sorted(ok, key=rank_key if reached else step_key)
     row["curve"] = order[(len(order) - 1) // 2]["curve"]
     row["spread"] = spread
     row["repeats"] = len(reps)
@@ -242,7 +321,29 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     row["failed_repeats"] = [r["status"] for r in reps if r.get("status") != "ok"]
     row["per_repeat"] = [{k: r.get(k) for k in (*SPREAD_FIELDS, "bytes_rel_diff", "status")}
                          for r in reps]
+    if any(r.get("kill") for r in ok):
+        row.update(aggregate_kill(ok))
+        for r, out in zip(reps, row["per_repeat"], strict=True):
+            out.update({k: r.get(k) for k in KILL_FIELDS})
     return row
+
+
+# What a run with a lost node adds to its row and to each repetition's figures.
+KILL_FIELDS = ("behaviour", "outcome", "stop", "best", "final_from")
+
+
+def aggregate_kill(ok: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The lost-node fields of a cell: the behaviour (the repetitions' one, or each distinct
+    one with how many repetitions showed it, the most frequent first), the median best
+    quality with its [min, max]."""
+    counts = Counter(r.get("behaviour") or "-" for r in ok)
+    behaviour = next(iter(counts)) if len(counts) == 1 else \
+        "; ".join(f"{b} ({n}x)" for b, n in counts.most_common())
+    outcomes = Counter(r.get("outcome") for r in ok)
+    best = [r["best"] for r in ok if r.get("best") is not None]
+    return {"behaviour": behaviour, "outcome": outcomes.most_common(1)[0][0],
+            "best": statistics.median(best) if best else None,
+            "best_spread": [min(best), max(best)] if best else None}
 
 
 def check_targets(rows: Sequence[dict[str, Any]], subject: str = "assgd-4") -> list[dict[str, Any]]:
@@ -318,10 +419,17 @@ def fmt_quality(v: float | None, metric: str) -> str:
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    """Fixed-width table of cell rows (aggregated repetitions, or single runs)."""
-    head = ("workload", "layout", "rate", "method", "n", "step ms", "samples/s",
-            "t->target s [min-max]", "final", "inter B/step (iface)", "(qcomm|formula)", "diff",
-            "diff -hdr", "comm %")
+    """Fixed-width table of cell rows (aggregated repetitions, or single runs). With a lost
+    node (rows with ``kill``), time to target and final quality are the survivors', and the
+    best quality and the behaviour (stops / continues / finished) follow."""
+    head: tuple[str, ...] = (
+        "workload", "layout", "rate", "method", "n", "step ms", "samples/s",
+        "t->target s [min-max]", "final", "inter B/step (iface)", "(qcomm|formula)", "diff",
+        "diff -hdr", "comm %")
+    killed = any(r.get("kill") for r in rows)
+    if killed:
+        head = (*head[:7], "survivors t->target s [min-max]", "survivors final", *head[9:],
+                "best", "behaviour")
     lines = []
     notes: dict[int, str] = {}  # row -> status, printed after the row (it sizes no column)
     for r in rows:
@@ -351,8 +459,11 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
                                                    else 100 * r["bytes_rel_diff"], ".2f") + "%",
             fmt(None if r.get("payload_rel_diff") is None else 100 * r["payload_rel_diff"],
                 ".2f") + "%",
-            fmt(100 * r["comm_fraction"], ".0f"),
+            fmt(None if r["comm_fraction"] is None else 100 * r["comm_fraction"], ".0f"),
         ))
+        if killed:
+            lines[-1] = (*lines[-1], fmt_quality(r.get("best"), r.get("metric", "test_acc")),
+                         r.get("behaviour") or "-")
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
     out = ["  ".join(str(x).ljust(w) for x, w in zip(head, widths, strict=True))]
     out.append("  ".join("-" * w for w in widths))
@@ -363,6 +474,26 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         else:
             out.append("  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)))
     return "\n".join(out)
+
+
+def kill_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown: what each method did when the node was lost (rows of one sweep with
+    ``--kill-node``): behaviour, the survivors' time to target and final quality, the best
+    quality their snapshots reached."""
+    lines = ["| workload | layout | rate | method | behaviour | survivors' time to target s | "
+             "survivors' final | best |", "|" + "---|" * 8]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r.get('workload', 'mnist1d')} | {r['layout']} | {r['rate']} | "
+                         f"{r['method']} | {r['status']} | - | - | - |")
+            continue
+        metric = r.get("metric", "test_acc")
+        ttt = fmt_spread(r["time_to_target_s"], (r.get("spread") or {}).get("time_to_target_s"),
+                         ".1f", none="never")
+        lines.append(f"| {r.get('workload', 'mnist1d')} | {r['layout']} | {r['rate']} | "
+                     f"{r['method']} | {r.get('behaviour') or '-'} | {ttt} | "
+                     f"{fmt_quality(r['final'], metric)} | {fmt_quality(r.get('best'), metric)} |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,17 +531,23 @@ def workload_command(workload: str, method: str, args: argparse.Namespace, data:
             "--diloco-sync-every", str(args.diloco_sync_every),
             "--streaming-fragments", str(args.streaming_fragments),
             "--streaming-delay", str(args.streaming_delay),
-            *(["--profile"] if args.profile else [])]
+            *(["--profile"] if args.profile else []),
+            *(["--pg-timeout", f"{args.pg_timeout:g}"] if args.pg_timeout is not None else []),
+            *(["--kill-node", str(args.kill_node), "--kill-at", f"{args.kill_at:g}"]
+              if args.kill_node is not None else [])]
 
 
 def run_one(cluster: str, layout: M.Layout, cmd_args: list[str], timeout: int, out_json: Path,
-            log: Path, bar: Any, slow: tuple[int, float] = (0, 1.0)) -> tuple[int, str]:
+            log: Path, bar: Any, slow: tuple[int, float] = (0, 1.0),
+            lost: int | None = None) -> tuple[int, str]:
     """Launch one run on the cluster (``slow``: the last ``slow[0]`` nodes capped to
-    ``1 / slow[1]`` of the others' CPU); stream node 0's progress into ``bar``."""
+    ``1 / slow[1]`` of the others' CPU; ``lost``: the node the run kills, whose end is no
+    failure); stream node 0's progress into ``bar``."""
     out_json.unlink(missing_ok=True)
     cmd = ["bash", str(NETNS), "launch", "--id", cluster, "--nodes", str(layout.nodes),
            "--procs", str(layout.procs), "--timeout", str(timeout),
            "--slow-nodes", str(slow[0]), "--slowdown", str(slow[1]),
+           *(["--lost-node", str(lost)] if lost is not None else []),
            "--logdir", str(log.parent / log.stem), "--", *cmd_args]
     # torchrun of this interpreter's environment (netns.sh looks for TORCHRUN first).
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -586,6 +723,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=None,
                    help="With --time-budget: the most steps a node takes (default 100 x steps: the "
                         "budget decides).")
+    p.add_argument("--kill-node", type=int, default=None,
+                   help="Lose this node in every run: all its processes (ranks and torchrun "
+                        "agent) are killed with SIGKILL at --kill-at of the run. 1 or more "
+                        "(node 0 hosts the rendezvous store), and a node of every layout.")
+    p.add_argument("--kill-at", type=float, default=None,
+                   help="When --kill-node dies, a fraction strictly between 0 and 1: after step "
+                        "round(F x steps) of that node, or F x --time-budget seconds into the "
+                        "timed window for the methods with a per-node budget.")
+    p.add_argument("--pg-timeout", type=float, default=None,
+                   help="Seconds a collective (and torchft's quorum) may wait before it fails; "
+                        "with --kill-node, the longest a survivor stays blocked on the lost "
+                        "node. Left out: workload.py's default (300).")
     p.add_argument("--timeout", type=int, default=900, help="The seconds allowed per run.")
     p.add_argument("--agree", type=float, default=0.05,
                    help="Largest relative difference allowed between the two byte counts.")
@@ -600,7 +749,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
+    check_kill(p, args)
+    if args.pg_timeout is not None and args.pg_timeout <= 0:
+        p.error(f"--pg-timeout must be a number of seconds > 0, got {args.pg_timeout:g}")
     return args
+
+
+def check_kill(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--kill-node and --kill-at: both or neither; a node other than 0 that every layout has;
+    a fraction strictly inside the run."""
+    if (args.kill_node is None) != (args.kill_at is None):
+        p.error("--kill-node and --kill-at go together (which node is lost, and when)")
+    if args.kill_node is None:
+        return
+    if args.kill_node < 1:
+        p.error(f"--kill-node must be 1 or more: node 0 hosts the rendezvous store "
+                f"(torchrun's, and torchft's lighthouse), got {args.kill_node}")
+    try:
+        layouts = [parse_layout(v) for v in args.layouts.split(",")]
+    except ValueError as e:
+        p.error(str(e))
+    short = [f"{lay.nodes}x{lay.procs}" for lay in layouts if args.kill_node >= lay.nodes]
+    if short:
+        p.error(f"--kill-node {args.kill_node} is not a node of layout {', '.join(short)} "
+                f"(nodes are numbered from 0)")
+    if not 0 < args.kill_at < 1:
+        p.error(f"--kill-at must be a fraction strictly between 0 and 1, got {args.kill_at:g}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -623,6 +797,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"environment: {json.dumps(env)}")
     if args.repeats < 3:
         print(f"repeats: {args.repeats} (fewer than 3: the spread columns say little)")
+    if args.kill_node is not None:
+        print(f"lost node: node {args.kill_node} is killed (SIGKILL, every process) after step "
+              f"round({args.kill_at:g} x steps), or at {args.kill_at:g} x time budget for "
+              "per-node budgets")
     data: dict[str, Path] = {}
     data_info: dict[str, Any] = {}
     for w in workloads:
@@ -669,7 +847,8 @@ def main(argv: list[str] | None = None) -> int:
                                   position=1, leave=False) as bar:
                             rc, tail = run_one(cluster, lay, cmd, args.timeout, out_json,
                                                outdir / "runs" / f"{stem}.log", bar,
-                                               (args.slow_nodes, args.slowdown))
+                                               (args.slow_nodes, args.slowdown),
+                                               args.kill_node)
                         if rc != 0 or not out_json.exists():
                             tqdm.write(f"{stem}: FAILED (exit {rc}); log "
                                        f"{outdir}/runs/{stem}.log\n{tail}")
@@ -686,6 +865,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{**aggregate(cell_reps), "rate": cell[2]} for cell, cell_reps in reps.items()]
     print()
     print(table(rows))
+    if args.kill_node is not None:
+        print(f"\nnode {args.kill_node} lost at {args.kill_at:g} of each run:\n")
+        print(kill_table(rows))
     checks = {}
     for w in workloads:
         for lay, rate in combos:
@@ -701,11 +883,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {t['name']:<36} {mark:<7} value {val:<9} need {t['need']}")
     # Judged where the second count is the method's own (qcomm's stats); formulas are payload
     # only, and PowerSGD's many small messages carry more framing than 5% (bench/RESULTS.md).
+    # Not under a lost node: no barrier closes the window, and the survivors stop apart.
     bad_bytes = [r for r in rows if r.get("status") == "ok" and r["bytes_reference"] == "qcomm"
+                 and not r.get("kill")
                  and (r["bytes_rel_diff"] is None or r["bytes_rel_diff"] > args.agree)]
     failed = [r for r in rows if r.get("status", "").startswith("failed")
               or r.get("failed_repeats")]
-    summary = {"environment": env, "args": vars(args), "data": data_info, "targets_quality":
+    # The lost-node and timeout options only when given (a healthy sweep's summary as before).
+    given = {k: v for k, v in vars(args).items()
+             if not (k in ("kill_node", "kill_at", "pg_timeout") and v is None)}
+    summary = {"environment": env, "args": given, "data": data_info, "targets_quality":
                targets, "rows": rows, "targets": checks,
                "bytes_disagree": [r["method"] for r in bad_bytes],
                "failed": [f"{r.get('workload')} {r['layout']} {r['rate']} {r['method']}"

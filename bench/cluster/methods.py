@@ -51,15 +51,17 @@ class MethodInfo:
 
 
 # qcomm variants by name: <kind>-<bits>[-h<H>[f<F>]][-s<staleness>][-g<gamma x 100>]
-# [-m<outer momentum x 10>][-o<outer lr x 10>][-ring|-exp|-complete][-n][-ddp][-wf] (-n: nearest
-# rounding, -wf: wait-free gossip), kind "assgd" (SGD, MNIST-1D only) or "qcomm-hier" (the
-# workload's own optimizer, e.g. AdamW). E.g. assgd-4-h8f4 (gossip every 8 steps in 4
-# fragments) or qcomm-hier-2-h8f4-m5-ddp (outer momentum 0.5, node gradient mean by DDP).
+# [-m<outer momentum x 10>][-o<outer lr x 10>][-ring|-exp|-complete][-n][-ddp][-wf][-cont] (-n:
+# nearest rounding, -wf: wait-free gossip, -cont: wait-free gossip that continues without a
+# lost node, on_peer_loss="continue"; -cont implies -wf, so -wf-cont and -cont are the same),
+# kind "assgd" (SGD, MNIST-1D only) or "qcomm-hier" (the workload's own optimizer, e.g. AdamW).
+# E.g. assgd-4-h8f4 (gossip every 8 steps in 4 fragments) or qcomm-hier-2-h8f4-m5-ddp (outer
+# momentum 0.5, node gradient mean by DDP).
 _VARIANT = re.compile(r"(?P<kind>assgd|qcomm-hier)-(?P<bits>[1248])"
                       r"(?:-h(?P<h>\d+)(?:f(?P<f>\d+))?)?"
                       r"(?:-s(?P<s>\d+))?(?:-g(?P<g>\d+))?(?:-m(?P<m>\d))?(?:-o(?P<o>\d+))?"
                       r"(?:-(?P<graph>ring|exp|complete))?(?P<near>-n)?(?P<ddp>-ddp)?"
-                      r"(?P<wf>-wf)?")
+                      r"(?P<wf>-wf)?(?P<cont>-cont)?")
 
 
 def qcomm_variant(name: str) -> dict[str, Any] | None:
@@ -83,9 +85,18 @@ def qcomm_variant(name: str) -> dict[str, Any] | None:
         out["graph"] = {"exp": "exponential"}.get(m["graph"], m["graph"])
     if m["near"]:
         out["rounding"] = "nearest"
-    if m["wf"]:
+    if m["wf"] or m["cont"]:
         out["wait_free"] = True
+    if m["cont"]:
+        out["on_peer_loss"] = "continue"
     return out
+
+
+def continues_after_loss(name: str) -> bool:
+    """Whether method ``name`` is meant to keep training when a node is lost (qcomm variants
+    ending in ``-cont``: ``on_peer_loss="continue"``)."""
+    opts = qcomm_variant(name)
+    return bool(opts and opts.get("on_peer_loss") == "continue")
 
 
 def per_node_budget(name: str) -> bool:
@@ -431,6 +442,8 @@ class Built:
         node_any: ``node_any(flag)``: True when ``flag`` holds on any rank of this node
             (collective over the node); how a per-node time budget ends on one step for the
             node's ranks. None for methods whose ranks all take the same steps.
+        live_nodes: how many nodes the method still trains with (qcomm's
+            ``stats()["live_nodes"]`` where it reports one), or None.
     """
 
     model: Any
@@ -443,6 +456,7 @@ class Built:
     notes: dict[str, Any] = field(default_factory=dict)
     context: AbstractContextManager = field(default_factory=nullcontext)
     node_any: Callable[[bool], bool] | None = None
+    live_nodes: Callable[[], int | None] = lambda: None
 
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -575,7 +589,8 @@ def _qcomm_adapter(name: str, module, cfg: Config) -> Built:
 
         return Built(model, module, opt, flush=flush, finalize=finalize, comm_stats=stats,
                      close=close, notes={"bits": bits, **comm},
-                     node_any=opt.node_any if comm.get("wait_free") else None)
+                     node_any=opt.node_any if comm.get("wait_free") else None,
+                     live_nodes=lambda: _live_nodes(opt))
     if name == "qcomm-hook":
         return _qcomm_hook(module, cfg)
     raise ValueError(f"not a qcomm method: {name!r}")
@@ -602,7 +617,15 @@ def _qcomm_hierarchical(module, cfg: Config, bits: int, ddp: bool = False,
     # rank at the same step), so what stats() counted is on the wire when counters are read.
     return Built(model, module, opt, flush=opt.flush, finalize=opt.average_parameters,
                  comm_stats=stats, close=opt.close, notes={"bits": bits, **comm},
-                 node_any=opt.node_any if comm.get("wait_free") else None)
+                 node_any=opt.node_any if comm.get("wait_free") else None,
+                 live_nodes=lambda: _live_nodes(opt))
+
+
+def _live_nodes(opt) -> int | None:
+    """The nodes a qcomm optimizer still gossips with (``stats()["live_nodes"]``, reported with
+    ``on_peer_loss="continue"``), or None where its stats have no such entry."""
+    value = opt.stats().get("live_nodes")
+    return None if value is None else int(value)
 
 
 def _qcomm_hook(module, cfg: Config) -> Built:

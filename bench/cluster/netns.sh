@@ -25,8 +25,16 @@
 # Usage (root only):
 #   netns.sh up     --id ID --nodes N --rate RATE [--burst 256kb] [--delay-ms D] [--owner PID]
 #   netns.sh launch --id ID --nodes N --procs P [--timeout S] [--port PORT] [--logdir DIR] \
-#                   [--slow-nodes K --slowdown S] \
+#                   [--slow-nodes K --slowdown S] [--lost-node K] \
 #                   -- SCRIPT [ARGS...]          # one torchrun per node, in its namespace
+#
+# A planned node loss (--lost-node K, K >= 1; the script kills node K, e.g. workload.py
+# --kill-node K): node K's end, whatever its status, stops no other node and is not a failure.
+# Once it has ended and every other node's workers have ended too, torchrun's agents there are
+# left waiting in torchrun's exit barrier for node K's agent (300 s, not settable from torchrun's
+# command line, and SIGTERM is not acted on until the wait returns): after 3 s of grace (an agent
+# whose worker failed ends by itself, with its status) they are killed with SIGKILL, and that
+# end is not a failure either. The exit status is then the first failure of another node.
 #
 # Slow nodes: the last K nodes run in a CPU cgroup (cgroup v1 cpu.cfs_quota_us, or v2 cpu.max,
 # with a 10 ms period so that the cap bites within a step) whose quota gives each of their
@@ -315,8 +323,38 @@ remove_cgroup() {
     rmdir "$dir" 2>/dev/null || true
 }
 
+# The first child of process $1 (empty when it has none).
+child_of() { pgrep -P "$1" | head -n 1 || true; }
+
+# After a planned node loss: wait until none of the launchers $2... (timeout -> torchrun ->
+# workers) has a worker left, give the agents 3 s to end by themselves, then SIGKILL the
+# torchrun agents still there (waiting in torchrun's exit barrier for the lost node's agent),
+# listing their launchers in file $1 first.
+reap_survivors() {
+    local list=$1 p t busy
+    shift
+    while :; do
+        busy=0
+        for p in "$@"; do
+            t=$(child_of "$p")
+            if [ -n "$t" ] && [ -n "$(child_of "$t")" ]; then
+                busy=1
+            fi
+        done
+        [ "$busy" -eq 0 ] && break
+        sleep 0.5
+    done
+    sleep 3
+    for p in "$@"; do
+        t=$(child_of "$p")
+        [ -n "$t" ] || continue
+        echo "$p" >>"$list"
+        kill -KILL "$t" 2>/dev/null || true
+    done
+}
+
 cmd_launch() {
-    local id="" nodes="" procs="" tmo=600 port="" logdir="" slow=0 slowdown=1
+    local id="" nodes="" procs="" tmo=600 port="" logdir="" slow=0 slowdown=1 lost=""
     while [ $# -gt 0 ]; do
         case "$1" in
         --id) id=$2; shift 2 ;;
@@ -327,10 +365,13 @@ cmd_launch() {
         --logdir) logdir=$2; shift 2 ;;
         --slow-nodes) slow=$2; shift 2 ;;
         --slowdown) slowdown=$2; shift 2 ;;
+        --lost-node) lost=$2; shift 2 ;;
         --) shift; break ;;
         *) die "launch: unknown argument '$1'" ;;
         esac
     done
+    [ -z "$lost" ] || { [[ "$lost" =~ ^[0-9]+$ ]] && [ "$lost" -ge 1 ] && [ "$lost" -lt "${nodes:-0}" ]; } ||
+        die "--lost-node must be an integer in [1, nodes) (node 0 hosts the rendezvous store), got '$lost'"
     [[ "$slow" =~ ^[0-9]+$ ]] && [ "$slow" -lt "${nodes:-0}" ] ||
         die "--slow-nodes must be an integer in [0, nodes) (one node at least stays fast), got '$slow'"
     [[ "$slowdown" =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
@@ -349,7 +390,9 @@ cmd_launch() {
     [ -n "$torchrun" ] || die "torchrun not found (activate the venv or set TORCHRUN)"
 
     local -a pids=() cgroups=()
-    local k ns cores
+    local k ns cores lost_pid="" reaper="" reaped="$logdir/reaped-launchers"
+    rm -f "$reaped"
+    touch "$reaped"
     cores=$(nproc)
     for ((k = 0; k < nodes; k++)); do
         ns=$(ns_name "$id" "$k")
@@ -384,6 +427,7 @@ cmd_launch() {
             "${cmd[@]}" >"$logdir/node$k.log" 2>&1 &
         fi
         pids+=($!)
+        [ "$k" != "$lost" ] || lost_pid=$!
     done
 
     # Stopped ourselves (the driver's timeout, Ctrl-C): stop the nodes too, not leave them be.
@@ -404,23 +448,58 @@ cmd_launch() {
     # pids still running, so finished ones leave the list.
     local rc=0 done_pid status
     local -a left
+    # While the nodes run, bash's notices of jobs killed by SIGKILL ("line N: PID Killed ...":
+    # a lost node, or an agent stopped by reap_survivors; printed whenever bash reaps the job)
+    # are filtered out of stderr; everything else passes. Our messages go to fd 3 (stderr).
+    exec 3>&2 2> >(grep --line-buffered -v -E ': line [0-9]+: +[0-9]+ Killed ' >&3)
     while [ "${#pids[@]}" -gt 0 ]; do
         status=0
         done_pid=""
         wait -n -p done_pid "${pids[@]}" || status=$?
+        if [ -z "${done_pid:-}" ]; then
+            # "no such job": bash already dropped a finished one (two nodes ending together);
+            # find it, and its status is still there for a plain `wait`.
+            for k in "${pids[@]}"; do
+                if ! kill -0 "$k" 2>/dev/null; then
+                    done_pid=$k
+                    status=0
+                    wait "$k" 2>/dev/null || status=$?
+                    break
+                fi
+            done
+            [ -n "$done_pid" ] || { sleep 0.2; continue; }
+        fi
         left=()
         for k in "${pids[@]}"; do
             [ "$k" = "$done_pid" ] || left+=("$k")
         done
         pids=("${left[@]}")
+        if [ -n "$lost_pid" ] && [ "$done_pid" = "$lost_pid" ]; then
+            echo "netns.sh: node $lost ended with status $status (its planned loss);" \
+                "the other nodes go on" >&3
+            if [ "${#pids[@]}" -gt 0 ]; then
+                reap_survivors "$reaped" "${pids[@]}" &
+                reaper=$!
+            fi
+            continue
+        fi
+        if grep -qx "$done_pid" "$reaped"; then
+            continue # its workers had ended; its agent was left in torchrun's exit barrier
+        fi
         if [ "$status" -ne 0 ] && [ "$rc" -eq 0 ]; then
             rc=$status
-            echo "netns.sh: a node exited with status $status; stopping the others" >&2
+            echo "netns.sh: a node exited with status $status; stopping the others" >&3
             for k in "${pids[@]}"; do
                 kill -TERM "$k" 2>/dev/null || true
             done
         fi
     done
+    if [ -n "$reaper" ]; then
+        kill "$reaper" 2>/dev/null || true
+        wait "$reaper" 2>/dev/null || true
+    fi
+    exec 2>&3 3>&-
+    rm -f "$reaped"
     for k in "${cgroups[@]}"; do
         remove_cgroup "$k"
     done

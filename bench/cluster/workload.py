@@ -26,18 +26,32 @@ batches, batch size, optimizer and step budget. What happens on each rank:
    is those), timed at the latest of the nodes' snapshot times.
 
 Progress goes to stdout as ``QCB_PROGRESS <done> <total>`` lines (rank 0), for compare.py's bar.
+
+A lost node (``--kill-node K --kill-at F``): every process of node K (its ranks and its torchrun
+agent) is killed with SIGKILL, by the first of the node's ranks to get there, after step
+``round(F * steps)`` (or ``F * time_budget`` seconds into the window for a per-node budget); a
+marker file records when. The survivors then end without any collective over all ranks: a rank
+whose communication failed records the step, the error's class and message and drops its
+connections (so no survivor waits on it), a rank that got through finishes as usual (final
+model included); every rank writes its own record file and leaves, and rank 0 waits for the
+others' records (with a deadline), evaluates the surviving nodes' snapshots and writes the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
+import signal
+import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -84,6 +98,140 @@ def average_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
     return out
 
 
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def rank_record(rank: int, node: int, local_rank: int, steps: int, step_times: list[float],
+                fwd_bwd: list[float], opt_times: list[float], base_times: list[float],
+                t_loop: float, t_window: float, counters: tuple | None, retrans: tuple | None,
+                stats: tuple | None) -> dict[str, Any]:
+    """One rank's numbers for the JSON. ``counters``, ``retrans`` and ``stats`` are the
+    (window opened, window closed) readings, or None where this rank reads none. A rank that
+    stopped before its first timed step has no step times (those fields are None)."""
+    med = _median(step_times)
+    return {
+        "rank": rank, "node": node, "local_rank": local_rank, "steps": steps,
+        "step_median_s": med,
+        "step_mean_s": statistics.fmean(step_times) if step_times else None,
+        # Stalls: the longest step, and when the long ones (over 10x the median) happened.
+        "step_max_s": max(step_times) if step_times else None,
+        "long_steps": [(i, round(t, 4)) for i, t in enumerate(step_times)
+                       if t > 10 * med][:50] if step_times else [],
+        "fwd_bwd_median_s": _median(fwd_bwd),
+        "opt_step_median_s": _median(opt_times),
+        "baseline_median_s": statistics.median(base_times),
+        "loop_s": t_loop, "window_s": t_window,
+        "iface_tx_bytes": None if counters is None else counters[1][0] - counters[0][0],
+        "iface_rx_bytes": None if counters is None else counters[1][1] - counters[0][1],
+        "iface_tx_packets": None if counters is None else counters[1][2] - counters[0][2],
+        "tcp_retrans_segs": None if retrans is None else retrans[1] - retrans[0],
+        "qcomm_bytes": None if stats is None else
+        {k: stats[1][k] - stats[0][k] for k in stats[1]},
+    }
+
+
+def evaluate_curve(work, per_node: list[list[tuple[int, float, dict[str, torch.Tensor]]]]
+                   ) -> list[dict[str, float]]:
+    """The snapshots of several nodes -> the curve: at each mark, the average of the nodes'
+    parameters evaluated, timed at the latest of the nodes' snapshot times."""
+    evaluator = work.make_model()
+    metric = work.info.metric
+    curve = []
+    for i in range(max(len(snaps) for snaps in per_node)):
+        # A node that stopped before this mark (--max-steps) counts with its last snapshot.
+        points = [snaps[min(i, len(snaps) - 1)] for snaps in per_node]
+        evaluator.load_state_dict(average_states([st for _, _, st in points]))
+        curve.append({"step": statistics.fmean(p[0] for p in points),
+                      "time_s": max(p[1] for p in points),
+                      metric: work.evaluate(evaluator)})
+    return curve
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """``obj`` as JSON to ``path``, atomically (a reader sees the whole file or none)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def node_processes() -> list[int]:
+    """Every process of this rank's node but itself: its torchrun agent (the parent) first,
+    then every descendant of the agent (the node's other ranks). Empty when the parent is not
+    torchrun (never a process outside the node's launch)."""
+    me, agent = os.getpid(), os.getppid()
+    try:
+        cmd = Path(f"/proc/{agent}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace")
+    except OSError:
+        return []
+    if "torchrun" not in cmd and "torch.distributed.run" not in cmd:
+        return []
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    out, todo = [agent], [agent]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return [pid for pid in out if pid != me]
+
+
+def kill_this_node(marker: Path, what: dict[str, Any]) -> NoReturn:
+    """The node is lost: write ``what`` (when, by whom) to ``marker`` for the survivors' record,
+    then SIGKILL the node's torchrun agent, its other ranks and this process. No cleanup of any
+    kind: the kernel closes the sockets, as when a machine dies."""
+    write_json(marker, what)
+    for pid in node_processes():
+        with contextlib.suppress(OSError):  # gone already
+            os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(137)  # not reached: SIGKILL cannot be caught
+
+
+def cut_connections() -> int:
+    """Shut every connected socket of this process down (each peer gets end-of-stream; the
+    descriptors stay open, so Gloo's bookkeeping stays valid) and return how many. A rank that
+    stopped calls it: a survivor blocked on a receive from this rank fails at once instead of
+    at the process group's timeout (Gloo does not fail an operation waiting on one peer when
+    another peer's connection breaks, and ``abort()`` of a Gloo group closes nothing).
+    Listening sockets are left alone: Gloo's listener aborts the process when its socket is
+    shut down."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=int(fd))
+        except OSError:
+            continue
+        try:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+                n += 1
+        except OSError:
+            pass  # not connected, or not a TCP socket
+        finally:
+            sock.detach()  # the descriptor stays its owner's
+    return n
+
+
+def stop_record(exc: BaseException, where: str, step: int) -> dict[str, Any]:
+    """What a stopped rank records: where (``step``, ``flush``, ``finalize``, ...) and at
+    which step it stopped, the exception's class name and its message's first line."""
+    lines = str(exc).strip().splitlines()
+    return {"type": type(exc).__name__, "message": lines[0] if lines else "", "where": where,
+            "step": step}
+
+
 def _write_profile(profiler, path: Path) -> None:
     """Top functions of the timed steps by cumulative and by own time (main thread only: Gloo's
     and gossip's background work shows as time spent waiting for it)."""
@@ -95,6 +243,150 @@ def _write_profile(profiler, path: Path) -> None:
     stats.sort_stats("cumulative").print_stats(35)
     stats.sort_stats("tottime").print_stats(25)
     path.write_text(buf.getvalue())
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The command line as the JSON records it (the kill options only when given)."""
+    return {k: v for k, v in vars(args).items()
+            if k != "out" and not (k in ("kill_node", "kill_at") and v is None)}
+
+
+def end_after_kill(args: argparse.Namespace, work, built: M.Built, context, *,
+                   stop: dict[str, Any] | None, kill: dict[str, Any], marker: Path, rank: int,
+                   node: int, local_rank: int, layout: M.Layout, steps_done: int,
+                   times: tuple[list[float], ...], t_open: float, t_loop: float,
+                   start: tuple[Any, Any, Any], iface: str,
+                   snapshots: list, model: tuple[int, list]) -> NoReturn:
+    """The end of a run in which a node is lost (every rank but the lost node's): no
+    collective over all ranks, files instead.
+
+    A rank that got through the timed steps completes its traffic, makes the final model and
+    closes, as in a healthy run; an error on the way makes it a stopped rank too. A stopped
+    rank drops its connections at once (:func:`cut_connections`). Each node's local rank 0
+    saves its snapshots (and, when it finished, its final parameters); every rank writes its
+    record to ``OUT.rank<r>.json`` and leaves, except rank 0, which waits for the records of
+    every rank not killed (at most the longest any communication may block, plus two
+    minutes), evaluates the surviving nodes' snapshots and final parameters and writes the
+    JSON."""
+    counters0, retrans0, stats0 = start
+    counters1 = retrans1 = stats1 = None
+    live = None
+    where = "flush"
+    if stop is None:
+        try:
+            built.flush()
+            if counters0 is not None:
+                counters1, retrans1 = read_iface_bytes(iface), read_tcp_retransmits()
+            stats1 = built.comm_stats()
+            where = "context exit"
+            context.__exit__(None, None, None)
+            where = "finalize"
+            built.finalize()
+            live = built.live_nodes()
+            where = "close"
+            built.close()
+        except Exception as exc:
+            stop = stop_record(exc, where, steps_done)
+    if stop is not None:
+        cut_connections()
+        if counters0 is not None and counters1 is None:
+            counters1, retrans1 = read_iface_bytes(iface), read_tcp_retransmits()
+        if stats0 is not None and stats1 is None:
+            try:
+                stats1 = built.comm_stats()
+            except Exception:  # a stopped method's counters may be gone
+                stats1 = None
+    t_window = time.perf_counter() - t_open
+    rec = rank_record(rank, node, local_rank, steps_done, *times, t_loop, t_window,
+                      None if counters0 is None else (counters0, counters1),
+                      None if retrans0 is None else (retrans0, retrans1),
+                      None if stats0 is None or stats1 is None else (stats0, stats1))
+    rec["status"] = "finished" if stop is None else "stopped"
+    if stop is not None:
+        rec["error"] = stop
+    if live is not None:
+        rec["live_nodes"] = live
+    if local_rank == 0:
+        torch.save(snapshots, Path(f"{args.out}.node{node}.snapshots"))
+        if stop is None:
+            torch.save(built.module.state_dict(), Path(f"{args.out}.node{node}.final"))
+    write_json(Path(f"{args.out}.rank{rank}.json"), rec)
+    if rank == 0:
+        assemble_after_kill(args, work, built, kill, marker, layout, model)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def assemble_after_kill(args: argparse.Namespace, work, built: M.Built, kill: dict[str, Any],
+                        marker: Path, layout: M.Layout, model: tuple[int, list]) -> None:
+    """Rank 0 after a lost node: the records of the other ranks (waited for, with a
+    deadline), the surviving nodes' snapshots averaged into the curve, the final quality
+    (the surviving nodes' final parameters averaged when every survivor finished, else the
+    last snapshot's), one JSON."""
+    procs, world = layout.procs, layout.world
+    records = {r: Path(f"{args.out}.rank{r}.json") for r in range(world)}
+
+    def accounted(r: int) -> bool:
+        return records[r].exists() or (r // procs == kill["node"] and marker.exists())
+
+    deadline = time.monotonic() + max(args.pg_timeout, 300.0) + 120.0
+    while not all(accounted(r) for r in range(world)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    killed = json.loads(marker.read_text()) if marker.exists() else None
+    lost = {killed["node"]} if killed else set()
+    ranks = [json.loads(f.read_text()) for r, f in records.items() if f.exists()]
+    missing = [r for r, f in records.items() if not f.exists() and r // procs not in lost]
+    metric = work.info.metric
+    per_node, finals = [], []
+    for n in range(layout.nodes):
+        if n in lost:
+            continue
+        snap, fin = Path(f"{args.out}.node{n}.snapshots"), Path(f"{args.out}.node{n}.final")
+        if snap.exists():
+            per_node.append(torch.load(snap, weights_only=True))
+        if fin.exists():
+            finals.append(torch.load(fin, weights_only=True))
+    curve = evaluate_curve(work, per_node) if per_node else []
+    survivors = layout.nodes - len(lost)
+    if (not missing and all(r["status"] == "finished" for r in ranks)
+            and len(finals) == survivors):
+        evaluator = work.make_model()
+        evaluator.load_state_dict(average_states(finals))
+        final, final_from = work.evaluate(evaluator), "final parameters"
+    else:
+        final = curve[-1][metric] if curve else None
+        final_from = "last snapshot"
+    numel, shapes = model
+    result = {
+        "method": args.method,
+        "workload": args.workload,
+        "metric": {"name": metric, "goal": work.info.goal},
+        "layout": {"nodes": layout.nodes, "procs": procs, "world": world},
+        "model": {**work.model_config, "params": numel, "shapes": shapes},
+        "data": work.data_config,
+        "config": run_config(args),
+        f"final_{metric}": final,
+        "curve": curve,
+        "ranks": sorted(ranks, key=lambda r: r["rank"]),
+        "notes": built.notes,
+        "kill": {**kill, "happened": killed is not None,
+                 "killed_at_step": None if killed is None else killed["step"],
+                 "killed_at_s": None if killed is None else killed["time_s"]},
+        "nodes": [{"node": n, "killed": n in lost} for n in range(layout.nodes)],
+        "final_from": final_from,
+        "missing_ranks": missing,
+    }
+    write_json(Path(args.out), result)
+    for n in range(layout.nodes):
+        for suffix in ("snapshots", "final"):
+            Path(f"{args.out}.node{n}.{suffix}").unlink(missing_ok=True)
+    for f in records.values():
+        f.unlink(missing_ok=True)
+    marker.unlink(missing_ok=True)
+    shown = "-" if final is None else f"{final:.4f}"
+    print(f"QCB_DONE {args.method} final {metric}={shown} (node {kill['node']} "
+          f"{'killed' if killed else 'not killed'}, {final_from})", flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -160,9 +452,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the budget decides).")
     p.add_argument("--pg-timeout", type=float, default=300.0,
                    help="Seconds any collective may take before the run fails.")
+    p.add_argument("--kill-node", type=int, default=None,
+                   help="Kill every process of this node (1 or more: node 0 hosts the "
+                        "rendezvous store) with SIGKILL at --kill-at of the run, as if the "
+                        "machine were lost; the survivors record what they did.")
+    p.add_argument("--kill-at", type=float, default=None,
+                   help="When node --kill-node dies, a fraction in (0, 1): after step "
+                        "round(F x steps), or F x --time-budget seconds into the window for a "
+                        "per-node budget.")
     p.add_argument("--profile", action="store_true",
                    help="cProfile the timed steps; top functions go to OUT.prof<rank>.txt.")
     args = p.parse_args(argv)
+    if (args.kill_node is None) != (args.kill_at is None):
+        p.error("--kill-node and --kill-at go together")
+    if args.kill_node is not None and args.kill_node < 1:
+        p.error(f"--kill-node must be 1 or more (node 0 hosts the rendezvous store), got "
+                f"{args.kill_node}")
+    if args.kill_at is not None and not 0 < args.kill_at < 1:
+        p.error(f"--kill-at must be a fraction in (0, 1), got {args.kill_at}")
     info = W.WORKLOADS[args.workload]
     for key in ("width", "depth", "batch", "lr", "momentum", "weight_decay", "steps"):
         if getattr(args, key) is None:
@@ -246,6 +553,17 @@ def main(argv: list[str] | None = None) -> None:
     retrans0 = read_tcp_retransmits() if counters0 is not None else None
     stats0 = built.comm_stats()
     budget = args.time_budget if per_node else None
+    # A lost node: which, and when (after a step of its own, or a time into the window).
+    kill: dict[str, Any] | None = None
+    if args.kill_node is not None:
+        if args.kill_node >= layout.nodes:
+            raise ValueError(f"--kill-node {args.kill_node}: the layout has nodes 0.."
+                             f"{layout.nodes - 1}")
+        kill = {"node": args.kill_node, "at": args.kill_at,
+                "step": None if budget is not None else round(args.kill_at * args.steps),
+                "time_s": None if budget is None else args.kill_at * budget}
+    marker = Path(f"{args.out}.killed")
+    doomed = kill is not None and node == kill["node"]
     # Snapshot marks: steps (every rank takes the same ones), or times (per-node budgets).
     snap_steps = {round(k * args.steps / args.snapshots) for k in range(1, args.snapshots + 1)}
     snap_times = [k * budget / args.snapshots for k in range(1, args.snapshots + 1)] \
@@ -274,30 +592,56 @@ def main(argv: list[str] | None = None) -> None:
         profiler = cProfile.Profile()
         profiler.enable()
     s = 0
-    while s < max_steps:
-        if budget is not None:
-            if built.node_any(time.perf_counter() - t_open >= budget):
+
+    def lose_node() -> NoReturn:
+        kill_this_node(marker, {"node": node, "rank": rank, "step": s,
+                                "time_s": time.perf_counter() - t_open})
+
+    if doomed and kill["time_s"] is not None:
+        # Whatever the main thread is doing (a step, a wait): the machine dies on time.
+        timer = threading.Timer(max(0.0, kill["time_s"] - (time.perf_counter() - t_open)),
+                                lose_node)
+        timer.daemon = True
+        timer.start()
+    elif doomed and kill["step"] == 0:
+        lose_node()
+    stop: dict[str, Any] | None = None  # a survivor whose communication failed
+    try:
+        while s < max_steps:
+            if budget is not None:
+                if built.node_any(time.perf_counter() - t_open >= budget):
+                    break
+            elif s >= args.steps:
                 break
-        elif s >= args.steps:
-            break
-        s += 1
-        t = time.perf_counter()
-        a, b = train_step(args.warmup + s - 1)
-        step_times.append(time.perf_counter() - t)
-        fwd_bwd.append(a)
-        opt_times.append(b)
-        elapsed = time.perf_counter() - t_open
-        if keeps_snapshots:
-            if budget is None and s in snap_steps:
-                snapshot(s)
-            # Time marks: snapshot 0 is the start, snapshot k belongs to snap_times[k - 1].
-            while budget is not None and len(snapshots) <= len(snap_times) \
-                    and elapsed >= snap_times[len(snapshots) - 1]:
-                snapshot(s)
-        if rank == 0:
-            done = s if budget is None else min(args.steps, round(args.steps * elapsed / budget))
-            if s % report_every == 0:
-                print(f"QCB_PROGRESS {done} {args.steps}", flush=True)
+            s += 1
+            t = time.perf_counter()
+            a, b = train_step(args.warmup + s - 1)
+            step_times.append(time.perf_counter() - t)
+            fwd_bwd.append(a)
+            opt_times.append(b)
+            elapsed = time.perf_counter() - t_open
+            if keeps_snapshots:
+                if budget is None and s in snap_steps:
+                    snapshot(s)
+                # Time marks: snapshot 0 is the start, snapshot k belongs to snap_times[k - 1].
+                while budget is not None and len(snapshots) <= len(snap_times) \
+                        and elapsed >= snap_times[len(snapshots) - 1]:
+                    snapshot(s)
+            if rank == 0:
+                done = s if budget is None else min(args.steps,
+                                                    round(args.steps * elapsed / budget))
+                if s % report_every == 0:
+                    print(f"QCB_PROGRESS {done} {args.steps}", flush=True)
+            if doomed and s == kill["step"]:
+                lose_node()
+    except Exception as exc:
+        if kill is None:
+            raise
+        # Steps completed: the failed one was not; it is the step the rank stopped at.
+        stop = stop_record(exc, "step", len(step_times) + 1)
+        s = len(step_times)
+    if doomed and kill["time_s"] is not None:
+        timer.cancel()  # the node got through its steps before the time of its loss
     steps_done = s
     t_loop = time.perf_counter() - t_open
     if rank == 0:
@@ -305,6 +649,13 @@ def main(argv: list[str] | None = None) -> None:
     if profiler is not None:
         profiler.disable()
         _write_profile(profiler, Path(f"{args.out}.prof{rank}.txt"))
+
+    if kill is not None:
+        end_after_kill(args, work, built, context, stop=stop, kill=kill, marker=marker,
+                       rank=rank, node=node, local_rank=local_rank, layout=layout,
+                       steps_done=steps_done, times=(step_times, fwd_bwd, opt_times, base_times),
+                       t_open=t_open, t_loop=t_loop, start=(counters0, retrans0, stats0),
+                       iface=iface, snapshots=snapshots, model=(numel, shapes))
 
     # 5. close the window
     built.flush()
@@ -321,43 +672,21 @@ def main(argv: list[str] | None = None) -> None:
     if keeps_snapshots:  # every namespace shares the file system
         torch.save(snapshots, snap_file)
     dist.barrier()
-    mine = {
-        "rank": rank, "node": node, "local_rank": local_rank, "steps": steps_done,
-        "step_median_s": statistics.median(step_times),
-        "step_mean_s": statistics.fmean(step_times),
-        # Stalls: the longest step, and when the long ones (over 10x the median) happened.
-        "step_max_s": max(step_times),
-        "long_steps": [(i, round(t, 4)) for i, t in enumerate(step_times)
-                       if t > 10 * statistics.median(step_times)][:50],
-        "fwd_bwd_median_s": statistics.median(fwd_bwd),
-        "opt_step_median_s": statistics.median(opt_times),
-        "baseline_median_s": statistics.median(base_times),
-        "loop_s": t_loop, "window_s": t_window,
-        "iface_tx_bytes": None if counters0 is None else counters1[0] - counters0[0],
-        "iface_rx_bytes": None if counters0 is None else counters1[1] - counters0[1],
-        "iface_tx_packets": None if counters0 is None else counters1[2] - counters0[2],
-        "tcp_retrans_segs": None if retrans0 is None else retrans1 - retrans0,
-        "qcomm_bytes": None if stats0 is None else
-        {k: stats1[k] - stats0[k] for k in stats1},
-    }
+    mine = rank_record(rank, node, local_rank, steps_done, step_times, fwd_bwd, opt_times,
+                       base_times, t_loop, t_window,
+                       None if counters0 is None else (counters0, counters1),
+                       None if retrans0 is None else (retrans0, retrans1),
+                       None if stats0 is None else (stats0, stats1))
     gathered: list[dict] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
     dist.gather_object(mine, gathered, dst=0)
     if rank == 0:
-        evaluator = work.make_model()
         metric = info.metric
         per_node = []
         for n in range(layout.nodes):
             f = Path(f"{args.out}.node{n}.snapshots")
             per_node.append(torch.load(f, weights_only=True))
             f.unlink()
-        curve = []
-        for i in range(max(len(snaps) for snaps in per_node)):
-            # A node that stopped before this mark (--max-steps) counts with its last snapshot.
-            points = [snaps[min(i, len(snaps) - 1)] for snaps in per_node]
-            evaluator.load_state_dict(average_states([st for _, _, st in points]))
-            curve.append({"step": statistics.fmean(p[0] for p in points),
-                          "time_s": max(p[1] for p in points),
-                          metric: work.evaluate(evaluator)})
+        curve = evaluate_curve(work, per_node)
         final = work.evaluate(built.module)
         result = {
             "method": args.method,
@@ -366,7 +695,7 @@ def main(argv: list[str] | None = None) -> None:
             "layout": {"nodes": layout.nodes, "procs": layout.procs, "world": world},
             "model": {**work.model_config, "params": numel, "shapes": shapes},
             "data": work.data_config,
-            "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
+            "config": run_config(args),
             f"final_{metric}": final,
             "curve": curve,
             "ranks": gathered,
