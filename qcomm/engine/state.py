@@ -13,8 +13,12 @@ One rank's entry (``optimizer.state_dict()["qcomm"]``)::
 Format 1 (qcomm 0.1.0's ASSGD) is the same with the options ``topology`` and ``gossip_step``
 named the old way; it loads unchanged.
 
-Loading into a different geometry (world size or ranks per node), or a state saved after
-nodes were lost (``on_peer_loss="continue"``: its gossip links are not this run's graph):
+A run that lost nodes (``on_peer_loss="continue"``) and restarts with its survivors only (the
+same ranks per node, nodes in the same order) loads exactly: the gossip goes on with the saved
+run's member numbers, seeds and links, as if it had not stopped.
+
+Otherwise, loading into a different geometry (world size or ranks per node), or a state saved
+after nodes were lost into a run of the same size (its gossip links are not this run's graph):
 ``"error"`` refuses it; ``"reinit"`` restarts the gossip state (and then any rank may load any
 rank's entry: a node that comes back loads a survivor's checkpoint). That drops nothing:
 CHOCO's not-yet-communicated residual ``x - x_hat`` lives in the parameters themselves, and
@@ -72,6 +76,25 @@ def _nonzero_residuals(intra: dict | None) -> bool:
     return any(t.numel() and bool(t.abs().max() > 0) for t in residuals)
 
 
+def _check_wire(state: dict, options: CommOptions) -> None:
+    saved_opts = CommOptions.from_saved(state["comm"])
+    saved = {k: saved_opts[k] for k in WIRE_FIELDS}
+    mine = {k: getattr(options, k) for k in WIRE_FIELDS}
+    if saved != mine:
+        raise ValueError(f"checkpoint was saved with communication options {saved}, "
+                         f"this optimizer has {mine}")
+
+
+def _survivor_of(state: dict, lost: list[int], world: int, ppn: int, rank: int) -> bool:
+    """Whether this run is the saved run's survivors (its nodes but the ``lost`` ones, in
+    order, same ranks per node) and this rank holds the saved rank's place among them."""
+    if state["procs_per_node"] != ppn or state["world_size"] - len(lost) * ppn != world:
+        return False
+    live = [n for n in range(state["world_size"] // ppn) if n not in lost]
+    node, local = divmod(state["rank"], ppn)
+    return node in live and live.index(node) == rank // ppn and local == rank % ppn
+
+
 def check_loadable(state: object, options: CommOptions, topology: Topology | None, *,
                    on_world_size_change: str = "error", warn: bool = True) -> bool:
     """Validate a saved engine entry against this run; changes nothing.
@@ -93,6 +116,10 @@ def check_loadable(state: object, options: CommOptions, topology: Topology | Non
     world, ppn, rank = geometry(options.procs_per_node, topology)
     same = state["world_size"] == world and state["procs_per_node"] == ppn
     lost = (state.get("gossip") or {}).get("lost") or []
+    if not same and lost and on_world_size_change == "error" \
+            and _survivor_of(state, lost, world, ppn, rank):
+        _check_wire(state, options)
+        return True   # the survivors' own run, restarted without the lost nodes: exact
     if same and lost:
         if on_world_size_change == "error":
             raise ValueError(
@@ -114,12 +141,7 @@ def check_loadable(state: object, options: CommOptions, topology: Topology | Non
     if same:
         if state["rank"] != rank:
             raise ValueError(f"checkpoint belongs to rank {state['rank']}, this is rank {rank}")
-        saved_opts = CommOptions.from_saved(state["comm"])
-        saved = {k: saved_opts[k] for k in WIRE_FIELDS}
-        mine = {k: getattr(options, k) for k in WIRE_FIELDS}
-        if saved != mine:
-            raise ValueError(f"checkpoint was saved with communication options {saved}, "
-                             f"this optimizer has {mine}")
+        _check_wire(state, options)
         return True
     if _nonzero_residuals(state["intra"]):
         raise ValueError(

@@ -73,6 +73,9 @@ def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
     that was lost before the survivors saved, and came back) reads the lowest rank's file
     present: after ``average_parameters()`` every survivor holds the
     same parameters.
+    With ``"error"`` and a directory holding exactly this run's number of files, rank r
+    reads the r-th file in rank order: the survivors of a run that lost nodes (with
+    ``on_peer_loss="continue"``), restarted without them, go on exactly.
     Nothing is loaded when an error is raised.
     """
     if on_world_size_change not in WORLD_CHANGE_MODES:
@@ -86,6 +89,8 @@ def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
             path = checkpoint_path(directory, rank % saved_world)
         if not path.exists():  # lost before the save
             path = sorted(Path(directory).glob("rank*.pt"))[0]
+    elif saved_world != world and len(files := sorted(Path(directory).glob("rank*.pt"))) == world:
+        path = files[rank]  # the survivors of a run that lost nodes, in rank order
     elif not path.exists():
         raise ValueError(
             f"checkpoint was saved with world size {saved_world} but this run has world size "

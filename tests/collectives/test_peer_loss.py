@@ -214,3 +214,38 @@ def test_a_silent_member_is_dropped_after_the_timeout() -> None:
     for r in res[:2]:
         assert r["error"] == PeerTimeoutError.__name__
         assert timeout_s <= r["after"] < timeout_s + 1.5
+
+
+def test_the_survivors_restarted_alone_resume_bit_exact() -> None:
+    # 5 members, member 3 lost; the survivors save and a 4-member run loads their states: it
+    # goes on with their old numbers (seeds, seals, links) exactly as the 5-member run does.
+    kwargs = dict(fragments=2, outer_momentum=0.5)
+    a = _sim(5, **kwargs)
+    xs = _start(5)
+    _kill_and_settle(a, xs, [3], after_sending=False)
+    a.run(xs, 6)
+    a.drain()
+    states = [m.state_dict() for i, m in enumerate(a.members) if i != 3]
+    survivors = [0, 1, 2, 4]
+    saved = [xs[i].clone() for i in survivors]
+    b = _sim(4, **kwargs)
+    b.now = a.now
+    b.load_state_dicts(states)
+    assert [m.member for m in b.members] == survivors and b.members[3].lost == {3}
+    a.run(xs, 30)
+    b.run(saved, 30)
+    for i, x in zip(survivors, saved, strict=True):
+        assert torch.equal(xs[i], x)
+
+
+def test_a_state_that_is_not_of_this_group_or_its_survivors_is_refused() -> None:
+    a = _sim(5)
+    xs = _start(5)
+    _kill_and_settle(a, xs, [3], after_sending=False)
+    a.drain()
+    st = a.members[4].state_dict()
+    b = _sim(3)   # not the 4 survivors
+    before = b.members[2]._slots[:]
+    with pytest.raises(ValueError, match="lost members"):
+        b.members[2].load_state_dict(st)
+    assert b.members[2]._slots == before and b.members[2].member == 2

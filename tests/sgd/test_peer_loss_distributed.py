@@ -118,18 +118,19 @@ def _save_body(rank: int, world: int, directory: str) -> dict | None:
     opt.average_parameters()
     save_checkpoint(directory, opt, model, extra=STEPS)
     params = [p.detach().clone() for p in model.parameters()]
+    rounds = opt.stats()["gossip_rounds"]
     opt.close()
-    return {"params": params}
+    return {"params": params, "rounds": rounds}
 
 
-def _rejoin_body(rank: int, world: int, directory: str) -> dict:
+def _rejoin_body(rank: int, world: int, directory: str, mode: str) -> dict:
     from qcomm.sgd import load_checkpoint
 
     torch.set_num_threads(1)
     model = mlp(123)   # anything: the checkpoint replaces it
     opt = ASSGD(model.parameters(), lr=0.05, momentum=0.9, wait_free=True,
                 on_peer_loss="continue", timeout_s=20)
-    step = load_checkpoint(directory, opt, model, on_world_size_change="reinit")
+    step = load_checkpoint(directory, opt, model, on_world_size_change=mode)
     loaded = [p.detach().clone() for p in model.parameters()]
     for s in range(step, step + 2):   # two rounds after the return
         opt.zero_grad()
@@ -138,22 +139,31 @@ def _rejoin_body(rank: int, world: int, directory: str) -> dict:
     st = opt.stats()
     after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     opt.close()
-    return {"loaded": loaded, "after": after, "live": st["live_nodes"], "steps": st["steps"]}
+    return {"loaded": loaded, "after": after, "live": st["live_nodes"], "steps": st["steps"],
+            "rounds": st["gossip_rounds"]}
 
 
-@pytest.mark.parametrize("nodes_after", [4, 3])
-def test_a_lost_node_comes_back_at_the_next_restart(tmp_path, nodes_after: int) -> None:
+@pytest.mark.parametrize(("nodes_after", "mode"), [(4, "reinit"), (3, "reinit"), (3, "error")])
+def test_a_lost_node_comes_back_at_the_next_restart(tmp_path, nodes_after: int,
+                                                    mode: str) -> None:
     """The survivors average and save; the job restarts with the lost node back (4) or without
-    it (3): every rank starts from the survivors' average, at their step count."""
+    it (3): every rank starts from the survivors' average, at their step count. The survivors
+    alone (3, ``"error"``: no change allowed) go on with their gossip state as it was."""
     saved = run_world(_save_body, 4, args=(str(tmp_path),), timeout_s=180,
                       allow_exit={VICTIM})
     assert sorted(p.name for p in tmp_path.glob("rank*.pt")) == \
         ["rank00000.pt", "rank00002.pt", "rank00003.pt"]
-    back = run_world(_rejoin_body, nodes_after, args=(str(tmp_path),), timeout_s=180)
-    for r in back:
+    back = run_world(_rejoin_body, nodes_after, args=(str(tmp_path), mode), timeout_s=180)
+    survivors = [r for rank, r in enumerate(saved) if rank != VICTIM]
+    for rank, r in enumerate(back):
         for a, b in zip(r["loaded"], saved[0]["params"], strict=True):
             assert torch.equal(a, b)   # the returning node too: the survivors' average
-        assert r["live"] == nodes_after and r["steps"] == STEPS + 2
+        assert r["live"] == nodes_after
+        assert r["steps"] == STEPS + 2
+        # reinit restarts the gossip's rounds; the survivors alone carry theirs on
+        assert r["rounds"] == 2 + (survivors[rank]["rounds"] if mode == "error" else 0)
+    if nodes_after == 3:
+        return
     # Two rounds after its return the returning node is as close to the nodes' mean as the
     # others are (it left from the same point; one resumed from its own file of before the
     # loss would be far off).

@@ -148,17 +148,22 @@ class WaitFreeSimulator:
 
     def load_state_dicts(self, states: list[dict | None]) -> None:
         """Load every member's :meth:`~.wait_free.WaitFreeGossip.state_dict` (None: a member
-        lost before the save, killed here too), with streams to the neighbours each saved."""
+        lost before the save, killed here too), with streams to the neighbours each saved. A
+        simulator of the survivors only loads the states of a larger one that lost members:
+        they go on under their old numbers."""
         from .streams import MemoryStreams
 
         for i, (m, st) in enumerate(zip(self.members, states, strict=True)):
             if st is None:
                 self.kill(i)
                 continue
-            s = self.streams[i]
-            self.streams[i] = m._streams = MemoryStreams(
-                self.boxes, i, st["peers"], max_backlog=s.max_backlog, timeout_s=s.timeout_s,
-                stats=self.stats[i])
+            old = self.streams[i]
+            m._streams, m._streams_given = None, False
             m.load_state_dict(st)
+            me, peers = m.stream_endpoints()
+            self.streams[i] = m._streams = MemoryStreams(
+                self.boxes, me, peers, max_backlog=old.max_backlog, timeout_s=old.timeout_s,
+                stats=self.stats[i])
+            m._streams_given = True
 
     consensus_distance = staticmethod(GossipSimulator.consensus_distance)

@@ -142,6 +142,11 @@ class WaitFreeGossip(GossipMember):
             self.group_ranks, self.member = _check_group(group_ranks, group)
         self.group = group
         self.size = len(self.group_ranks)
+        # Members are numbered as in the run the gossip started in; a job restarted with the
+        # survivors only (load_state_dict) keeps those numbers (its seeds, seals and graph),
+        # and _slots maps each member to its index in this run's group (-1: lost).
+        self._group_ranks = list(self.group_ranks)   # by index in this run's group
+        self._slots = list(range(self.size))
         self.peers = neighbours(self.graph, self.member, self.size)
         self.peer_ranks = [self.group_ranks[p] for p in self.peers]
         if _streams is not None and _streams.peers != self.peers:
@@ -201,17 +206,23 @@ class WaitFreeGossip(GossipMember):
         if self._streams is None:
             if self._closed:
                 raise RuntimeError("WaitFreeGossip is closed")
+            me, peers = self.stream_endpoints()
             if isinstance(self.group, MemoryGroup):
                 self._streams = MemoryStreams(
-                    self.group.mailboxes, self.member, self.peers,
+                    self.group.mailboxes, me, peers,
                     max_backlog=self.max_backlog, timeout_s=self.timeout_s, stats=self.stats,
                     peer_ranks=self.peer_ranks)
             else:
                 self._streams = GlooStreams(
-                    self.group_ranks, self.group, self.member, self.peers,
+                    self._group_ranks, self.group, me, peers,
                     self.message_nbytes, max_backlog=self.max_backlog,
-                    timeout_s=self.timeout_s, is_goodbye=self._is_goodbye, stats=self.stats)
+                    timeout_s=self.timeout_s, is_goodbye=self._is_goodbye_from, stats=self.stats)
         return self._streams
+
+    def stream_endpoints(self) -> tuple[int, list[int]]:
+        """This member's index in its process group and its neighbours' (what its streams
+        address)."""
+        return self._slots[self.member], [self._slots[p] for p in self.peers]
 
     def prepare(self) -> None:
         """Before the local update of a step that ends with a round: take what every neighbour
@@ -451,7 +462,7 @@ class WaitFreeGossip(GossipMember):
         """Open streams to ``peer`` and send it the hello: a control message, then two
         vectors: int64 ``[rounds_started, drains]`` and this member's ``hat_own``."""
         streams = self._streams_now()
-        k = streams.open(peer, self.group_ranks[peer])
+        k = streams.open(self._slots[peer], self.group_ranks[peer])
         assert k == len(self.peers), "streams and gossip disagree on the stream count"
         self.peers.append(peer)
         self.peer_ranks.append(self.group_ranks[peer])
@@ -629,9 +640,10 @@ class WaitFreeGossip(GossipMember):
         return (self._stored_seal(message) == seal_key(round, sender)
                 and not bool(message[:self.nbytes].any()))
 
-    def _is_goodbye(self, message: torch.Tensor, sender: int) -> bool:
-        """Whether ``message`` from member ``sender`` is its goodbye."""
-        return self._is_control(message, GOODBYE_ROUND, sender)
+    def _is_goodbye_from(self, message: torch.Tensor, slot: int) -> bool:
+        """Whether ``message`` from the member at index ``slot`` of the group is its
+        goodbye."""
+        return self._is_control(message, GOODBYE_ROUND, self._slots.index(slot))
 
     def close(self) -> None:
         """Say goodbye to the neighbours (their streams from us end cleanly) and stop the
@@ -691,18 +703,44 @@ class WaitFreeGossip(GossipMember):
                 "momentum": self._momentum, "anchor": self._anchor,
                 "own_delay": [(r, m) for r, m in self._own_delay]}
 
+    def _survivors_slots(self, state: dict) -> list[int] | None:
+        """When ``state`` was saved in a run that lost members and this group holds exactly
+        its survivors (in member order, this member at the saved one's place): each saved
+        member's index here (-1: lost). None when the state is of this very group."""
+        saved, mine = dict(state["config"]), self._config()
+        if saved == mine:
+            return None
+        size, member = saved.pop("size"), saved.pop("member")
+        live = [m for m in range(size) if m not in set(state["lost"])]
+        if (saved != {k: v for k, v in mine.items() if k not in ("size", "member")}
+                or len(live) != self.size or member not in live
+                or live.index(member) != self.member):
+            raise ValueError(f"state was saved with config {state['config']} (lost members "
+                             f"{state['lost']}), this gossip has {mine}")
+        return [live.index(m) if m in live else -1 for m in range(size)]
+
     def load_state_dict(self, state: dict) -> None:
-        """Load :meth:`state_dict` output before the first round (configuration must match)."""
+        """Load :meth:`state_dict` output before the first round. The configuration must
+        match, or the state was saved after members were lost and this group is its survivors
+        (then the member numbers, seeds and links of the saved run go on: the run continues
+        as if it had not stopped)."""
         if not isinstance(state, dict) or "config" not in state:
             raise ValueError("state must be a dict from WaitFreeGossip.state_dict()")
-        if state["config"] != self._config():
-            raise ValueError(f"state was saved with config {state['config']}, this gossip has "
-                             f"{self._config()}")
+        slots = self._survivors_slots(state)
         if self._streams is not None and not self._streams_given:
             raise RuntimeError("load_state_dict after the streams started")
-        if self._streams_given and [int(p) for p in state["peers"]] != self._streams.peers:
+        if self._streams_given and [(slots or self._slots)[int(p)] for p in state["peers"]] \
+                != self._streams.peers:
             raise ValueError(f"state's neighbours {state['peers']} != the given streams' "
                              f"{self._streams.peers}")
+        if slots is not None:
+            cfg = state["config"]
+            self._slots = slots
+            self.size, self.member = int(cfg["size"]), int(cfg["member"])
+            self.group_ranks = [self._group_ranks[s] if s >= 0 else -1 for s in slots]
+            first = neighbours(self.graph, self.member, self.size)[0]
+            w = mixing_matrix(self.graph, self.size, self.mixing).to(torch.float32)
+            self._edge_weight = float(w[self.member, first])
         copy = lambda t: None if t is None else t.detach().clone()
         self.gamma = float(state["gamma"])
         self.seed = check_seed(state["seed"])
