@@ -249,3 +249,27 @@ def test_a_state_that_is_not_of_this_group_or_its_survivors_is_refused() -> None
     with pytest.raises(ValueError, match="lost members"):
         b.members[2].load_state_dict(st)
     assert b.members[2]._slots == before and b.members[2].member == 2
+
+
+@pytest.mark.parametrize(("graph", "n", "dead"), [("exponential", 8, [3]),
+                                                  ("exponential", 8, [3, 4]),
+                                                  ("complete", 5, [1])])
+def test_other_graphs_stay_connected_and_keep_the_survivors_mean(graph: str, n: int,
+                                                                 dead: list[int]) -> None:
+    sim = _sim(n, graph=graph)
+    xs = _start(n)
+    survivors = [i for i in range(n) if i not in dead]
+    start = sim.consensus_distance([xs[i] for i in survivors])
+    _kill_and_settle(sim, xs, dead, after_sending=False)
+    sim.run(xs, 2)
+    for i in survivors:   # no live link to the dead; the ring neighbours among the links
+        live = _live_peers(sim.members[i])
+        assert not set(live) & set(dead)
+        pos = survivors.index(i)
+        assert {survivors[pos - 1], survivors[(pos + 1) % len(survivors)]} <= set(live)
+    before = _mean(xs, survivors)
+    sim.run(xs, 100)
+    assert float((_mean(xs, survivors) - before).norm()) < 2e-6 * float(before.norm())
+    sim.run(xs, 100)
+    sim.drain()
+    assert sim.consensus_distance([xs[i] for i in survivors]) < 1e-4 * start

@@ -29,7 +29,7 @@ from qcomm.compress import QuantSpec
 from qcomm.kernels.wire_format import split_payload
 from qcomm.seeds import seal_key
 
-__all__ = ["MAX_SCALE", "SEAL_NBYTES", "bad_messages", "seal_"]
+__all__ = ["MAX_SCALE", "SEAL_NBYTES", "bad_messages", "seal_", "sealed"]
 
 SEAL_NBYTES = 8
 MAX_SCALE = 2.0 ** 64  # far above any parameter difference, far below float32's 2**128
@@ -62,6 +62,14 @@ def seal_(message: torch.Tensor, round: int, sender: int) -> None:
     value = _sums(body) ^ seal_key(round, sender)
     # Bytes, not an int64 view: the seal sits at a 4-byte, not 8-byte, aligned offset.
     message[-SEAL_NBYTES:].copy_(value.view(torch.uint8))
+
+
+def sealed(message: torch.Tensor, round: int, sender: int) -> bool:
+    """Whether ``message`` (uint8 ``[nbytes + 8]``) carries the seal of ``round`` and
+    ``sender`` over its body (the checksum alone: for control messages, not codec payloads)."""
+    stored = message[-SEAL_NBYTES:].clone(memory_format=torch.contiguous_format)
+    want = _sums(message[:-SEAL_NBYTES].view(1, -1)) ^ seal_key(round, sender)
+    return bool((stored.view(torch.int64) == want).all())
 
 
 def bad_messages(messages: torch.Tensor, round: int, senders: list[int], numel: int,

@@ -79,8 +79,8 @@ class MessageStreams(ABC):
     # True in a step-by-step simulation: nothing arrives while a member waits, so a wait for
     # what has not come yet fails at once instead of blocking.
     simulated: bool = False
+    _dropped: set[int]  # streams given up (drop): nothing is sent on them or taken from them
 
-    @abstractmethod
     def send(self, message: torch.Tensor) -> list[tuple[int, PeerError]]:
         """Queue ``message`` (uint8 ``[nbytes]``, not modified afterwards) on the stream to
         every neighbour whose stream is open (not ended, dropped or failed). Returns at once
@@ -92,6 +92,11 @@ class MessageStreams(ABC):
             (earlier, or now: that neighbour took nothing within ``timeout_s``,
             :class:`~qcomm.collectives.errors.PeerTimeoutError`); the caller decides.
         """
+        failures = []
+        for k in self.live():
+            if not self.ended(k) and (err := self.send_to(k, message)) is not None:
+                failures.append((k, err))
+        return failures
 
     @abstractmethod
     def send_to(self, k: int, message: torch.Tensor) -> PeerError | None:
@@ -288,16 +293,6 @@ class MemoryStreams(MessageStreams):
         """Whether :meth:`send` would wait now (a neighbour holds ``max_backlog`` messages)."""
         return any(self._open(k) and self.boxes.pending(self.member, p) >= self.max_backlog
                    for k, p in enumerate(self.peers))
-
-    def send(self, message: torch.Tensor) -> list[tuple[int, PeerError]]:
-        failures = []
-        for k in range(len(self.peers)):
-            if self._ended[k] or k in self._dropped:
-                continue
-            err = self.send_to(k, message)
-            if err is not None:
-                failures.append((k, err))
-        return failures
 
     def send_to(self, k: int, message: torch.Tensor) -> PeerError | None:
         p = self.peers[k]
@@ -588,16 +583,6 @@ class GlooStreams(MessageStreams):
             link.outbox.clear()
             link.ready.clear()
             self.cond.notify_all()
-
-    def send(self, message: torch.Tensor) -> list[tuple[int, PeerError]]:
-        failures = []
-        for k, link in enumerate(self._links):
-            if link.ended or k in self._dropped:
-                continue
-            err = self.send_to(k, message)
-            if err is not None:
-                failures.append((k, err))
-        return failures
 
     def send_to(self, k: int, message: torch.Tensor) -> PeerError | None:
         link = self._links[k]

@@ -79,7 +79,7 @@ from qcomm.validation import (
 
 from .choco import _check_group
 from .graphs import neighbours
-from .integrity import SEAL_NBYTES, bad_messages, seal_
+from .integrity import SEAL_NBYTES, bad_messages, seal_, sealed
 from .member import GossipMember
 from .mixing import mixing_matrix
 from .streams import GlooStreams, MemoryStreams, MessageStreams
@@ -287,13 +287,15 @@ class WaitFreeGossip(GossipMember):
                         failures.append((k, err))
                         break
                     continue
-                if self._is_control(m, MARKER_ROUND + self._markers[k], peer):
-                    self._markers[k] += 1
-                    box.popleft()
-                    continue
                 expected = self.received[k] + len(self._pending[k])
                 bad = bad_messages(m.view(1, -1), expected, [peer], self.fragment_numel,
                                    self.spec)
+                if bad and sealed(m, MARKER_ROUND + self._markers[k], peer):
+                    # a marker (checked only when not the next round: the round is common)
+                    self._markers[k] += 1
+                    self._learn_lost(m)
+                    box.popleft()
+                    continue
                 if bad:
                     raise CorruptPayloadError(
                         f"gossip stream from rank {self.peer_ranks[k]} (rank "
@@ -596,7 +598,8 @@ class WaitFreeGossip(GossipMember):
 
     def send_marker(self) -> None:
         """First half of :meth:`drain`: mark the end of what this member sent so far."""
-        marker = self._control_message(MARKER_ROUND + self._drains)
+        # it tells the neighbours which members this one knows to be lost
+        marker = self._control_message(MARKER_ROUND + self._drains, self._lost_bits())
         self._drains += 1
         self._handle(self._streams_now().send(marker))
 
@@ -628,11 +631,36 @@ class WaitFreeGossip(GossipMember):
     # -----------------------------------------------------------------------------------------
     # goodbye and close
 
-    def _control_message(self, round: int) -> torch.Tensor:
-        """A hello, marker or goodbye: all-zero codec bytes sealed with ``round``."""
+    def _control_message(self, round: int, body: torch.Tensor | None = None) -> torch.Tensor:
+        """A hello, marker or goodbye: codec bytes ``body`` (uint8, zero-padded; None: all
+        zero) sealed with ``round``."""
         m = torch.zeros(self.message_nbytes, dtype=torch.uint8)
+        if body is not None:
+            m[:body.numel()] = body
         seal_(m, round, self.member)
         return m
+
+    def _lost_bits(self) -> torch.Tensor | None:
+        """The lost members as a bit set, uint8 ``[ceil(size / 8)]`` (None when it does not
+        fit in a message's codec bytes)."""
+        if (self.size + 7) // 8 > self.nbytes or not self.lost:
+            return None
+        bits = torch.zeros(self.size, dtype=torch.bool)
+        bits[sorted(self.lost)] = True
+        bits = torch.nn.functional.pad(bits, (0, -self.size % 8)).view(-1, 8)
+        return (bits.to(torch.uint8) << torch.arange(8, dtype=torch.uint8)).sum(1).to(
+            torch.uint8)
+
+    def _learn_lost(self, marker: torch.Tensor) -> None:
+        """Add the members a neighbour's marker says are lost (not a live neighbour of this
+        one: a broken link between two others is theirs)."""
+        n = (self.size + 7) // 8
+        if n > self.nbytes:
+            return
+        body = marker[:n].cpu()
+        bits = ((body.view(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1).view(-1)
+        told = {int(i) for i in bits[:self.size].nonzero().view(-1)}
+        self.lost |= told - set(self._live_peers()) - {self.member}
 
     def _is_control(self, message: torch.Tensor, round: int, sender: int) -> bool:
         """Whether ``message`` from member ``sender`` is its control message ``round``: zero
