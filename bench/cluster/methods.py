@@ -21,7 +21,7 @@ import importlib.util
 import re
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 FP32 = 4
@@ -92,6 +92,39 @@ def qcomm_variant(name: str) -> dict[str, Any] | None:
     return out
 
 
+# The peers' own knobs in their names, as qcomm's: localsgd-p<period>,
+# torchft-[streaming-]diloco[-h<sync_every>][-o<outer lr x 10>][-m<outer momentum x 10>],
+# ddp-powersgd-r<rank>. The plain names run the defaults of Config.
+_PEER = re.compile(r"(?P<base>localsgd)-p(?P<p>\d+)"
+                   r"|(?P<dbase>torchft-diloco|torchft-streaming-diloco)"
+                   r"(?:-h(?P<h>\d+))?(?:-o(?P<o>\d+))?(?:-m(?P<m>\d))?"
+                   r"|(?P<pbase>ddp-powersgd)-r(?P<r>\d+)")
+
+
+def peer_variant(name: str) -> tuple[str, dict[str, Any]] | None:
+    """``(base method, Config fields it sets)`` for a peer name with settings, else None."""
+    m = _PEER.fullmatch(name)
+    if m is None:
+        return None
+    if m["base"]:
+        return m["base"], {"localsgd_period": int(m["p"])}
+    if m["pbase"]:
+        return m["pbase"], {"powersgd_rank": int(m["r"])}
+    out: dict[str, Any] = {}
+    if m["h"]:
+        out["diloco_sync_every"] = int(m["h"])
+    if m["o"]:
+        out["diloco_outer_lr"] = int(m["o"]) / 10
+    if m["m"]:
+        out["diloco_outer_momentum"] = int(m["m"]) / 10
+    return (m["dbase"], out) if out else None
+
+
+def resolve(name: str) -> tuple[str, dict[str, Any]]:
+    """The method a name runs and the Config fields its name sets (none for plain names)."""
+    return peer_variant(name) or (name, {})
+
+
 def continues_after_loss(name: str) -> bool:
     """Whether method ``name`` is meant to keep training when a node is lost (qcomm variants
     ending in ``-cont``: ``on_peer_loss="continue"``)."""
@@ -111,6 +144,12 @@ class _Registry(dict):
     """The fixed methods, plus every qcomm variant name (:func:`qcomm_variant`) on lookup."""
 
     def __missing__(self, name: str) -> MethodInfo:
+        peer = peer_variant(name)
+        if peer is not None:
+            base = dict.__getitem__(self, peer[0])
+            desc = ", ".join(f"{k}={v}" for k, v in peer[1].items())
+            return MethodInfo(name, base.family, f"{base.description} ({desc})", base.bits,
+                              base.needs, base.workloads)
         opts = qcomm_variant(name)
         if opts is None:
             raise KeyError(name)
@@ -125,8 +164,9 @@ class _Registry(dict):
                           ("mnist1d",) if sgd else None)
 
     def __contains__(self, name: object) -> bool:
-        return dict.__contains__(self, name) or (isinstance(name, str)
-                                                 and qcomm_variant(name) is not None)
+        return dict.__contains__(self, name) or (
+            isinstance(name, str)
+            and (qcomm_variant(name) is not None or peer_variant(name) is not None))
 
 
 METHODS: dict[str, MethodInfo] = _Registry({
@@ -342,6 +382,10 @@ def expected_inter_bytes(name: str, shapes: Sequence[Sequence[int]], layout: Lay
     model, the default), ``fragment_delay`` torchft's ``fragment_sync_delay``.
     """
     numel = sum(_prod(s) for s in shapes)
+    name, settings = resolve(name)
+    powersgd_rank = settings.get("powersgd_rank", powersgd_rank)
+    localsgd_period = settings.get("localsgd_period", localsgd_period)
+    diloco_sync_every = settings.get("diloco_sync_every", diloco_sync_every)
     if name in ("torchft-diloco", "torchft-streaming-diloco"):
         frags = list(fragment_numel) if fragment_numel else [numel]
         if sum(frags) != numel:
@@ -663,6 +707,10 @@ def build(name: str, module, cfg: Config) -> Built:
     ok, why = availability(name)
     if not ok:
         raise RuntimeError(f"method {name}: {why}")
+    base, settings = resolve(name)
+    if settings:
+        cfg = replace(cfg, **settings)
+    name = base
     if name in BUILDERS:
         return BUILDERS[name](module, cfg)
     if METHODS[name].family == "torchft":

@@ -168,8 +168,11 @@ def build(name: str, module: nn.Module, cfg: M.Config) -> M.Built:
     model = DDP(module, process_group=subgroup) if layout.procs > 1 else module
     inner = M.inner_optimizer(module.parameters(), cfg)
     frags = split_fragments(module, cfg.streaming_fragments) if streaming else [module]
+    # Nesterov needs momentum: with outer momentum 0 the outer step is plain SGD (lr 1.0 and
+    # momentum 0 is local SGD's averaging).
     outer = [torch.optim.SGD(f.parameters(), lr=cfg.diloco_outer_lr,
-                             momentum=cfg.diloco_outer_momentum, nesterov=OUTER_NESTEROV)
+                             momentum=cfg.diloco_outer_momentum,
+                             nesterov=OUTER_NESTEROV and cfg.diloco_outer_momentum > 0)
              for f in frags]
     delay = cfg.streaming_delay if streaming else 0
     diloco = DiLoCo(manager, frags, inner, outer, sync_every=cfg.diloco_sync_every,
