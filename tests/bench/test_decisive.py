@@ -1,0 +1,48 @@
+"""bench/cluster/decisive.py: one command per scenario, each with its own flags and output
+folder, then the table over all of them; bad arguments are refused by name."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "cluster" / "decisive.py"
+
+
+def _dry(*args: str) -> list[list[str]]:
+    out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", "/tmp/d", *args],
+                         capture_output=True, text=True, check=True).stdout
+    return [shlex.split(line) for line in out.splitlines()]
+
+
+def test_every_scenario_is_one_sweep_with_its_flags_then_one_table() -> None:
+    cmds = _dry()
+    sweeps, table = cmds[:-1], cmds[-1]
+    assert [c[1].endswith("compare.py") for c in sweeps] == [True] * 4
+    flags = {c[c.index("--out") + 1].rsplit("/", 1)[1]: c for c in sweeps}
+    assert "--slow-nodes" in flags["slow"] and "--delay-ms" in flags["latency"]
+    assert "--kill-node" in flags["lost"]
+    assert not {"--slow-nodes", "--delay-ms", "--kill-node"} & set(flags["healthy"])
+    # every sweep compares the same methods, three runs a cell
+    methods = {c[c.index("--methods") + 1] for c in sweeps}
+    assert len(methods) == 1 and {c[c.index("--repeats") + 1] for c in sweeps} == {"3"}
+    assert table[1].endswith("scenarios.py")
+    assert [a.split("=")[0] for a in table if "=" in a] == list(flags)
+
+
+def test_a_part_of_it() -> None:
+    cmds = _dry("--scenarios", "lost", "--layouts", "4x1", "--repeats", "1")
+    assert len(cmds) == 2 and "--kill-node" in cmds[0]
+    assert cmds[0][cmds[0].index("--layouts") + 1] == "4x1"
+
+
+@pytest.mark.parametrize(("args", "match"), [(["--scenarios", "flood"], "--scenarios"),
+                                             (["--repeats", "0"], "--repeats")])
+def test_bad_arguments_name_themselves(args: list[str], match: str) -> None:
+    r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", *args],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and match in r.stderr
