@@ -46,12 +46,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# This checkout's qcomm (what the ranks import through PYTHONPATH), not an installed one: the
-# availability checks must see the same package the runs will use.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import methods as M
-import workloads as W
+if __package__ in (None, ""):
+    # Run by path: the repository root first on sys.path, so that `bench.cluster` imports and
+    # the availability checks see this checkout's qcomm (what the ranks import through
+    # PYTHONPATH), not an installed one.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.cluster import methods as M
+from bench.cluster import workloads as W
 
 HERE = Path(__file__).resolve().parent
 NETNS = HERE / "netns.sh"

@@ -22,9 +22,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import methods as M
-import workloads as W
+if __package__ in (None, ""):
+    # Run by path: the repository root first on sys.path, so that `bench.cluster` imports.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.cluster import methods as M
+from bench.cluster import workloads as W
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

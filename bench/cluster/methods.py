@@ -714,7 +714,7 @@ def build(name: str, module, cfg: Config) -> Built:
     if name in BUILDERS:
         return BUILDERS[name](module, cfg)
     if METHODS[name].family == "torchft":
-        import torchft_methods  # this directory, like methods itself
+        from bench.cluster import torchft_methods  # only now: it needs torch and torchft
 
         return torchft_methods.build(name, module, cfg)
     return _qcomm_adapter(name, module, cfg)

@@ -31,13 +31,21 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
-import methods as M
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if __package__ in (None, ""):
+    # Run by path (it says it is a library): the repository root first on sys.path, so that
+    # `bench.cluster` imports.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.cluster import methods as M
 
 OUTER_NESTEROV = True
 

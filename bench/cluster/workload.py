@@ -56,9 +56,13 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import methods as M  # this directory is not a package; torchrun runs the file
-import workloads as W
+if __package__ in (None, ""):
+    # torchrun runs this file by path (netns.sh): the repository root first on sys.path, so
+    # that `bench.cluster` imports, and this checkout's qcomm with it.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.cluster import methods as M
+from bench.cluster import workloads as W
 
 
 def _method_name(name: str) -> str:

@@ -3,28 +3,11 @@ result parsing, repetitions and target checks. No root, no namespaces, no proces
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-CLUSTER = Path(__file__).resolve().parents[2] / "bench" / "cluster"
-
-
-def _load_compare():
-    # bench/cluster is a directory of scripts, not a package: compare.py (like workload.py under
-    # torchrun) puts its own directory on sys.path and imports `methods` from there. Load it by
-    # path and take `methods` from it, so both modules share one Layout class.
-    spec = importlib.util.spec_from_file_location("qcb_compare", CLUSTER / "compare.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["qcb_compare"] = mod  # dataclasses look their module up in sys.modules
-    spec.loader.exec_module(mod)
-    return mod
-
-
-C = _load_compare()
-M = C.M
+from bench.cluster import compare as C
+from bench.cluster import methods as M
+from bench.cluster import workloads as W
 
 SHAPES = [[512, 40], [512], [512, 512], [512], [512, 512], [512], [10, 512], [10]]
 NUMEL = 551_434
@@ -487,8 +470,8 @@ def test_table_lists_unavailable_methods():
 def test_settings_fall_back_to_the_workload_defaults():
     args = C.parse_args(["--workload", "charlm", "--steps", "40"])
     s = C.settings("charlm", args)
-    assert s["steps"] == 40 and s["lr"] == C.W.WORKLOADS["charlm"].lr
-    assert s["target"] == C.W.WORKLOADS["charlm"].target
+    assert s["steps"] == 40 and s["lr"] == W.WORKLOADS["charlm"].lr
+    assert s["target"] == W.WORKLOADS["charlm"].target
     assert C.settings("mnist1d", args)["batch"] == 32
 
 
@@ -498,7 +481,7 @@ def test_workload_command_carries_the_workload_and_diloco_settings(tmp_path):
                              tmp_path / "o.json")
     assert cmd[cmd.index("--workload") + 1] == "charlm"
     assert cmd[cmd.index("--diloco-sync-every") + 1] == "8"
-    assert cmd[cmd.index("--lr") + 1] == str(C.W.WORKLOADS["charlm"].lr)
+    assert cmd[cmd.index("--lr") + 1] == str(W.WORKLOADS["charlm"].lr)
 
 
 def test_repeats_must_be_positive():
