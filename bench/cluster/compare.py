@@ -53,6 +53,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.cluster import methods as M
+from bench.cluster import training as T
 from bench.cluster import workloads as W
 
 HERE = Path(__file__).resolve().parent
@@ -74,7 +75,7 @@ SPREAD_FIELDS = ("step_median_s", "samples_per_s", "time_to_target_s", "final",
 # pure parts (unit-tested)
 
 
-def parse_layout(s: str) -> M.Layout:
+def parse_layout(s: str) -> T.Layout:
     """``"2x2"`` (nodes x procs per node) -> Layout."""
     try:
         nodes, procs = (int(v) for v in s.lower().split("x"))
@@ -82,7 +83,7 @@ def parse_layout(s: str) -> M.Layout:
         raise ValueError(f"layout must look like NODESxPROCS, e.g. 2x2, got {s!r}") from None
     if nodes < 1 or procs < 1:
         raise ValueError(f"layout needs >= 1 node and >= 1 proc per node, got {s!r}")
-    return M.Layout(nodes, procs)
+    return T.Layout(nodes, procs)
 
 
 def rate_bits_per_s(rate: str) -> float:
@@ -212,7 +213,7 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
     node_steps = [r["steps"] for r in heads]
     node_rates = [r["steps"] / r["loop_s"] for r in heads]
     node_compute = [r["baseline_median_s"] for r in heads]
-    layout = M.Layout(nodes, lay["procs"])
+    layout = T.Layout(nodes, lay["procs"])
     notes = result.get("notes") or {}
     expected = M.expected_inter_bytes(
         result["method"], result["model"]["shapes"], layout,
@@ -539,7 +540,7 @@ def workload_command(workload: str, method: str, args: argparse.Namespace, data:
               if args.kill_node is not None else [])]
 
 
-def run_one(cluster: str, layout: M.Layout, cmd_args: list[str], timeout: int, out_json: Path,
+def run_one(cluster: str, layout: T.Layout, cmd_args: list[str], timeout: int, out_json: Path,
             log: Path, bar: Any, slow: tuple[int, float] = (0, 1.0),
             lost: int | None = None) -> tuple[int, str]:
     """Launch one run on the cluster (``slow``: the last ``slow[0]`` nodes capped to

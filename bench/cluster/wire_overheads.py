@@ -38,6 +38,7 @@ if __package__ in (None, ""):
 
 from bench.cluster import charlm
 from bench.cluster import methods as M
+from bench.cluster import training as T
 from bench.cluster.workload import read_iface_bytes
 
 IFACE = os.environ.get("QCB_IFACE", "qceth0")
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.idle > 0:
         from bench.cluster import torchft_methods
 
-        cfg = M.Config(lr=1e-3, momentum=0.0, layout=M.Layout(2, 1), optimizer="adamw")
+        cfg = T.Config(lr=1e-3, momentum=0.0, layout=T.Layout(2, 1), optimizer="adamw")
         built = torchft_methods.build("torchft-diloco", charlm.CharTransformer(width=32,
                                                                                layers=1), cfg)
         time.sleep(1.0)

@@ -62,6 +62,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.cluster import methods as M
+from bench.cluster import training as T
 from bench.cluster import workloads as W
 
 
@@ -255,9 +256,9 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             if k != "out" and not (k in ("kill_node", "kill_at") and v is None)}
 
 
-def end_after_kill(args: argparse.Namespace, work, built: M.Built, context, *,
+def end_after_kill(args: argparse.Namespace, work, built: T.Built, context, *,
                    stop: dict[str, Any] | None, kill: dict[str, Any], marker: Path, rank: int,
-                   node: int, local_rank: int, layout: M.Layout, steps_done: int,
+                   node: int, local_rank: int, layout: T.Layout, steps_done: int,
                    times: tuple[list[float], ...], t_open: float, t_loop: float,
                    start: tuple[Any, Any, Any], iface: str,
                    snapshots: list, model: tuple[int, list]) -> NoReturn:
@@ -322,8 +323,8 @@ def end_after_kill(args: argparse.Namespace, work, built: M.Built, context, *,
     os._exit(0)
 
 
-def assemble_after_kill(args: argparse.Namespace, work, built: M.Built, kill: dict[str, Any],
-                        marker: Path, layout: M.Layout, model: tuple[int, list]) -> None:
+def assemble_after_kill(args: argparse.Namespace, work, built: T.Built, kill: dict[str, Any],
+                        marker: Path, layout: T.Layout, model: tuple[int, list]) -> None:
     """Rank 0 after a lost node: the records of the other ranks (waited for, with a
     deadline), the surviving nodes' snapshots averaged into the curve, the final quality
     (the surviving nodes' final parameters averaged when every survivor finished, else the
@@ -491,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     node = int(os.environ.get("GROUP_RANK", str(rank // procs)))
-    layout = M.Layout(world // procs, procs)
+    layout = T.Layout(world // procs, procs)
     iface = os.environ.get("QCB_IFACE", "qceth0")
 
     # Per-rank batches for every step a rank may take (a per-node budget may take more).
@@ -501,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     work = W.load(args.workload, Path(args.data), rank=rank, seed=args.seed, batch=args.batch,
                   total_steps=total, args=args)
     info = work.info
-    cfg = M.Config(lr=args.lr, momentum=args.momentum, layout=layout, seed=args.seed,
+    cfg = T.Config(lr=args.lr, momentum=args.momentum, layout=layout, seed=args.seed,
                    optimizer=info.optimizer, weight_decay=args.weight_decay,
                    powersgd_rank=args.powersgd_rank, localsgd_period=args.localsgd_period,
                    localsgd_warmup=args.warmup, diloco_sync_every=args.diloco_sync_every,
@@ -516,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
     # 1. compute-only baseline on a copy (never touches the trained model's state)
     shadow = work.make_model()
     shadow.load_state_dict(module.state_dict())
-    shadow_opt = M.inner_optimizer(shadow.parameters(), cfg)
+    shadow_opt = T.inner_optimizer(shadow.parameters(), cfg)
     dist.barrier()
     base_times = []
     for i in range(args.baseline_steps):

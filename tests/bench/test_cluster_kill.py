@@ -15,6 +15,7 @@ import pytest
 
 from bench.cluster import compare as C
 from bench.cluster import methods as M
+from bench.cluster import training as T
 from bench.cluster import workload as WL
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,7 +121,7 @@ def test_cont_reaches_the_optimizer_as_on_peer_loss(monkeypatch):
     fake = types.ModuleType("qcomm.sgd")
     fake.ASSGD = FakeASSGD
     monkeypatch.setitem(sys.modules, "qcomm.sgd", fake)
-    cfg = M.Config(lr=0.1, momentum=0.9, layout=M.Layout(4, 1))
+    cfg = T.Config(lr=0.1, momentum=0.9, layout=T.Layout(4, 1))
     built = M._qcomm_adapter("assgd-4-cont", types.SimpleNamespace(parameters=list), cfg)
     assert got["wait_free"] is True and got["on_peer_loss"] == "continue"
     assert built.node_any is not None  # per-node budgets, as -wf
