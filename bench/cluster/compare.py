@@ -43,15 +43,19 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# This checkout's qcomm (what the ranks import through PYTHONPATH), not an installed one: the
-# availability checks must see the same package the runs will use.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import methods as M
-import workloads as W
+if __package__ in (None, ""):
+    # Run by path: the repository root first on sys.path, so that `bench.cluster` imports and
+    # the availability checks see this checkout's qcomm (what the ranks import through
+    # PYTHONPATH), not an installed one.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.cluster import methods as M
+from bench.cluster import training as T
+from bench.cluster import workloads as W
 
 HERE = Path(__file__).resolve().parent
 NETNS = HERE / "netns.sh"
@@ -72,7 +76,7 @@ SPREAD_FIELDS = ("step_median_s", "samples_per_s", "time_to_target_s", "final",
 # pure parts (unit-tested)
 
 
-def parse_layout(s: str) -> M.Layout:
+def parse_layout(s: str) -> T.Layout:
     """``"2x2"`` (nodes x procs per node) -> Layout."""
     try:
         nodes, procs = (int(v) for v in s.lower().split("x"))
@@ -80,7 +84,7 @@ def parse_layout(s: str) -> M.Layout:
         raise ValueError(f"layout must look like NODESxPROCS, e.g. 2x2, got {s!r}") from None
     if nodes < 1 or procs < 1:
         raise ValueError(f"layout needs >= 1 node and >= 1 proc per node, got {s!r}")
-    return M.Layout(nodes, procs)
+    return T.Layout(nodes, procs)
 
 
 def rate_bits_per_s(rate: str) -> float:
@@ -210,7 +214,7 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
     node_steps = [r["steps"] for r in heads]
     node_rates = [r["steps"] / r["loop_s"] for r in heads]
     node_compute = [r["baseline_median_s"] for r in heads]
-    layout = M.Layout(nodes, lay["procs"])
+    layout = T.Layout(nodes, lay["procs"])
     notes = result.get("notes") or {}
     expected = M.expected_inter_bytes(
         result["method"], result["model"]["shapes"], layout,
@@ -537,7 +541,7 @@ def workload_command(workload: str, method: str, args: argparse.Namespace, data:
               if args.kill_node is not None else [])]
 
 
-def run_one(cluster: str, layout: M.Layout, cmd_args: list[str], timeout: int, out_json: Path,
+def run_one(cluster: str, layout: T.Layout, cmd_args: list[str], timeout: int, out_json: Path,
             log: Path, bar: Any, slow: tuple[int, float] = (0, 1.0),
             lost: int | None = None) -> tuple[int, str]:
     """Launch one run on the cluster (``slow``: the last ``slow[0]`` nodes capped to
@@ -777,14 +781,37 @@ def check_kill(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--kill-at must be a fraction strictly between 0 and 1, got {args.kill_at:g}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if os.geteuid() != 0:
-        print("compare.py: needs root (netns.sh creates network namespaces, a bridge and tc "
-              "qdiscs); run it as root or with sudo", file=sys.stderr)
-        return 1
-    from tqdm import tqdm
+# ---------------------------------------------------------------------------------------------
+# the sweep
 
+
+@dataclass
+class Sweep:
+    """What one invocation sweeps over, where its files go, and each workload's data file and
+    target (filled in by :func:`make_data`)."""
+
+    workloads: list[str]
+    layouts: list[T.Layout]
+    rates: list[str]
+    names: list[str]
+    outdir: Path
+    data: dict[str, Path] = field(default_factory=dict)
+    data_info: dict[str, Any] = field(default_factory=dict)
+    targets: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def combos(self) -> list[tuple[T.Layout, str]]:
+        """The (layout, rate) pairs, one cluster each."""
+        return [(lay, rate) for lay in self.layouts for rate in self.rates]
+
+
+# One cell of the table: (workload, layout tag, rate, method).
+Cell = tuple[str, str, str, str]
+
+
+def plan(args: argparse.Namespace) -> Sweep:
+    """The command line's lists, checked (ValueError names a bad one), and the output
+    directory, made."""
     workloads = W.parse_workloads(args.workload)
     layouts = [parse_layout(s) for s in args.layouts.split(",")]
     rates = [r.strip() for r in args.rates.split(",")]
@@ -793,7 +820,11 @@ def main(argv: list[str] | None = None) -> int:
     names = M.parse_methods(args.methods)
     outdir = Path(args.out or HERE.parent / "out" / "cluster" / time.strftime("%Y%m%d-%H%M%S"))
     (outdir / "runs").mkdir(parents=True, exist_ok=True)
-    env = environment()
+    return Sweep(workloads, layouts, rates, names, outdir)
+
+
+def announce(args: argparse.Namespace, env: dict[str, Any]) -> None:
+    """The environment, and what about this sweep a reader of its table should know first."""
     print(f"environment: {json.dumps(env)}")
     if args.repeats < 3:
         print(f"repeats: {args.repeats} (fewer than 3: the spread columns say little)")
@@ -801,12 +832,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lost node: node {args.kill_node} is killed (SIGKILL, every process) after step "
               f"round({args.kill_at:g} x steps), or at {args.kill_at:g} x time budget for "
               "per-node budgets")
-    data: dict[str, Path] = {}
-    data_info: dict[str, Any] = {}
-    for w in workloads:
-        data[w] = outdir / f"{w}.npz"
-        data_info[w] = W.make_data(w, data[w], seed=args.seed, num_samples=args.num_samples)
-    targets = {w: settings(w, args)["target"] for w in workloads}
+
+
+def make_data(sweep: Sweep, args: argparse.Namespace) -> None:
+    """Each workload's data file (one for every run of the sweep) and its quality target."""
+    for w in sweep.workloads:
+        sweep.data[w] = sweep.outdir / f"{w}.npz"
+        sweep.data_info[w] = W.make_data(w, sweep.data[w], seed=args.seed,
+                                         num_samples=args.num_samples)
+    sweep.targets = {w: settings(w, args)["target"] for w in sweep.workloads}
+
+
+def run_sweep(sweep: Sweep, args: argparse.Namespace,
+              bars: Any) -> dict[Cell, list[dict[str, Any]]]:
+    """Every run: per (layout, rate) one cluster, built, used for every repetition of every
+    (workload, method), and removed, also on failure, Ctrl-C or SIGTERM. Returns each cell's
+    repetitions (``bars``: tqdm's class, for the progress bars)."""
 
     # SIGTERM (e.g. from a CI timeout) must run the `finally` that removes the cluster.
     def on_term(signum: int, _frame: Any) -> None:
@@ -814,11 +855,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     netns("clean")
-    reps: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
-    combos = [(lay, rate) for lay in layouts for rate in rates]
-    overall = tqdm(total=len(combos) * len(workloads) * len(names) * args.repeats, desc="runs",
-                   position=0, leave=True)
-    for lay, rate in combos:
+    reps: dict[Cell, list[dict[str, Any]]] = {}
+    overall = bars(total=len(sweep.combos) * len(sweep.workloads) * len(sweep.names)
+                   * args.repeats, desc="runs", position=0, leave=True)
+    for lay, rate in sweep.combos:
         cluster = secrets.token_hex(3)
         tag = f"{lay.nodes}x{lay.procs}"
         try:
@@ -827,60 +867,81 @@ def main(argv: list[str] | None = None) -> int:
                   *(["--delay-ms", f"{args.delay_ms:g}"] if args.delay_ms is not None else []))
             # Repetitions interleaved: every method once, then every method again.
             for rep in range(args.repeats):
-                for w in workloads:
-                    for name in names:
+                for w in sweep.workloads:
+                    for name in sweep.names:
                         cell = (w, tag, rate, name)
                         overall.set_description(f"{w} {tag} {rate} {name} #{rep + 1}")
-                        base = {"method": name, "workload": w, "layout": tag, "rate": rate}
-                        ok, why = M.applicability(name, w)
-                        if ok:
-                            ok, why = M.availability(name)
-                        if not ok:
-                            if rep == 0:
-                                reps.setdefault(cell, []).append({**base, "status": why})
-                            overall.update(1)
-                            continue
-                        stem = f"{w}_{tag}_{rate}_{name}_r{rep + 1}"
-                        out_json = outdir / "runs" / f"{stem}.json"
-                        cmd = workload_command(w, name, args, data[w], out_json)
-                        with tqdm(total=settings(w, args)["steps"], desc=f"  {name}",
-                                  position=1, leave=False) as bar:
-                            rc, tail = run_one(cluster, lay, cmd, args.timeout, out_json,
-                                               outdir / "runs" / f"{stem}.log", bar,
-                                               (args.slow_nodes, args.slowdown),
-                                               args.kill_node)
-                        if rc != 0 or not out_json.exists():
-                            tqdm.write(f"{stem}: FAILED (exit {rc}); log "
-                                       f"{outdir}/runs/{stem}.log\n{tail}")
-                            reps.setdefault(cell, []).append(
-                                {**base, "status": f"failed (exit {rc})"})
-                        else:
-                            row = summarize_run(json.loads(out_json.read_text()), targets[w])
-                            reps.setdefault(cell, []).append({**row, "rate": rate})
+                        row = run_cell(sweep, args, bars, cluster, lay, cell, rep)
+                        if row is not None:
+                            reps.setdefault(cell, []).append(row)
                         overall.update(1)
         finally:
             netns("down", "--id", cluster, check=False)
     overall.close()
+    return reps
 
-    rows = [{**aggregate(cell_reps), "rate": cell[2]} for cell, cell_reps in reps.items()]
+
+def run_cell(sweep: Sweep, args: argparse.Namespace, bars: Any, cluster: str,
+             layout: T.Layout, cell: Cell, rep: int) -> dict[str, Any] | None:
+    """Repetition ``rep`` of ``cell`` on the cluster: the run's row (summarized), or why it
+    failed; for a method that cannot run here, why, in the first repetition only (None in the
+    others)."""
+    w, tag, rate, name = cell
+    base = {"method": name, "workload": w, "layout": tag, "rate": rate}
+    ok, why = M.applicability(name, w)
+    if ok:
+        ok, why = M.availability(name)
+    if not ok:
+        return {**base, "status": why} if rep == 0 else None
+    stem = f"{w}_{tag}_{rate}_{name}_r{rep + 1}"
+    out_json = sweep.outdir / "runs" / f"{stem}.json"
+    cmd = workload_command(w, name, args, sweep.data[w], out_json)
+    with bars(total=settings(w, args)["steps"], desc=f"  {name}", position=1,
+              leave=False) as bar:
+        rc, tail = run_one(cluster, layout, cmd, args.timeout, out_json,
+                           sweep.outdir / "runs" / f"{stem}.log", bar,
+                           (args.slow_nodes, args.slowdown), args.kill_node)
+    if rc != 0 or not out_json.exists():
+        bars.write(f"{stem}: FAILED (exit {rc}); log {sweep.outdir}/runs/{stem}.log\n{tail}")
+        return {**base, "status": f"failed (exit {rc})"}
+    row = summarize_run(json.loads(out_json.read_text()), sweep.targets[w])
+    return {**row, "rate": rate}
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+
+def print_tables(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> None:
+    """The table of every cell; with a lost node, what each method did."""
     print()
     print(table(rows))
     if args.kill_node is not None:
         print(f"\nnode {args.kill_node} lost at {args.kill_at:g} of each run:\n")
         print(kill_table(rows))
+
+
+def print_targets(rows: Sequence[dict[str, Any]], sweep: Sweep) -> dict[str, list[dict]]:
+    """The targets judged per (workload, layout, rate), printed; returned by group name."""
     checks = {}
-    for w in workloads:
-        for lay, rate in combos:
+    for w in sweep.workloads:
+        for lay, rate in sweep.combos:
             tag = f"{lay.nodes}x{lay.procs}"
             group = [r for r in rows
                      if r.get("workload") == w and r["layout"] == tag and r["rate"] == rate]
             checks[f"{w} {tag} {rate}"] = c = check_targets(group, SUBJECT[w])
             print(f"\ntargets, {w} {tag} at {rate} (target {W.WORKLOADS[w].metric} "
-                  f"{targets[w]}):")
+                  f"{sweep.targets[w]}):")
             for t in c:
                 mark = {True: "met", False: "MISSED", None: "n/a"}[t["ok"]]
                 val = "-" if t["value"] is None else f"{t['value']:.3f}"
                 print(f"  {t['name']:<36} {mark:<7} value {val:<9} need {t['need']}")
+    return checks
+
+
+def problems(rows: Sequence[dict[str, Any]],
+             args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """(cells whose two byte counts disagree, cells with a failed run)."""
     # Judged where the second count is the method's own (qcomm's stats); formulas are payload
     # only, and PowerSGD's many small messages carry more framing than 5% (bench/RESULTS.md).
     # Not under a lost node: no barrier closes the window, and the survivors stop apart.
@@ -889,19 +950,49 @@ def main(argv: list[str] | None = None) -> int:
                  and (r["bytes_rel_diff"] is None or r["bytes_rel_diff"] > args.agree)]
     failed = [r for r in rows if r.get("status", "").startswith("failed")
               or r.get("failed_repeats")]
+    return bad_bytes, failed
+
+
+def write_summary(sweep: Sweep, args: argparse.Namespace, env: dict[str, Any],
+                  rows: Sequence[dict[str, Any]], checks: dict[str, list[dict]],
+                  bad_bytes: Sequence[dict], failed: Sequence[dict]) -> Path:
+    """Everything the sweep found, as ``summary.json`` in the output directory."""
     # The lost-node and timeout options only when given (a healthy sweep's summary as before).
     given = {k: v for k, v in vars(args).items()
              if not (k in ("kill_node", "kill_at", "pg_timeout") and v is None)}
-    summary = {"environment": env, "args": given, "data": data_info, "targets_quality":
-               targets, "rows": rows, "targets": checks,
+    summary = {"environment": env, "args": given, "data": sweep.data_info, "targets_quality":
+               sweep.targets, "rows": rows, "targets": checks,
                "bytes_disagree": [r["method"] for r in bad_bytes],
                "failed": [f"{r.get('workload')} {r['layout']} {r['rate']} {r['method']}"
                           for r in failed]}
-    (outdir / "summary.json").write_text(json.dumps(summary, indent=1))
+    path = sweep.outdir / "summary.json"
+    path.write_text(json.dumps(summary, indent=1))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        print("compare.py: needs root (netns.sh creates network namespaces, a bridge and tc "
+              "qdiscs); run it as root or with sudo", file=sys.stderr)
+        return 1
+    # Imported here, before any file is written: --help and the tests do without it.
+    from tqdm import tqdm
+
+    sweep = plan(args)
+    env = environment()
+    announce(args, env)
+    make_data(sweep, args)
+    reps = run_sweep(sweep, args, tqdm)
+    rows = [{**aggregate(cell_reps), "rate": cell[2]} for cell, cell_reps in reps.items()]
+    print_tables(rows, args)
+    checks = print_targets(rows, sweep)
+    bad_bytes, failed = problems(rows, args)
+    summary = write_summary(sweep, args, env, rows, checks, bad_bytes, failed)
     if not args.no_plots:
-        for p in plot(rows, outdir, targets):
+        for p in plot(rows, sweep.outdir, sweep.targets):
             print(f"plot: {p}")
-    print(f"json: {outdir / 'summary.json'}")
+    print(f"json: {summary}")
     if bad_bytes:
         print(f"bytes disagree by more than {100 * args.agree:.0f}% for "
               f"{[r['method'] for r in bad_bytes]}")

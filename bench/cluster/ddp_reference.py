@@ -22,9 +22,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import methods as M
-import workloads as W
+if __package__ in (None, ""):
+    # Run by path: the repository root first on sys.path, so that `bench.cluster` imports.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.cluster import training as T
+from bench.cluster import workloads as W
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                         total_steps=steps, args=args) for r in range(args.ranks)]
     torch.manual_seed(args.seed)  # workload.py's initial weights
     model = works[0].make_model()
-    cfg = M.Config(lr=args.lr, momentum=args.momentum, layout=M.Layout(1, 1),
+    cfg = T.Config(lr=args.lr, momentum=args.momentum, layout=T.Layout(1, 1),
                    optimizer=info.optimizer, weight_decay=args.weight_decay)
-    opt = M.inner_optimizer(model.parameters(), cfg)
+    opt = T.inner_optimizer(model.parameters(), cfg)
     print(f"{args.workload}: {args.ranks} ranks x batch {args.batch}, lr {args.lr}, "
           f"{sum(p.numel() for p in model.parameters())} parameters")
     print(f"window step  {info.metric}  seconds")

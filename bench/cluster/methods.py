@@ -1,15 +1,17 @@
 """The methods the cluster benchmark compares: one builder per method, plus their wire bytes.
 
-A builder takes the (unwrapped, identically seeded) model and returns a :class:`Built`: the
-module to call in the training loop (maybe DDP-wrapped), the optimizer, and the few hooks the
-workload needs around the timed window (complete in-flight traffic, make the final model, read
-qcomm's byte counters). The qcomm methods go through :func:`_qcomm_adapter`, the one place that
-knows qcomm's training APIs; when those are missing the methods report "unavailable". torchft's
-DiLoCo lives in ``torchft_methods.py`` (imported only when such a method runs).
+A builder takes the (unwrapped, identically seeded) model and a ``Config`` and returns a
+``Built`` (both in training.py, with the cluster's ``Layout``): the module to call in the
+training loop (maybe DDP-wrapped), the optimizer, and the few hooks the workload needs around
+the timed window (complete in-flight traffic, make the final model, read qcomm's byte
+counters). The qcomm methods go through :func:`_qcomm_adapter`, the one place that knows
+qcomm's training APIs; when those are missing the methods report "unavailable". torchft's
+DiLoCo lives in ``torchft_methods.py`` (imported only when such a method runs; it imports
+training.py, not this module).
 
-Every method trains with the workload's optimizer (:func:`inner_optimizer`: SGD + momentum on
-MNIST-1D, AdamW on the transformer); a method that only exists for SGD (qcomm's ASSGD) says
-"n/a" on the other workloads (:func:`applicability`).
+Every method trains with the workload's optimizer (training.py's ``inner_optimizer``: SGD +
+momentum on MNIST-1D, AdamW on the transformer); a method that only exists for SGD (qcomm's
+ASSGD) says "n/a" on the other workloads (:func:`applicability`).
 
 The registry (:data:`METHODS`) and the byte formulas (:func:`expected_inter_bytes`) are pure
 Python, importable without torch.distributed, and unit-tested.
@@ -19,10 +21,18 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):
+    # Run by path (it says it is a library): the repository root first on sys.path, so that
+    # `bench.cluster` imports.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.cluster.training import Built, Config, Layout, average_all, inner_optimizer
 
 FP32 = 4
 
@@ -257,18 +267,6 @@ def applicability(name: str, workload: str) -> tuple[bool, str]:
 # bytes on the inter-node wire, from the algorithms
 
 
-@dataclass(frozen=True)
-class Layout:
-    """``nodes`` nodes with ``procs`` ranks each; ranks are node-major (torchrun's order)."""
-
-    nodes: int
-    procs: int
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.procs
-
-
 def ring_allreduce_inter_bytes(nbytes: int, layout: Layout) -> float:
     """Bytes one node sends to other nodes in a ring allreduce of ``nbytes`` per rank.
 
@@ -440,97 +438,6 @@ def agreement(counted: float, reference: float) -> float:
 # builders (import torch lazily: the registry above must stay importable anywhere)
 
 
-@dataclass
-class Config:
-    """What every method gets, identical across methods.
-
-    ``optimizer`` is the workload's: ``"sgd"`` (lr, momentum) or ``"adamw"`` (lr, betas
-    0.9/0.95, weight_decay). DiLoCo: ``diloco_sync_every`` inner steps per round (streaming:
-    each fragment once per round), ``streaming_fragments`` and ``streaming_delay`` (torchft's
-    ``fragment_sync_delay``: inner steps the allreduce of a fragment overlaps).
-    """
-
-    lr: float
-    momentum: float
-    layout: Layout
-    seed: int = 0
-    optimizer: str = "sgd"
-    weight_decay: float = 0.0
-    powersgd_rank: int = 4
-    localsgd_period: int = 8
-    localsgd_warmup: int = 0
-    hook_bits: int = 4
-    diloco_sync_every: int = 16
-    diloco_outer_lr: float = 0.7
-    diloco_outer_momentum: float = 0.9
-    streaming_fragments: int = 4
-    streaming_delay: int = 1
-    pg_timeout: float = 300.0
-
-
-@dataclass
-class Built:
-    """A method ready to train.
-
-    Attributes:
-        model: what the training loop calls (DDP-wrapped or the bare module).
-        module: the bare module (evaluated, snapshotted).
-        optimizer: stepped once per training step.
-        flush: completes traffic in flight (before the byte counters are read).
-        finalize: makes the final model (e.g. averages parameters over all ranks); collective.
-        comm_stats: qcomm's ``{"intra": bytes, "inter": bytes}`` sent by this rank so far, or
-            None for methods without qcomm stats.
-        close: releases resources.
-        context: entered around the training loop (warm-up and timed steps), left before
-            ``finalize`` (torchft's DiLoCo is such a context manager).
-        node_any: ``node_any(flag)``: True when ``flag`` holds on any rank of this node
-            (collective over the node); how a per-node time budget ends on one step for the
-            node's ranks. None for methods whose ranks all take the same steps.
-        live_nodes: how many nodes the method still trains with (qcomm's
-            ``stats()["live_nodes"]`` where it reports one), or None.
-    """
-
-    model: Any
-    module: Any
-    optimizer: Any
-    flush: Callable[[], None] = lambda: None
-    finalize: Callable[[], None] = lambda: None
-    comm_stats: Callable[[], dict[str, int] | None] = lambda: None
-    close: Callable[[], None] = lambda: None
-    notes: dict[str, Any] = field(default_factory=dict)
-    context: AbstractContextManager = field(default_factory=nullcontext)
-    node_any: Callable[[bool], bool] | None = None
-    live_nodes: Callable[[], int | None] = lambda: None
-
-
-OPTIMIZERS = ("sgd", "adamw")
-
-
-def inner_optimizer(params, cfg: Config):
-    """The workload's optimizer over ``params``: SGD + momentum, or AdamW with the betas of
-    GPT-style training (0.9, 0.95) and decoupled weight decay."""
-    import torch
-
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
-                                 weight_decay=cfg.weight_decay)
-    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
-
-
-def _average_all(module) -> None:
-    """Every rank's parameters <- the mean over all ranks (one allreduce per tensor)."""
-    import torch
-    import torch.distributed as dist
-
-    with torch.no_grad():
-        w = dist.get_world_size()
-        for p in module.parameters():
-            dist.all_reduce(p.data)
-            p.data.div_(w)
-
-
 def build_ddp(module, cfg: Config) -> Built:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -596,7 +503,7 @@ def build_localsgd(module, cfg: Config) -> Built:
         warmup_steps=cfg.localsgd_warmup,
     )
     opt = PostLocalSGDOptimizer(optim=inner_optimizer(model.parameters(), cfg), averager=averager)
-    return Built(model, module, opt, finalize=lambda: _average_all(module),
+    return Built(model, module, opt, finalize=lambda: average_all(module),
                  notes={"localsgd_period": cfg.localsgd_period})
 
 
@@ -714,7 +621,7 @@ def build(name: str, module, cfg: Config) -> Built:
     if name in BUILDERS:
         return BUILDERS[name](module, cfg)
     if METHODS[name].family == "torchft":
-        import torchft_methods  # this directory, like methods itself
+        from bench.cluster import torchft_methods  # only now: it needs torch and torchft
 
         return torchft_methods.build(name, module, cfg)
     return _qcomm_adapter(name, module, cfg)

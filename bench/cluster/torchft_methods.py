@@ -31,13 +31,21 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
-import methods as M
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if __package__ in (None, ""):
+    # Run by path (it says it is a library): the repository root first on sys.path, so that
+    # `bench.cluster` imports.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.cluster import training as T
 
 OUTER_NESTEROV = True
 
@@ -116,7 +124,7 @@ def split_fragments(module: nn.Module, count: int) -> list[nn.Module]:
     return out
 
 
-def build(name: str, module: nn.Module, cfg: M.Config) -> M.Built:
+def build(name: str, module: nn.Module, cfg: T.Config) -> T.Built:
     """torchft-diloco or torchft-streaming-diloco around ``module`` (collective: every rank)."""
     from torch.distributed import TCPStore
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -166,7 +174,7 @@ def build(name: str, module: nn.Module, cfg: M.Config) -> M.Built:
         init_sync=False,
     )
     model = DDP(module, process_group=subgroup) if layout.procs > 1 else module
-    inner = M.inner_optimizer(module.parameters(), cfg)
+    inner = T.inner_optimizer(module.parameters(), cfg)
     frags = split_fragments(module, cfg.streaming_fragments) if streaming else [module]
     # Nesterov needs momentum: with outer momentum 0 the outer step is plain SGD (lr 1.0 and
     # momentum 0 is local SGD's averaging).
@@ -201,7 +209,7 @@ def build(name: str, module: nn.Module, cfg: M.Config) -> M.Built:
         store = None
 
     numel = [sum(p.numel() for p in f.parameters()) for f in frags]
-    return M.Built(model, module, inner, flush=flush, finalize=lambda: M._average_all(module),
+    return T.Built(model, module, inner, flush=flush, finalize=lambda: T.average_all(module),
                    close=close, context=diloco,
                    notes={"sync_every": cfg.diloco_sync_every, "fragments": len(frags),
                           "fragment_numel": numel, "fragment_sync_delay": delay,

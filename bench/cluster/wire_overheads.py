@@ -31,10 +31,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import charlm
-import methods as M
-from workload import read_iface_bytes
+if __package__ in (None, ""):
+    # Run by path (netns.sh run): the repository root first on sys.path, so that
+    # `bench.cluster` imports.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.cluster import charlm
+from bench.cluster import methods as M
+from bench.cluster import training as T
+from bench.cluster.workload import read_iface_bytes
 
 IFACE = os.environ.get("QCB_IFACE", "qceth0")
 
@@ -83,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     measure("78 x 128 floats", lambda: [[dist.all_reduce(t) for t in small] for _ in range(r)],
             r * n, r * n * 128 * 4)
     if args.idle > 0:
-        import torchft_methods
+        from bench.cluster import torchft_methods
 
-        cfg = M.Config(lr=1e-3, momentum=0.0, layout=M.Layout(2, 1), optimizer="adamw")
+        cfg = T.Config(lr=1e-3, momentum=0.0, layout=T.Layout(2, 1), optimizer="adamw")
         built = torchft_methods.build("torchft-diloco", charlm.CharTransformer(width=32,
                                                                                layers=1), cfg)
         time.sleep(1.0)

@@ -50,15 +50,22 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import methods as M  # this directory is not a package; torchrun runs the file
-import workloads as W
+if __package__ in (None, ""):
+    # torchrun runs this file by path (netns.sh): the repository root first on sys.path, so
+    # that `bench.cluster` imports, and this checkout's qcomm with it.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.cluster import methods as M
+from bench.cluster import training as T
+from bench.cluster import workloads as W
 
 
 def _method_name(name: str) -> str:
@@ -251,12 +258,60 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             if k != "out" and not (k in ("kill_node", "kill_at") and v is None)}
 
 
-def end_after_kill(args: argparse.Namespace, work, built: M.Built, context, *,
-                   stop: dict[str, Any] | None, kill: dict[str, Any], marker: Path, rank: int,
-                   node: int, local_rank: int, layout: M.Layout, steps_done: int,
-                   times: tuple[list[float], ...], t_open: float, t_loop: float,
-                   start: tuple[Any, Any, Any], iface: str,
-                   snapshots: list, model: tuple[int, list]) -> NoReturn:
+@dataclass(frozen=True)
+class Place:
+    """Where this rank runs: its rank in the world, its node and its rank there, the layout,
+    and the interface that carries its node's traffic to the other nodes."""
+
+    rank: int
+    world: int
+    node: int
+    local_rank: int
+    layout: T.Layout
+    iface: str
+
+    @property
+    def keeps_snapshots(self) -> bool:
+        """Whether this rank keeps its node's snapshots: one per node, the node's ranks hold
+        the same model."""
+        return self.local_rank == 0
+
+
+@dataclass
+class Timed:
+    """What a rank's timed window recorded.
+
+    Attributes:
+        steps: the steps it completed.
+        step_times, fwd_bwd, opt_times: per step, seconds of the whole step, of forward and
+            backward, and of the optimizer step.
+        snapshots: ``(step, seconds since the window opened, parameters)``, on the rank that
+            keeps its node's snapshots.
+        t_open: ``time.perf_counter()`` when the window opened.
+        t_loop: seconds from the window's opening to the end of the training loop.
+        stop: where and why the rank stopped (:func:`stop_record`), when a lost node made its
+            communication fail; else None.
+    """
+
+    steps: int
+    step_times: list[float]
+    fwd_bwd: list[float]
+    opt_times: list[float]
+    snapshots: list[tuple[int, float, dict[str, torch.Tensor]]]
+    t_open: float
+    t_loop: float
+    stop: dict[str, Any] | None
+
+
+# The byte counters read when the window opens (and again when it closes): the node's
+# interface (tx bytes, rx bytes, tx packets) and TCP retransmits, read by the node's local
+# rank 0 when there are other nodes (else None), and the method's own counters (or None).
+Readings = tuple[tuple[int, int, int] | None, int | None, dict[str, int] | None]
+
+
+def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, timed: Timed,
+                   start: Readings, base_times: list[float], kill: dict[str, Any],
+                   marker: Path, model: tuple[int, list]) -> NoReturn:
     """The end of a run in which a node is lost (every rank but the lost node's): no
     collective over all ranks, files instead.
 
@@ -271,33 +326,35 @@ def end_after_kill(args: argparse.Namespace, work, built: M.Built, context, *,
     counters0, retrans0, stats0 = start
     counters1 = retrans1 = stats1 = None
     live = None
+    stop = timed.stop
     where = "flush"
     if stop is None:
         try:
             built.flush()
             if counters0 is not None:
-                counters1, retrans1 = read_iface_bytes(iface), read_tcp_retransmits()
+                counters1, retrans1 = read_iface_bytes(here.iface), read_tcp_retransmits()
             stats1 = built.comm_stats()
             where = "context exit"
-            context.__exit__(None, None, None)
+            built.context.__exit__(None, None, None)
             where = "finalize"
             built.finalize()
             live = built.live_nodes()
             where = "close"
             built.close()
         except Exception as exc:
-            stop = stop_record(exc, where, steps_done)
+            stop = stop_record(exc, where, timed.steps)
     if stop is not None:
         cut_connections()
         if counters0 is not None and counters1 is None:
-            counters1, retrans1 = read_iface_bytes(iface), read_tcp_retransmits()
+            counters1, retrans1 = read_iface_bytes(here.iface), read_tcp_retransmits()
         if stats0 is not None and stats1 is None:
             try:
                 stats1 = built.comm_stats()
             except Exception:  # a stopped method's counters may be gone
                 stats1 = None
-    t_window = time.perf_counter() - t_open
-    rec = rank_record(rank, node, local_rank, steps_done, *times, t_loop, t_window,
+    t_window = time.perf_counter() - timed.t_open
+    rec = rank_record(here.rank, here.node, here.local_rank, timed.steps, timed.step_times,
+                      timed.fwd_bwd, timed.opt_times, base_times, timed.t_loop, t_window,
                       None if counters0 is None else (counters0, counters1),
                       None if retrans0 is None else (retrans0, retrans1),
                       None if stats0 is None or stats1 is None else (stats0, stats1))
@@ -306,20 +363,20 @@ def end_after_kill(args: argparse.Namespace, work, built: M.Built, context, *,
         rec["error"] = stop
     if live is not None:
         rec["live_nodes"] = live
-    if local_rank == 0:
-        torch.save(snapshots, Path(f"{args.out}.node{node}.snapshots"))
+    if here.keeps_snapshots:
+        torch.save(timed.snapshots, Path(f"{args.out}.node{here.node}.snapshots"))
         if stop is None:
-            torch.save(built.module.state_dict(), Path(f"{args.out}.node{node}.final"))
-    write_json(Path(f"{args.out}.rank{rank}.json"), rec)
-    if rank == 0:
-        assemble_after_kill(args, work, built, kill, marker, layout, model)
+            torch.save(built.module.state_dict(), Path(f"{args.out}.node{here.node}.final"))
+    write_json(Path(f"{args.out}.rank{here.rank}.json"), rec)
+    if here.rank == 0:
+        assemble_after_kill(args, work, built, kill, marker, here.layout, model)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def assemble_after_kill(args: argparse.Namespace, work, built: M.Built, kill: dict[str, Any],
-                        marker: Path, layout: M.Layout, model: tuple[int, list]) -> None:
+def assemble_after_kill(args: argparse.Namespace, work, built: T.Built, kill: dict[str, Any],
+                        marker: Path, layout: T.Layout, model: tuple[int, list]) -> None:
     """Rank 0 after a lost node: the records of the other ranks (waited for, with a
     deadline), the surviving nodes' snapshots averaged into the curve, the final quality
     (the surviving nodes' final parameters averaged when every survivor finished, else the
@@ -479,43 +536,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    torch.set_num_threads(1)  # several ranks per 2-core machine: oversubscription distorts times
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+def find_place() -> Place:
+    """This rank's place, from the process group and torchrun's environment."""
     rank, world = dist.get_rank(), dist.get_world_size()
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     node = int(os.environ.get("GROUP_RANK", str(rank // procs)))
-    layout = M.Layout(world // procs, procs)
-    iface = os.environ.get("QCB_IFACE", "qceth0")
+    return Place(rank, world, node, local_rank, T.Layout(world // procs, procs),
+                 os.environ.get("QCB_IFACE", "qceth0"))
 
-    # Per-rank batches for every step a rank may take (a per-node budget may take more).
-    per_node = args.time_budget is not None and M.per_node_budget(args.method)
-    max_steps = (args.max_steps or 100 * args.steps) if per_node else args.steps
-    total = args.warmup + max_steps
-    work = W.load(args.workload, Path(args.data), rank=rank, seed=args.seed, batch=args.batch,
-                  total_steps=total, args=args)
-    info = work.info
-    cfg = M.Config(lr=args.lr, momentum=args.momentum, layout=layout, seed=args.seed,
-                   optimizer=info.optimizer, weight_decay=args.weight_decay,
-                   powersgd_rank=args.powersgd_rank, localsgd_period=args.localsgd_period,
-                   localsgd_warmup=args.warmup, diloco_sync_every=args.diloco_sync_every,
-                   streaming_fragments=args.streaming_fragments,
-                   streaming_delay=args.streaming_delay, pg_timeout=args.pg_timeout)
 
-    torch.manual_seed(args.seed)  # same initial weights on every rank and for every method
-    module = work.make_model()
-    shapes = [list(p.shape) for p in module.parameters()]
-    numel = sum(p.numel() for p in module.parameters())
+def method_config(args: argparse.Namespace, layout: T.Layout, optimizer: str) -> T.Config:
+    """What every method gets, from the command line and the workload's optimizer."""
+    return T.Config(lr=args.lr, momentum=args.momentum, layout=layout, seed=args.seed,
+                    optimizer=optimizer, weight_decay=args.weight_decay,
+                    powersgd_rank=args.powersgd_rank, localsgd_period=args.localsgd_period,
+                    localsgd_warmup=args.warmup, diloco_sync_every=args.diloco_sync_every,
+                    streaming_fragments=args.streaming_fragments,
+                    streaming_delay=args.streaming_delay, pg_timeout=args.pg_timeout)
 
-    # 1. compute-only baseline on a copy (never touches the trained model's state)
+
+def baseline(work, module, cfg: T.Config, steps: int, total: int) -> list[float]:
+    """Step 1, the compute-only baseline: ``steps`` timed forward/backward/optimizer steps on
+    a copy of ``module`` (never touching the trained model's state), between barriers, so
+    that every rank's CPU is as contended as in training."""
     shadow = work.make_model()
     shadow.load_state_dict(module.state_dict())
-    shadow_opt = M.inner_optimizer(shadow.parameters(), cfg)
+    shadow_opt = T.inner_optimizer(shadow.parameters(), cfg)
     dist.barrier()
     base_times = []
-    for i in range(args.baseline_steps):
+    for i in range(steps):
         t = time.perf_counter()
         loss = work.loss(shadow, i % total)
         shadow_opt.zero_grad(set_to_none=True)
@@ -524,8 +574,12 @@ def main(argv: list[str] | None = None) -> None:
         base_times.append(time.perf_counter() - t)
     del shadow, shadow_opt
     dist.barrier()
+    return base_times
 
-    built = M.build(args.method, module, cfg)
+
+def step_function(work, built: T.Built) -> Callable[[int], tuple[float, float]]:
+    """One training step of the built method on batch ``i``; returns the seconds of forward and
+    backward, and of the optimizer step."""
     model, opt = built.model, built.optimizer
 
     def train_step(i: int) -> tuple[float, float]:
@@ -538,31 +592,53 @@ def main(argv: list[str] | None = None) -> None:
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 
-    # Entered around warm-up and timed steps (torchft's DiLoCo hooks the optimizer here).
-    context = built.context
-    context.__enter__()
+    return train_step
 
-    # 2. warm-up
-    for i in range(args.warmup):
+
+def warm_up(built: T.Built, train_step: Callable[[int], Any], steps: int) -> None:
+    """Step 2: enter the method's context, take the untimed warm-up steps, complete their
+    traffic, barrier."""
+    # Entered around warm-up and timed steps (torchft's DiLoCo hooks the optimizer here).
+    built.context.__enter__()
+    for i in range(steps):
         train_step(i)
     built.flush()
     dist.barrier()
 
-    # 3. open the window
-    counters0 = read_iface_bytes(iface) if local_rank == 0 and layout.nodes > 1 else None
-    retrans0 = read_tcp_retransmits() if counters0 is not None else None
-    stats0 = built.comm_stats()
-    budget = args.time_budget if per_node else None
-    # A lost node: which, and when (after a step of its own, or a time into the window).
-    kill: dict[str, Any] | None = None
-    if args.kill_node is not None:
-        if args.kill_node >= layout.nodes:
-            raise ValueError(f"--kill-node {args.kill_node}: the layout has nodes 0.."
-                             f"{layout.nodes - 1}")
-        kill = {"node": args.kill_node, "at": args.kill_at,
-                "step": None if budget is not None else round(args.kill_at * args.steps),
-                "time_s": None if budget is None else args.kill_at * budget}
-    marker = Path(f"{args.out}.killed")
+
+def read_counters(here: Place, built: T.Built, node_counters: bool) -> Readings:
+    """The byte counters (:data:`Readings`); the node's only when ``node_counters``."""
+    counters = read_iface_bytes(here.iface) if node_counters else None
+    retrans = read_tcp_retransmits() if counters is not None else None
+    return counters, retrans, built.comm_stats()
+
+
+def kill_plan(args: argparse.Namespace, layout: T.Layout,
+              budget: float | None) -> dict[str, Any] | None:
+    """A lost node: which, and when (after a step of its own, or a time into the window);
+    None without ``--kill-node``.
+
+    Raises:
+        ValueError: the layout has no such node.
+    """
+    if args.kill_node is None:
+        return None
+    if args.kill_node >= layout.nodes:
+        raise ValueError(f"--kill-node {args.kill_node}: the layout has nodes 0.."
+                         f"{layout.nodes - 1}")
+    return {"node": args.kill_node, "at": args.kill_at,
+            "step": None if budget is not None else round(args.kill_at * args.steps),
+            "time_s": None if budget is None else args.kill_at * budget}
+
+
+def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
+                train_step: Callable[[int], tuple[float, float]], budget: float | None,
+                max_steps: int, kill: dict[str, Any] | None, marker: Path) -> Timed:
+    """Step 4, the timed window: ``--steps`` steps, or each node's own ``budget`` seconds (at
+    most ``max_steps`` steps); snapshots of the parameters at evenly spaced steps (or times);
+    progress lines from rank 0; the node ``kill`` names dies on its step or time. Under a
+    lost node a rank whose communication fails stops there (``Timed.stop``)."""
+    rank, node = here.rank, here.node
     doomed = kill is not None and node == kill["node"]
     # Snapshot marks: steps (every rank takes the same ones), or times (per-node budgets).
     snap_steps = {round(k * args.steps / args.snapshots) for k in range(1, args.snapshots + 1)}
@@ -574,7 +650,7 @@ def main(argv: list[str] | None = None) -> None:
     opt_times: list[float] = []
     report_every = max(1, args.steps // 50)
     t_open = time.perf_counter()
-    keeps_snapshots = local_rank == 0  # one per node: the node's ranks hold the same model
+    keeps_snapshots = here.keeps_snapshots
 
     def snapshot(step: int) -> None:
         # Parameters only: a copy of 2 MB costs ~1 ms, evaluation happens after the run.
@@ -584,7 +660,6 @@ def main(argv: list[str] | None = None) -> None:
     if keeps_snapshots:
         snapshot(0)
 
-    # 4. the timed steps
     profiler = None
     if args.profile:
         import cProfile
@@ -649,62 +724,35 @@ def main(argv: list[str] | None = None) -> None:
     if profiler is not None:
         profiler.disable()
         _write_profile(profiler, Path(f"{args.out}.prof{rank}.txt"))
+    return Timed(steps_done, step_times, fwd_bwd, opt_times, snapshots, t_open, t_loop, stop)
 
-    if kill is not None:
-        end_after_kill(args, work, built, context, stop=stop, kill=kill, marker=marker,
-                       rank=rank, node=node, local_rank=local_rank, layout=layout,
-                       steps_done=steps_done, times=(step_times, fwd_bwd, opt_times, base_times),
-                       t_open=t_open, t_loop=t_loop, start=(counters0, retrans0, stats0),
-                       iface=iface, snapshots=snapshots, model=(numel, shapes))
 
-    # 5. close the window
+def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: Timed,
+           start: Readings, base_times: list[float], model: tuple[int, list]) -> NoReturn:
+    """Steps 5 and 6 of a run without a lost node: close the window (traffic completed,
+    barrier, counters read), make the final model, gather every rank's record; rank 0
+    evaluates and writes the JSON (:func:`write_result`). Then leave."""
     built.flush()
     dist.barrier()
-    counters1 = read_iface_bytes(iface) if counters0 is not None else None
-    retrans1 = read_tcp_retransmits() if counters0 is not None else None
-    stats1 = built.comm_stats()
-    t_window = time.perf_counter() - t_open
+    counters0, retrans0, stats0 = start
+    counters1, retrans1, stats1 = read_counters(here, built, counters0 is not None)
+    t_window = time.perf_counter() - timed.t_open
 
-    # 6. final model, evaluation, results
-    context.__exit__(None, None, None)
+    built.context.__exit__(None, None, None)
     built.finalize()
-    snap_file = Path(f"{args.out}.node{node}.snapshots")
-    if keeps_snapshots:  # every namespace shares the file system
-        torch.save(snapshots, snap_file)
+    snap_file = Path(f"{args.out}.node{here.node}.snapshots")
+    if here.keeps_snapshots:  # every namespace shares the file system
+        torch.save(timed.snapshots, snap_file)
     dist.barrier()
-    mine = rank_record(rank, node, local_rank, steps_done, step_times, fwd_bwd, opt_times,
-                       base_times, t_loop, t_window,
+    mine = rank_record(here.rank, here.node, here.local_rank, timed.steps, timed.step_times,
+                       timed.fwd_bwd, timed.opt_times, base_times, timed.t_loop, t_window,
                        None if counters0 is None else (counters0, counters1),
                        None if retrans0 is None else (retrans0, retrans1),
                        None if stats0 is None else (stats0, stats1))
-    gathered: list[dict] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
+    gathered: list[Any] | None = [None] * here.world if here.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
-    if rank == 0:
-        metric = info.metric
-        per_node = []
-        for n in range(layout.nodes):
-            f = Path(f"{args.out}.node{n}.snapshots")
-            per_node.append(torch.load(f, weights_only=True))
-            f.unlink()
-        curve = evaluate_curve(work, per_node)
-        final = work.evaluate(built.module)
-        result = {
-            "method": args.method,
-            "workload": args.workload,
-            "metric": {"name": metric, "goal": info.goal},
-            "layout": {"nodes": layout.nodes, "procs": layout.procs, "world": world},
-            "model": {**work.model_config, "params": numel, "shapes": shapes},
-            "data": work.data_config,
-            "config": run_config(args),
-            f"final_{metric}": final,
-            "curve": curve,
-            "ranks": gathered,
-            "notes": built.notes,
-        }
-        tmp = Path(args.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(args.out)
-        print(f"QCB_DONE {args.method} final {metric}={final:.4f}", flush=True)
+    if here.rank == 0:
+        write_result(args, work, built, here, gathered, model)
     built.close()
     dist.barrier()
     # Leave without tearing down the process group: with PowerSGD's hook a rank sometimes
@@ -714,6 +762,72 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def write_result(args: argparse.Namespace, work, built: T.Built, here: Place,
+                 ranks: list[dict], model: tuple[int, list]) -> None:
+    """Rank 0 at the end of a run without a lost node: every node's snapshots evaluated into
+    the curve, the final model evaluated, one JSON with every rank's record."""
+    info = work.info
+    metric = info.metric
+    per_node = []
+    for n in range(here.layout.nodes):
+        f = Path(f"{args.out}.node{n}.snapshots")
+        per_node.append(torch.load(f, weights_only=True))
+        f.unlink()
+    curve = evaluate_curve(work, per_node)
+    final = work.evaluate(built.module)
+    numel, shapes = model
+    result = {
+        "method": args.method,
+        "workload": args.workload,
+        "metric": {"name": metric, "goal": info.goal},
+        "layout": {"nodes": here.layout.nodes, "procs": here.layout.procs,
+                   "world": here.world},
+        "model": {**work.model_config, "params": numel, "shapes": shapes},
+        "data": work.data_config,
+        "config": run_config(args),
+        f"final_{metric}": final,
+        "curve": curve,
+        "ranks": ranks,
+        "notes": built.notes,
+    }
+    tmp = Path(args.out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(args.out)
+    print(f"QCB_DONE {args.method} final {metric}={final:.4f}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # several ranks per 2-core machine: oversubscription distorts times
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    here = find_place()
+    # Per-rank batches for every step a rank may take (a per-node budget may take more).
+    per_node = args.time_budget is not None and M.per_node_budget(args.method)
+    max_steps = (args.max_steps or 100 * args.steps) if per_node else args.steps
+    total = args.warmup + max_steps
+    work = W.load(args.workload, Path(args.data), rank=here.rank, seed=args.seed,
+                  batch=args.batch, total_steps=total, args=args)
+    cfg = method_config(args, here.layout, work.info.optimizer)
+    torch.manual_seed(args.seed)  # same initial weights on every rank and for every method
+    module = work.make_model()
+    model = (sum(p.numel() for p in module.parameters()),
+             [list(p.shape) for p in module.parameters()])
+
+    # The steps of the module's docstring, 1 to 6.
+    base_times = baseline(work, module, cfg, args.baseline_steps, total)  # 1.
+    built = M.build(args.method, module, cfg)
+    train_step = step_function(work, built)
+    warm_up(built, train_step, args.warmup)  # 2.
+    start = read_counters(here, built, here.local_rank == 0 and here.layout.nodes > 1)  # 3.
+    budget = args.time_budget if per_node else None
+    kill = kill_plan(args, here.layout, budget)
+    marker = Path(f"{args.out}.killed")
+    timed = timed_steps(args, here, built, train_step, budget, max_steps, kill, marker)  # 4.
+    if kill is not None:
+        end_after_kill(args, work, built, here, timed, start, base_times, kill, marker, model)
+    finish(args, work, built, here, timed, start, base_times, model)  # 5. and 6.
 
 
 if __name__ == "__main__":

@@ -158,9 +158,10 @@ def _mnist1d(data: Path, *, rank: int, seed: int, batch: int, total: int, args: 
 
 
 def _charlm(data: Path, *, rank: int, seed: int, batch: int, total: int, args: Any) -> Workload:
-    import charlm
     import numpy as np
     import torch
+
+    from bench.cluster import charlm
 
     d = np.load(data)
     train_np, val_np = d["train"], d["val"]
@@ -202,7 +203,7 @@ def make_data(name: str, path: Path, *, seed: int, num_samples: int = 12000) -> 
                  x_test=d["x_test"].astype(np.float32), y_test=d["y_test"].astype(np.int64))
         return {"num_samples": num_samples, "seed": seed}
     if name == "charlm":
-        import corpus
+        from bench.cluster import corpus
 
         c = corpus.build()
         corpus.save(c, path)

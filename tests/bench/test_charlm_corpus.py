@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-CLUSTER = Path(__file__).resolve().parents[2] / "bench" / "cluster"
-sys.path.insert(0, str(CLUSTER))  # a directory of scripts that import each other by name
-
-import charlm  # noqa: E402
-import corpus  # noqa: E402
+from bench.cluster import charlm, corpus
 
 # ---------------------------------------------------------------------------------------------
 # corpus

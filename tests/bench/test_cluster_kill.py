@@ -4,7 +4,6 @@ finished) and summarized. No root, no namespaces, no training."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,23 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.cluster import compare as C
+from bench.cluster import methods as M
+from bench.cluster import training as T
+from bench.cluster import workload as WL
+
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "bench" / "cluster"
-
-
-def _load(name: str, file: str):
-    # bench/cluster is a directory of scripts that import each other by name (see
-    # test_cluster_unit.py): load by path, under a name of our own.
-    spec = importlib.util.spec_from_file_location(name, CLUSTER / file)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-C = _load("qcb_compare_kill", "compare.py")
-WL = _load("qcb_workload_kill", "workload.py")
-M = C.M
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,7 +121,7 @@ def test_cont_reaches_the_optimizer_as_on_peer_loss(monkeypatch):
     fake = types.ModuleType("qcomm.sgd")
     fake.ASSGD = FakeASSGD
     monkeypatch.setitem(sys.modules, "qcomm.sgd", fake)
-    cfg = M.Config(lr=0.1, momentum=0.9, layout=M.Layout(4, 1))
+    cfg = T.Config(lr=0.1, momentum=0.9, layout=T.Layout(4, 1))
     built = M._qcomm_adapter("assgd-4-cont", types.SimpleNamespace(parameters=list), cfg)
     assert got["wait_free"] is True and got["on_peer_loss"] == "continue"
     assert built.node_any is not None  # per-node budgets, as -wf
@@ -294,10 +283,9 @@ def test_node_processes_is_empty_outside_torchrun():
 
 def test_cut_connections_ends_connected_sockets_and_spares_listeners(tmp_path):
     # In a child process: it shuts down every connected socket of the process it runs in.
-    code = textwrap.dedent(f"""
-        import importlib.util, socket, sys
-        spec = importlib.util.spec_from_file_location("w", {str(CLUSTER / "workload.py")!r})
-        w = importlib.util.module_from_spec(spec); spec.loader.exec_module(w)
+    code = textwrap.dedent("""
+        import socket
+        from bench.cluster import workload as w
         lis = socket.create_server(("127.0.0.1", 0))
         a = socket.create_connection(lis.getsockname()); b, _ = lis.accept()
         n = w.cut_connections()

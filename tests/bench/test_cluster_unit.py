@@ -3,28 +3,12 @@ result parsing, repetitions and target checks. No root, no namespaces, no proces
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-CLUSTER = Path(__file__).resolve().parents[2] / "bench" / "cluster"
-
-
-def _load_compare():
-    # bench/cluster is a directory of scripts, not a package: compare.py (like workload.py under
-    # torchrun) puts its own directory on sys.path and imports `methods` from there. Load it by
-    # path and take `methods` from it, so both modules share one Layout class.
-    spec = importlib.util.spec_from_file_location("qcb_compare", CLUSTER / "compare.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["qcb_compare"] = mod  # dataclasses look their module up in sys.modules
-    spec.loader.exec_module(mod)
-    return mod
-
-
-C = _load_compare()
-M = C.M
+from bench.cluster import compare as C
+from bench.cluster import methods as M
+from bench.cluster import training as T
+from bench.cluster import workloads as W
 
 SHAPES = [[512, 40], [512], [512, 512], [512], [512, 512], [512], [10, 512], [10]]
 NUMEL = 551_434
@@ -134,11 +118,11 @@ def test_build_rejects_unknown_and_unavailable(monkeypatch):
     (4, 8, 2 * 31 / 32),
 ])
 def test_ring_allreduce_inter_bytes(nodes, procs, want):
-    assert M.ring_allreduce_inter_bytes(1000, M.Layout(nodes, procs)) == pytest.approx(1000 * want)
+    assert M.ring_allreduce_inter_bytes(1000, T.Layout(nodes, procs)) == pytest.approx(1000 * want)
 
 
 def test_expected_bytes_per_method():
-    lay = M.Layout(2, 2)
+    lay = T.Layout(2, 2)
     full = M.expected_inter_bytes("ddp", SHAPES, lay)
     assert full == pytest.approx(1.5 * 4 * NUMEL)
     assert M.expected_inter_bytes("ddp-fp16", SHAPES, lay) == pytest.approx(full / 2)
@@ -160,7 +144,7 @@ def test_localsgd_averages(first, steps, period, want):
 
 
 def test_localsgd_formula_counts_the_window_exactly():
-    lay = M.Layout(2, 2)
+    lay = T.Layout(2, 2)
     full = M.expected_inter_bytes("ddp", SHAPES, lay)
     got = M.expected_inter_bytes("localsgd", SHAPES, lay, localsgd_period=8, window=(5, 30))
     assert got == pytest.approx(full * 4 / 30)
@@ -174,7 +158,7 @@ def test_localsgd_formula_counts_the_window_exactly():
     (4, 2, 3.0),
 ])
 def test_rail_allreduce_inter_bytes(nodes, procs, want):
-    assert M.rail_allreduce_inter_bytes(1000, M.Layout(nodes, procs)) == pytest.approx(1000 * want)
+    assert M.rail_allreduce_inter_bytes(1000, T.Layout(nodes, procs)) == pytest.approx(1000 * want)
 
 
 @pytest.mark.parametrize(("first", "steps", "period", "delay", "want"), [
@@ -196,7 +180,7 @@ def test_diloco_syncs_rejects_a_delay_past_the_period():
 
 
 def test_diloco_bytes_per_step():
-    lay = M.Layout(2, 2)
+    lay = T.Layout(2, 2)
     # one round per 16 steps, every rank of the node sends the whole model on its rail
     got = M.expected_inter_bytes("torchft-diloco", SHAPES, lay, diloco_sync_every=16)
     assert got == pytest.approx(2 * 1.0 * 4 * NUMEL / 16)
@@ -209,7 +193,7 @@ def test_diloco_bytes_per_step():
 def test_streaming_diloco_counts_each_fragment_it_sends():
     frags = [20_992, 262_656, 262_656, 5_130]  # the default MLP, one Linear per fragment
     assert sum(frags) == NUMEL
-    lay = M.Layout(2, 1)
+    lay = T.Layout(2, 1)
     # period 4, delay 1: syncs j = 1..12 start in steps 5..52 -> fragments 1,2,3,0,1,2,3,0,...
     got = M.expected_inter_bytes("torchft-streaming-diloco", SHAPES, lay, diloco_sync_every=16,
                                  fragment_numel=frags, fragment_delay=1, window=(5, 48))
@@ -226,10 +210,10 @@ def test_streaming_diloco_counts_each_fragment_it_sends():
 
 def test_diloco_formula_checks_its_fragments():
     with pytest.raises(ValueError, match="fragments hold"):
-        M.expected_inter_bytes("torchft-streaming-diloco", SHAPES, M.Layout(2, 1),
+        M.expected_inter_bytes("torchft-streaming-diloco", SHAPES, T.Layout(2, 1),
                                fragment_numel=[1, 2, 3, 4])
     with pytest.raises(ValueError, match="multiple of the number of fragments"):
-        M.diloco_inter_bytes([1, 2, 3], M.Layout(2, 1), sync_every=16)
+        M.diloco_inter_bytes([1, 2, 3], T.Layout(2, 1), sync_every=16)
 
 
 def test_powersgd_numel_follows_torchs_rule():
@@ -240,7 +224,7 @@ def test_powersgd_numel_follows_torchs_rule():
     # (3, 2, 2) -> (3, 4), r = 3: 12 < 7*3*2 -> as is
     assert c == 552 * 4 + 522 * 4
     assert u == 64 + 512 + 12
-    exp = M.expected_inter_bytes("ddp-powersgd", [[512, 40]], M.Layout(2, 1), powersgd_rank=4)
+    exp = M.expected_inter_bytes("ddp-powersgd", [[512, 40]], T.Layout(2, 1), powersgd_rank=4)
     assert exp == pytest.approx(552 * 4 * 4)
 
 
@@ -456,7 +440,7 @@ def test_check_targets_on_a_loss_counts_torchft_peers_and_reports_the_difference
 
 @pytest.mark.parametrize(("s", "nodes", "procs"), [("2x2", 2, 2), ("4X1", 4, 1)])
 def test_parse_layout(s, nodes, procs):
-    assert C.parse_layout(s) == M.Layout(nodes, procs)
+    assert C.parse_layout(s) == T.Layout(nodes, procs)
 
 
 @pytest.mark.parametrize("s", ["2", "2x", "0x2", "axb"])
@@ -487,8 +471,8 @@ def test_table_lists_unavailable_methods():
 def test_settings_fall_back_to_the_workload_defaults():
     args = C.parse_args(["--workload", "charlm", "--steps", "40"])
     s = C.settings("charlm", args)
-    assert s["steps"] == 40 and s["lr"] == C.W.WORKLOADS["charlm"].lr
-    assert s["target"] == C.W.WORKLOADS["charlm"].target
+    assert s["steps"] == 40 and s["lr"] == W.WORKLOADS["charlm"].lr
+    assert s["target"] == W.WORKLOADS["charlm"].target
     assert C.settings("mnist1d", args)["batch"] == 32
 
 
@@ -498,7 +482,7 @@ def test_workload_command_carries_the_workload_and_diloco_settings(tmp_path):
                              tmp_path / "o.json")
     assert cmd[cmd.index("--workload") + 1] == "charlm"
     assert cmd[cmd.index("--diloco-sync-every") + 1] == "8"
-    assert cmd[cmd.index("--lr") + 1] == str(C.W.WORKLOADS["charlm"].lr)
+    assert cmd[cmd.index("--lr") + 1] == str(W.WORKLOADS["charlm"].lr)
 
 
 def test_repeats_must_be_positive():

@@ -3,20 +3,14 @@ on a rank, and the model fragments of streaming DiLoCo. No root, no processes.""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-CLUSTER = Path(__file__).resolve().parents[2] / "bench" / "cluster"
-sys.path.insert(0, str(CLUSTER))  # a directory of scripts that import each other by name
-
-import charlm  # noqa: E402
-import corpus  # noqa: E402
-import torchft_methods as TF  # noqa: E402
-import workloads as W  # noqa: E402
+from bench.cluster import charlm, corpus
+from bench.cluster import torchft_methods as TF
+from bench.cluster import workloads as W
 
 
 def test_charlm_defaults_are_the_documented_model():

@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = sorted([*REPO.glob("bench/*.py"), *REPO.glob("bench/cluster/*.py")])
+# The packages' __init__.py files are neither scripts nor libraries of their own.
+SCRIPTS = sorted(p for p in [*REPO.glob("bench/*.py"), *REPO.glob("bench/cluster/*.py")]
+                 if p.name != "__init__.py")
 LIBRARIES = {"bench/common.py", "bench/cluster/charlm.py", "bench/cluster/corpus.py",
              "bench/cluster/methods.py", "bench/cluster/torchft_methods.py",
-             "bench/cluster/workloads.py"}
+             "bench/cluster/training.py", "bench/cluster/workloads.py"}
 SENTENCE_END = (".", "?", "!")
 
 

@@ -21,8 +21,7 @@ ROW_FIELDS = {"op", "bits", "numel", "size", "impl", "backend", "bytes", "status
 
 
 def _load_bench():
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
+    # pytest puts the repository root on sys.path (tests/ is a package): `bench` imports.
     return importlib.import_module("bench.kernels")
 
 

@@ -1,0 +1,1 @@
+"""qcomm's benchmarks: kernel and gossip micro-benchmarks, and the emulated cluster (cluster/)."""

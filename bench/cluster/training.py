@@ -1,0 +1,132 @@
+"""What every method of the cluster benchmark gets, and what its builder gives back.
+
+- :class:`Layout`: the cluster's shape (nodes x ranks per node);
+- :class:`Config`: the settings every method gets, identical across methods;
+- :class:`Built`: a method ready to train (the module to call, the optimizer, the hooks the
+  workload needs around the timed window);
+- :func:`inner_optimizer`: the workload's optimizer, which every method trains with;
+- :func:`average_all`: the mean of every rank's parameters (a final model).
+
+Its own module, imported by methods.py (the registry and the torch and qcomm builders) and by
+torchft_methods.py (torchft's builders), which methods.py imports when such a method runs: the
+two import this, not each other. Pure Python until a function runs (torch is imported there),
+like methods.py's registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``nodes`` nodes with ``procs`` ranks each; ranks are node-major (torchrun's order)."""
+
+    nodes: int
+    procs: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.procs
+
+
+@dataclass
+class Config:
+    """What every method gets, identical across methods.
+
+    ``optimizer`` is the workload's: ``"sgd"`` (lr, momentum) or ``"adamw"`` (lr, betas
+    0.9/0.95, weight_decay). DiLoCo: ``diloco_sync_every`` inner steps per round (streaming:
+    each fragment once per round), ``streaming_fragments`` and ``streaming_delay`` (torchft's
+    ``fragment_sync_delay``: inner steps the allreduce of a fragment overlaps).
+    """
+
+    lr: float
+    momentum: float
+    layout: Layout
+    seed: int = 0
+    optimizer: str = "sgd"
+    weight_decay: float = 0.0
+    powersgd_rank: int = 4
+    localsgd_period: int = 8
+    localsgd_warmup: int = 0
+    hook_bits: int = 4
+    diloco_sync_every: int = 16
+    diloco_outer_lr: float = 0.7
+    diloco_outer_momentum: float = 0.9
+    streaming_fragments: int = 4
+    streaming_delay: int = 1
+    pg_timeout: float = 300.0
+
+
+@dataclass
+class Built:
+    """A method ready to train.
+
+    Attributes:
+        model: what the training loop calls (DDP-wrapped or the bare module).
+        module: the bare module (evaluated, snapshotted).
+        optimizer: stepped once per training step.
+        flush: completes traffic in flight (before the byte counters are read).
+        finalize: makes the final model (e.g. averages parameters over all ranks); collective.
+        comm_stats: qcomm's ``{"intra": bytes, "inter": bytes}`` sent by this rank so far, or
+            None for methods without qcomm stats.
+        close: releases resources.
+        context: entered around the training loop (warm-up and timed steps), left before
+            ``finalize`` (torchft's DiLoCo is such a context manager).
+        node_any: ``node_any(flag)``: True when ``flag`` holds on any rank of this node
+            (collective over the node); how a per-node time budget ends on one step for the
+            node's ranks. None for methods whose ranks all take the same steps.
+        live_nodes: how many nodes the method still trains with (qcomm's
+            ``stats()["live_nodes"]`` where it reports one), or None.
+    """
+
+    model: Any
+    module: Any
+    optimizer: Any
+    flush: Callable[[], None] = lambda: None
+    finalize: Callable[[], None] = lambda: None
+    comm_stats: Callable[[], dict[str, int] | None] = lambda: None
+    close: Callable[[], None] = lambda: None
+    notes: dict[str, Any] = field(default_factory=dict)
+    context: AbstractContextManager = field(default_factory=nullcontext)
+    node_any: Callable[[bool], bool] | None = None
+    live_nodes: Callable[[], int | None] = lambda: None
+
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def inner_optimizer(params, cfg: Config):
+    """The workload's optimizer over ``params``: SGD + momentum, or AdamW with the betas of
+    GPT-style training (0.9, 0.95) and decoupled weight decay."""
+    import torch
+
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
+                                 weight_decay=cfg.weight_decay)
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
+
+
+def average_all(module) -> None:
+    """Every rank's parameters <- the mean over all ranks (one allreduce per tensor)."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        w = dist.get_world_size()
+        for p in module.parameters():
+            dist.all_reduce(p.data)
+            p.data.div_(w)
+
+
+if __name__ == "__main__":  # a library: say so rather than exit silently
+    print(
+        "bench/cluster/training.py is a library of the cluster benchmark (what every method "
+        "gets: layout, settings, the built method, the workload's optimizer), imported by "
+        "methods.py and torchft_methods.py; it runs nothing. See bench/cluster/README.md."
+    )
