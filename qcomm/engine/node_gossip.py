@@ -13,7 +13,6 @@ intra-node links), and leave parameters that had no gradient this step as they w
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -198,15 +197,13 @@ class NodeGossip:
     def consensus_distance(self) -> float:
         """``sqrt(mean_i ||x_i - mean x||^2)`` over the nodes (collective over the rail)."""
         from qcomm.collectives.gossip import consensus_distance
+        from qcomm.collectives.gossip.choco import distance_from_sums
 
         self.flat.check_aliased()
         x = self.flat.load_from_params()
         if self.survivable:
             self.gossip.drain()  # a new neighbour's hello is taken before the sums
-            v = x.detach().reshape(-1).to(torch.float64)
-            total, n = self.gossip.survivors_sum(v)
-            sq, _ = self.gossip.survivors_sum(torch.sum((v - total / n) ** 2).reshape(1))
-            return math.sqrt(float(sq) / n)
+            return distance_from_sums(x, self.gossip.survivors_sum)
         return float(consensus_distance(x, self.topology.rail_group,
                                         timeout_s=self.options.timeout_s))
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from qcomm.collectives.gossip.graphs import GRAPHS
 from qcomm.collectives.gossip.mixing import MIXINGS
+from qcomm.collectives.gossip.wait_free import ON_PEER_LOSS as PEER_LOSS_MODES
 from qcomm.compress import QuantSpec
 from qcomm.kernels.wire_format import SUPPORTED_BITS
 from qcomm.validation import (
@@ -35,7 +36,6 @@ __all__ = ["DEPRECATED_NAMES", "GRAPHS", "MIXINGS", "NONFINITE_MODES", "PEER_LOS
            "WIRE_FIELDS", "CommOptions"]
 
 NONFINITE_MODES = ("raise", "skip")
-PEER_LOSS_MODES = ("raise", "continue")
 
 # Old argument names still accepted (with a DeprecationWarning) -> today's names.
 DEPRECATED_NAMES = {"topology": "graph", "gossip_step": "gamma"}

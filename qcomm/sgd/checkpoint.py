@@ -88,8 +88,8 @@ def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
         if saved_world != world:
             path = checkpoint_path(directory, rank % saved_world)
         if not path.exists():  # lost before the save
-            path = sorted(Path(directory).glob("rank*.pt"))[0]
-    elif saved_world != world and len(files := sorted(Path(directory).glob("rank*.pt"))) == world:
+            path = _files(directory)[0]
+    elif saved_world != world and len(files := _files(directory)) == world:
         path = files[rank]  # the survivors of a run that lost nodes, in rank order
     elif not path.exists():
         raise ValueError(
@@ -108,10 +108,15 @@ def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
     return payload["extra"]
 
 
+def _files(directory: str | os.PathLike) -> list[Path]:
+    """The checkpoint files in ``directory``, in rank order."""
+    return sorted(Path(directory).glob("rank*.pt"))
+
+
 def _saved_world_size(directory: str | os.PathLike, path: Path) -> int:
     """The world size a checkpoint directory was saved with (from this rank's file, else the
     lowest rank's file present)."""
-    candidates = [path] if path.exists() else sorted(Path(directory).glob("rank*.pt"))
+    candidates = [path] if path.exists() else _files(directory)
     if not candidates:
         raise FileNotFoundError(f"no checkpoint files rank*.pt in {directory}")
     state = torch.load(candidates[0], map_location="cpu", weights_only=False)["optimizer"]

@@ -273,3 +273,8 @@ def test_other_graphs_stay_connected_and_keep_the_survivors_mean(graph: str, n: 
     sim.run(xs, 100)
     sim.drain()
     assert sim.consensus_distance([xs[i] for i in survivors]) < 1e-4 * start
+
+
+def test_a_bad_on_peer_loss_names_itself() -> None:
+    with pytest.raises(ValueError, match="on_peer_loss"):
+        _sim(2, on_peer_loss="retry")

@@ -132,8 +132,15 @@ def test_nonfinite_skip_is_decided_by_each_node_alone() -> None:
 @pytest.mark.parametrize(("name", "value", "error"), [
     ("wait_free", 1, TypeError), ("wait_free", "yes", TypeError),
     ("max_backlog", 0, ValueError), ("max_backlog", 2.5, TypeError),
+    ("on_peer_loss", "ignore", ValueError), ("on_peer_loss", None, ValueError),
 ])
 def test_bad_wait_free_options_name_the_argument(name: str, value: object,
                                                  error: type[Exception]) -> None:
     with pytest.raises(error, match=name):
         CommOptions(**{name: value})
+
+
+def test_continuing_after_a_loss_needs_wait_free() -> None:
+    with pytest.raises(ValueError, match="on_peer_loss='continue' needs wait_free=True"):
+        CommOptions(on_peer_loss="continue")
+    assert CommOptions(wait_free=True, on_peer_loss="continue").on_peer_loss == "continue"

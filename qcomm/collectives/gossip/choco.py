@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -482,13 +483,23 @@ def consensus_distance(x: torch.Tensor, group: dist.ProcessGroup | None, *,
     Computed in float64 (two all-reduces) so that distances far below ``|x|`` are still exact
     enough to test convergence to 1e-3 and beyond.
     """
-    v = x.detach().reshape(-1).to(torch.float64)
     n = group_size(group)
-    mean = v.clone()
-    all_reduce(mean, group, timeout_s=timeout_s, operation="consensus distance")
+
+    def total(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        all_reduce(t, group, timeout_s=timeout_s, operation="consensus distance")
+        return t, n
+
+    return distance_from_sums(x, total)
+
+
+def distance_from_sums(x: torch.Tensor,
+                       total: Callable[[torch.Tensor], tuple[torch.Tensor, int]]) -> float:
+    """``sqrt(mean_i ||x_i - mean_j x_j||^2)`` in float64, given ``total(t)``: the sum of a
+    tensor over the members (collective; it may use ``t`` as its buffer) and their count."""
+    v = x.detach().reshape(-1).to(torch.float64)
+    mean, n = total(v.clone())
     mean /= n
-    sq = torch.sum((v - mean) ** 2).reshape(1)
-    all_reduce(sq, group, timeout_s=timeout_s, operation="consensus distance")
+    sq, _ = total(torch.sum((v - mean) ** 2).reshape(1))
     return math.sqrt(float(sq) / n)
 
 

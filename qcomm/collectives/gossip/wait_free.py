@@ -89,7 +89,8 @@ __all__ = ["GOODBYE_ROUND", "HELLO_ROUND", "MARKER_ROUND", "ON_PEER_LOSS", "Wait
 log = logging.getLogger("qcomm")
 
 # The rounds a hello, a marker (the d-th drain: MARKER_ROUND + d) and a goodbye are sealed
-# with, far beyond any real round. All have zero codec bytes, so their seal is the key itself.
+# with, far beyond any real round. A hello and a goodbye have zero codec bytes, so their seal is
+# the key itself; a marker carries the lost members it knows of (a bit set) under its seal.
 HELLO_ROUND = 1 << 60
 MARKER_ROUND = 1 << 61
 GOODBYE_ROUND = 1 << 62
@@ -151,9 +152,7 @@ class WaitFreeGossip(GossipMember):
         self.peer_ranks = [self.group_ranks[p] for p in self.peers]
         if _streams is not None and _streams.peers != self.peers:
             raise ValueError(f"the streams' peers {_streams.peers} != the graph's {self.peers}")
-        w = mixing_matrix(self.graph, self.size, self.mixing).to(torch.float32)
-        # Every edge of a regular graph has this weight; a new edge after a loss gets it too.
-        self._edge_weight = float(w[self.member, self.peers[0]]) if self.peers else 0.0
+        self._edge_weight = self._graph_edge_weight()
         self.nbytes = packed_nbytes(self.fragment_numel, spec)
         self.message_nbytes = self.nbytes + SEAL_NBYTES
         self._streams = _streams
@@ -167,7 +166,7 @@ class WaitFreeGossip(GossipMember):
         self._live = [True] * len(self.peers)     # not lost
         self._greeted = [True] * len(self.peers)  # its copy is set up (a new one: hello)
         self._joins = [0] * len(self.peers)       # the first round it is mixed in
-        self._mix_weights: tuple | None = None    # cached (who is mixed, weights)
+        self._mix_weights: tuple | None = None    # cached (who is mixed, weights, their sum)
         self.lost: set[int] = set()               # members known to be lost
         self.losses: list[dict] = []              # what was dropped, when, why
         # buffers (lazily, on x's device)
@@ -218,6 +217,13 @@ class WaitFreeGossip(GossipMember):
                     self.message_nbytes, max_backlog=self.max_backlog,
                     timeout_s=self.timeout_s, is_goodbye=self._is_goodbye_from, stats=self.stats)
         return self._streams
+
+    def _graph_edge_weight(self) -> float:
+        """The weight of this member's edges in the graph over ``size`` members: every edge of
+        a regular graph has this one, and a new edge after a loss gets it too."""
+        first = neighbours(self.graph, self.member, self.size)[:1]
+        w = mixing_matrix(self.graph, self.size, self.mixing).to(torch.float32)
+        return float(w[self.member, first[0]]) if first else 0.0
 
     def stream_endpoints(self) -> tuple[int, list[int]]:
         """This member's index in its process group and its neighbours' (what its streams
@@ -566,7 +572,7 @@ class WaitFreeGossip(GossipMember):
                 total, info = recv(kl)
                 send(kr, total, info)
         count = int(info[0])
-        self.lost |= {m for m in range(self.size) if info[1 + m]}
+        self._learn({m for m in range(self.size) if info[1 + m]})
         # a copy: the tensor sent is the streams' until it has left
         return total.to(t.device, copy=True), count
 
@@ -652,14 +658,17 @@ class WaitFreeGossip(GossipMember):
             torch.uint8)
 
     def _learn_lost(self, marker: torch.Tensor) -> None:
-        """Add the members a neighbour's marker says are lost (not a live neighbour of this
-        one: a broken link between two others is theirs)."""
+        """Learn the members a neighbour's marker says are lost (:meth:`_learn`)."""
         n = (self.size + 7) // 8
         if n > self.nbytes:
             return
         body = marker[:n].cpu()
         bits = ((body.view(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1).view(-1)
-        told = {int(i) for i in bits[:self.size].nonzero().view(-1)}
+        self._learn({int(i) for i in bits[:self.size].nonzero().view(-1)})
+
+    def _learn(self, told: set[int]) -> None:
+        """Members others say are lost: known lost here too, but for this member's live
+        neighbours (a broken link between two others is theirs)."""
         self.lost |= told - set(self._live_peers()) - {self.member}
 
     def _is_control(self, message: torch.Tensor, round: int, sender: int) -> bool:
@@ -766,9 +775,7 @@ class WaitFreeGossip(GossipMember):
             self._slots = slots
             self.size, self.member = int(cfg["size"]), int(cfg["member"])
             self.group_ranks = [self._group_ranks[s] if s >= 0 else -1 for s in slots]
-            first = neighbours(self.graph, self.member, self.size)[0]
-            w = mixing_matrix(self.graph, self.size, self.mixing).to(torch.float32)
-            self._edge_weight = float(w[self.member, first])
+            self._edge_weight = self._graph_edge_weight()
         copy = lambda t: None if t is None else t.detach().clone()
         self.gamma = float(state["gamma"])
         self.seed = check_seed(state["seed"])
