@@ -495,6 +495,7 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self._residuals: dict[str | int, torch.Tensor] = {}
         self._spares: dict[str | int, torch.Tensor] = {}
+        self._pending: set[str | int] = set()  # keys whose new residual awaits commit()
 
     def __contains__(self, key: str | int) -> bool:
         return key in self._residuals
@@ -507,11 +508,17 @@ class ErrorFeedback:
         return self._residuals.get(key)
 
     def quantize(self, key: str | int, x: torch.Tensor, spec: QuantSpec, *,
-                 seed: int | None = None, out: torch.Tensor | None = None) -> Packed:
+                 seed: int | None = None, out: torch.Tensor | None = None,
+                 commit: bool = True) -> Packed:
         """Quantize ``x`` with the residual stored under ``key`` and update it.
 
         Same arguments and errors as :func:`quantize`. Raises ValueError if ``key`` already
         holds a residual of another numel or device.
+
+        ``commit=False`` computes the new residual but keeps the current one until
+        :meth:`commit` (a collective that may still fail after this message was sent then
+        changes no residual if it fails: the caller commits only once every stage succeeded);
+        the next ``quantize`` of ``key`` drops an uncommitted residual.
         """
         if not isinstance(key, (str, int)) or isinstance(key, bool):
             raise TypeError(f"key must be a str or int, got {key!r}")
@@ -528,17 +535,31 @@ class ErrorFeedback:
         if spare is None:
             spare = torch.empty_like(res)
         packed = quantize(x, spec, error=res, error_out=spare, seed=seed, out=out)
-        self._residuals[key], self._spares[key] = spare, res
+        if commit:
+            self._residuals[key], self._spares[key] = spare, res
+            self._pending.discard(key)
+        else:  # the new residual waits in the spare
+            self._residuals[key], self._spares[key] = res, spare
+            self._pending.add(key)
         return packed
+
+    def commit(self, key: str | int) -> None:
+        """Make the residual computed by ``quantize(key, ..., commit=False)`` the current one
+        (nothing when none is pending)."""
+        if key in self._pending:
+            self._pending.discard(key)
+            self._residuals[key], self._spares[key] = self._spares[key], self._residuals[key]
 
     def reset(self, key: str | int | None = None) -> None:
         """Forget the residual of ``key`` (all keys when None)."""
         if key is None:
             self._residuals.clear()
             self._spares.clear()
+            self._pending.clear()
         else:
             self._residuals.pop(key, None)
             self._spares.pop(key, None)
+            self._pending.discard(key)
 
     def state_dict(self) -> dict[str, dict[str | int, torch.Tensor]]:
         """``{"residuals": {key: float32 tensor}}`` (references, like torch's state_dicts)."""
@@ -555,3 +576,4 @@ class ErrorFeedback:
             loaded[key] = t.detach().clone()
         self._residuals = loaded
         self._spares = {}
+        self._pending = set()

@@ -12,6 +12,11 @@ For users who keep ``DistributedDataParallel``::
 Each gradient bucket is averaged with :class:`qcomm.collectives.hierarchical.
 HierarchicalAllreduce`: full precision inside a node, ``bits``-bit payloads with error feedback
 between nodes (each local rank carries one shard on its rail), all-gather inside the node.
+Between nodes, from 3 nodes on, the shard goes through a quantized reduce-scatter (each node
+owns a chunk, decodes the nodes' payloads of it and re-quantizes their mean with a second
+residual) and an all-gather of the owners' chunks: a node sends about two payloads per bucket
+whatever the node count, where an all-gather of every node's payload sends N - 1
+(``rail_collective``; :mod:`qcomm.collectives.rail`).
 
 What PowerSGD's hook offers, this one offers too:
 
@@ -44,6 +49,7 @@ residuals but never a process group or a thread.
 import logging
 import queue
 import threading
+import zlib
 from typing import Any
 
 import torch
@@ -81,6 +87,9 @@ class HierarchicalQuantState:
             quantized hierarchy starts, an int >= 0 (PowerSGD's ``start_powerSGD_iter``).
         timeout_s: how long a bucket waits for the other ranks, a finite float > 0; None: the
             process group's own timeout.
+        rail_collective: ``"auto"`` (default: the two-stage reduce-scatter from 3 nodes on, the
+            all-gather below), ``"reduce_scatter"`` or ``"all_gather"`` (see
+            :class:`~qcomm.collectives.hierarchical.HierarchicalAllreduce`).
 
     Attributes:
         iter: iterations completed (counted when DDP's last bucket of an iteration is hooked).
@@ -90,12 +99,15 @@ class HierarchicalQuantState:
 
     # Hyperparameters: the only fields that survive pickling, with the residuals and `iter`.
     _HPARAMS = ("procs_per_node", "bits", "block_size", "rounding", "seed", "bucket_mb",
-                "start_iter", "timeout_s")
+                "start_iter", "timeout_s", "rail_collective")
 
     def __init__(self, procs_per_node: int | None = None, *,
                  process_group: Any = None, bits: int = 4, block_size: int = 128,
                  rounding: str = "stochastic", seed: int = 0, bucket_mb: float = 25.0,
-                 start_iter: int = 0, timeout_s: float | None = None) -> None:
+                 start_iter: int = 0, timeout_s: float | None = None,
+                 rail_collective: str = "auto") -> None:
+        from qcomm.collectives.rail import check_rail_collective
+
         self.procs_per_node = check_int("procs_per_node", procs_per_node, low=1,
                                         allow_none=True)
         if process_group is not None and not (dist.is_available()
@@ -109,6 +121,7 @@ class HierarchicalQuantState:
         self.bucket_mb = check_bucket_mb(bucket_mb)
         self.start_iter = check_int("start_iter", start_iter, low=0)
         self.timeout_s = check_timeout(timeout_s, allow_none=True)
+        self.rail_collective = check_rail_collective(rail_collective)
         self.iter = 0
         self.stats = None
         self._allreduce: Any = None
@@ -132,7 +145,8 @@ class HierarchicalQuantState:
             self.stats = self.stats if self.stats is not None else CommStats()
             engine = HierarchicalAllreduce(topo, spec=self.spec, bucket_mb=self.bucket_mb,
                                            stats=self.stats, seed=self.seed,
-                                           timeout_s=self.timeout_s)
+                                           timeout_s=self.timeout_s,
+                                           rail_collective=self.rail_collective)
             if self._pending is not None:
                 engine.load_state_dict(self._pending)
                 self._pending = None
@@ -161,20 +175,43 @@ class HierarchicalQuantState:
             self._worker.close()
             self._worker = None
 
-    def __getstate__(self) -> dict:
+    def state_dict(self) -> dict:
+        """What resumes the hook bit for bit: the hyperparameters, the iteration count, the
+        byte counts and the allreduce's state (the error-feedback residuals of every bucket,
+        both stages of the reduce-scatter form, and the call count that seeds stochastic
+        rounding). Tensors are references (as in torch's state_dicts): save or copy it before
+        the next iteration. Finish the buckets in flight first (``close()``)."""
         state = {k: getattr(self, k) for k in self._HPARAMS}
-        engine_state = (self._allreduce.state_dict() if self._allreduce is not None
-                        else self._pending)
-        state["allreduce_state"] = engine_state
+        state["allreduce_state"] = (self._allreduce.state_dict() if self._allreduce is not None
+                                    else self._pending)
         state["stats"] = self.stats
         state["iter"] = self.iter
         return state
 
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (before the first hook call, on a state
+        built for the same job). The residuals are loaded when the allreduce is created, on
+        the first quantized bucket."""
+        if not isinstance(state, dict) or "iter" not in state:
+            fail("state", "a dict from HierarchicalQuantState.state_dict()", state)
+        if self._allreduce is not None:
+            raise RuntimeError("load_state_dict must come before the first hook call")
+        # Everything validated on a new object first: a bad state leaves this one as it was.
+        fresh = HierarchicalQuantState(**{k: state[k] for k in self._HPARAMS if k in state},
+                                       process_group=self.process_group)
+        fresh.iter = check_int("state['iter']", state["iter"], low=0)
+        fresh._pending = state.get("allreduce_state")
+        fresh.stats = state.get("stats")
+        self.close()
+        self.__dict__.update(fresh.__dict__)
+
+    # Pickling: the state_dict (never a process group or a thread).
+    def __getstate__(self) -> dict:
+        return self.state_dict()
+
     def __setstate__(self, state: dict) -> None:
-        self.__init__(**{k: state[k] for k in self._HPARAMS if k in state})
-        self._pending = state.get("allreduce_state")
-        self.stats = state.get("stats")
-        self.iter = state.get("iter", 0)
+        self.process_group, self._allreduce, self._worker = None, None, None
+        self.load_state_dict(state)
 
 
 class _Worker:
@@ -226,6 +263,14 @@ def _allreduce_fp(state: HierarchicalQuantState, tensor: torch.Tensor
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def _bucket_key(bucket: dist.GradBucket, tensor: torch.Tensor) -> str:
+    """The residual key of a bucket: its index, size and the sizes of its parameters in order,
+    so a residual is only ever added to the layout it was computed for (DDP's first iteration
+    and its rebuilt buckets can hold the same number of elements in another order)."""
+    sizes = ",".join(str(p.numel()) for p in bucket.parameters())
+    return f"bucket{bucket.index()}:{tensor.numel()}:{zlib.crc32(sizes.encode()):08x}"
+
+
 def hierarchical_quantized_hook(state: HierarchicalQuantState,
                                 bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's gradients averaged over all ranks, quantized between nodes.
@@ -242,9 +287,12 @@ def hierarchical_quantized_hook(state: HierarchicalQuantState,
         communication failed. During the warm-up (``state.start_iter``) it is DDP's own
         full-precision allreduce.
 
-    Error feedback keeps one residual per DDP bucket (keyed by bucket index and size: DDP
-    rebuilds its buckets after the first iteration, and the few residuals of that first layout
-    are then left unused; a warm-up of one iteration or more avoids creating them).
+    Error feedback keeps one residual per DDP bucket layout (keyed by the bucket's index, size
+    and parameter sizes in order: DDP rebuilds its buckets after the first iteration, and the
+    residuals of that first layout are then left unused; a warm-up of one iteration or more
+    avoids creating them). A process that resumes from :meth:`HierarchicalQuantState.
+    state_dict` starts, as DDP does, on the initial layout for one iteration: that iteration
+    uses the residuals saved for the initial layout, the next ones those of the rebuilt layout.
     """
     if not isinstance(state, HierarchicalQuantState):
         raise TypeError(f"state must be a HierarchicalQuantState, got {type(state).__name__}")
@@ -252,6 +300,6 @@ def hierarchical_quantized_hook(state: HierarchicalQuantState,
     if state.warming_up:
         fut = _allreduce_fp(state, tensor)
     else:
-        fut = state._submit(tensor, key=f"bucket{bucket.index()}:{tensor.numel()}")
+        fut = state._submit(tensor, key=_bucket_key(bucket, tensor))
     state._count(bucket)
     return fut

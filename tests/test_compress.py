@@ -591,3 +591,30 @@ def test_dequant_accumulate_empty_stacked(k: int) -> None:
     """numel 0 with payloads [K, 0]: a float32 view of the empty scale slice used to fail."""
     out = torch.zeros(0)
     dequant_accumulate(torch.empty(k, 0, dtype=torch.uint8), out, QuantSpec())
+
+
+def test_error_feedback_uncommitted_residual_waits_for_commit():
+    """commit=False: the residual stays as it was until commit() (once: a second commit
+    changes nothing); the next quantize drops a residual never committed."""
+    spec = QuantSpec(2, 32)
+    ef = ErrorFeedback()
+    x = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    ef.quantize("k", x, spec)
+    before = ef.residual("k").clone()
+    ef.quantize("k", x * 2, spec, commit=False)
+    assert torch.equal(ef.residual("k"), before)
+    ef.commit("k")
+    committed = ef.residual("k").clone()
+    assert not torch.equal(committed, before)
+    ef.commit("k")
+    assert torch.equal(ef.residual("k"), committed)
+    # the same two steps with commit=True give the same residual
+    ref = ErrorFeedback()
+    ref.quantize("k", x, spec)
+    ref.quantize("k", x * 2, spec)
+    assert torch.equal(ref.residual("k"), committed)
+    # an uncommitted residual is dropped by the next quantize
+    ef.quantize("k", x * 3, spec, commit=False)
+    ef.quantize("k", x, spec)
+    ref.quantize("k", x, spec)
+    assert torch.equal(ef.residual("k"), ref.residual("k"))

@@ -46,7 +46,8 @@ def _hook_body(rank: int, world: int, bits: int, start_iter: int, steps: int) ->
         inter = state.stats.snapshot()["bytes_sent"]["inter"] if state.stats else 0
         out.append((err, local, inter))
     state.close()
-    return {"steps": out, "iter": state.iter, "pickled": pickle.dumps(state)}
+    keys = state.allreduce().error_feedback.keys() if state.stats else []
+    return {"steps": out, "iter": state.iter, "pickled": pickle.dumps(state), "keys": keys}
 
 
 def test_hook_matches_fp32_allreduce_within_codec_bound(gloo) -> None:
@@ -62,6 +63,9 @@ def test_hook_matches_fp32_allreduce_within_codec_bound(gloo) -> None:
             bound = (0.5 if step == 0 else 1.0) * gmax / levels * (1 + 1e-5)
             assert err <= bound, (step, err, bound)
         assert max(e for e, _, _ in r["steps"]) > 0  # it did quantize
+        # DDP's first bucket and its rebuilt one (another order, the same size) keep apart
+        # residuals: one is never added to the other's layout.
+        assert len({k.rsplit("/", 1)[0] for k in r["keys"]}) == 2, r["keys"]
         assert r["steps"][-1][2] > 0
         restored = pickle.loads(r["pickled"])
         assert isinstance(restored, HierarchicalQuantState)
@@ -154,3 +158,78 @@ def test_state_validation_and_pickle_without_groups() -> None:
     assert state.warming_up and state.iter == 0
     with pytest.raises(TypeError, match="HierarchicalQuantState"):
         hierarchical_quantized_hook(object(), None)  # type: ignore[arg-type]
+
+
+def _grads(model: torch.nn.Module, rank: int, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 40, generator=g)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _layers() -> torch.nn.Module:
+    """One parameter tensor: DDP's first bucket and its rebuilt one then hold the same layout
+    (with several, the order changes at the rebuild), so a fresh DDP after a restart quantizes
+    the very layout the saved residuals belong to from its first iteration on."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 40, bias=False), torch.nn.Tanh())
+
+
+def _resume_body(rank: int, world: int, rail: str) -> dict:
+    """3 iterations, state_dict saved (pickled: a copy), 2 more; a fresh DDP and state loaded
+    from the copy run the same 2: the same gradients bit for bit, both residuals restored."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    first = DDP(_layers())
+    state = HierarchicalQuantState(procs_per_node=1, bits=4, block_size=32, seed=4,
+                                   rounding="stochastic", rail_collective=rail)
+    first.register_comm_hook(state, hierarchical_quantized_hook)
+    for step in range(3):
+        _grads(first, rank, step)
+    state.close()
+    saved = pickle.dumps(state.state_dict())
+    keys = sorted(state.state_dict()["allreduce_state"]["error_feedback"]["residuals"])
+    after = [_grads(first, rank, step) for step in (3, 4)]
+    state.close()
+
+    second = DDP(_layers())
+    resumed = HierarchicalQuantState()
+    resumed.load_state_dict(pickle.loads(saved))
+    second.register_comm_hook(resumed, hierarchical_quantized_hook)
+    again = [_grads(second, rank, step) for step in (3, 4)]
+    resumed.close()
+    same = all(torch.equal(a, b) for x, y in zip(after, again, strict=True)
+               for a, b in zip(x, y, strict=True))
+    return {"same": same, "keys": keys, "form": state.allreduce().rail_form,
+            "inter": state.stats.snapshot()["bytes_sent"]["inter"], "iter": resumed.iter}
+
+
+@pytest.mark.parametrize("rail", ["auto", "all_gather"])
+def test_state_dict_resumes_the_hook_bit_for_bit_with_both_residuals(gloo, rail) -> None:
+    res = gloo.run(_resume_body, 4, args=(rail,))
+    for r in res:
+        assert r["same"] and r["iter"] == 5
+        owner = [k for k in r["keys"] if k.endswith("/owner")]
+        if rail == "auto":  # 4 nodes: the two-stage reduce-scatter, two residuals per bucket
+            assert r["form"] == "reduce_scatter" and owner and len(r["keys"]) == 2 * len(owner)
+        else:
+            assert r["form"] == "all_gather" and not owner
+
+
+def test_reduce_scatter_sends_half_the_all_gathers_bytes_at_four_nodes(gloo) -> None:
+    """Counted by the hook's stats over the same 5 iterations (1 bucket of 640 parameters,
+    whole blocks): 2 (N-1)/N payloads of the shard against N - 1."""
+    rs = gloo.run(_resume_body, 4, args=("reduce_scatter",))[0]["inter"]
+    ag = gloo.run(_resume_body, 4, args=("all_gather",))[0]["inter"]
+    assert rs / ag == pytest.approx(0.5, rel=0.02)
+
+
+def test_load_state_dict_refuses_bad_state_and_keeps_its_own() -> None:
+    state = HierarchicalQuantState(2, bits=8, start_iter=3)
+    with pytest.raises(ValueError, match="state must be a dict from"):
+        state.load_state_dict([1])
+    bad = HierarchicalQuantState(2, bits=4).state_dict() | {"rail_collective": "ring"}
+    with pytest.raises(ValueError, match="rail_collective"):
+        state.load_state_dict(bad)
+    assert (state.bits, state.start_iter, state.rail_collective) == (8, 3, "auto")

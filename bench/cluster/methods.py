@@ -104,11 +104,14 @@ def qcomm_variant(name: str) -> dict[str, Any] | None:
 
 # The peers' own knobs in their names, as qcomm's: localsgd-p<period>,
 # torchft-[streaming-]diloco[-h<sync_every>][-o<outer lr x 10>][-m<outer momentum x 10>],
-# ddp-powersgd-r<rank>. The plain names run the defaults of Config.
+# ddp-powersgd-r<rank>; and qcomm's hook: qcomm-hook[-b<bits>][-ag|-rs] (the rail's all-gather
+# or two-stage reduce-scatter; plain: "auto"). The plain names run the defaults of Config.
 _PEER = re.compile(r"(?P<base>localsgd)-p(?P<p>\d+)"
                    r"|(?P<dbase>torchft-diloco|torchft-streaming-diloco)"
                    r"(?:-h(?P<h>\d+))?(?:-o(?P<o>\d+))?(?:-m(?P<m>\d))?"
-                   r"|(?P<pbase>ddp-powersgd)-r(?P<r>\d+)")
+                   r"|(?P<pbase>ddp-powersgd)-r(?P<r>\d+)"
+                   r"|(?P<hbase>qcomm-hook)(?:-b(?P<hb>[1248]))?(?:-(?P<hr>ag|rs))?")
+_HOOK_RAILS = {"ag": "all_gather", "rs": "reduce_scatter"}
 
 
 def peer_variant(name: str) -> tuple[str, dict[str, Any]] | None:
@@ -121,6 +124,12 @@ def peer_variant(name: str) -> tuple[str, dict[str, Any]] | None:
     if m["pbase"]:
         return m["pbase"], {"powersgd_rank": int(m["r"])}
     out: dict[str, Any] = {}
+    if m["hbase"]:
+        if m["hb"]:
+            out["hook_bits"] = int(m["hb"])
+        if m["hr"]:
+            out["hook_rail"] = _HOOK_RAILS[m["hr"]]
+        return (m["hbase"], out) if out else None
     if m["h"]:
         out["diloco_sync_every"] = int(m["h"])
     if m["o"]:
@@ -586,7 +595,7 @@ def _qcomm_hook(module, cfg: Config) -> Built:
 
     model = DDP(module)
     state = hooks.HierarchicalQuantState(procs_per_node=cfg.layout.procs, bits=cfg.hook_bits,
-                                         seed=cfg.seed)
+                                         seed=cfg.seed, rail_collective=cfg.hook_rail)
     model.register_comm_hook(state, hooks.hierarchical_quantized_hook)
 
     def stats() -> dict[str, int]:
@@ -596,7 +605,7 @@ def _qcomm_hook(module, cfg: Config) -> Built:
         return dict(state.stats.snapshot()["bytes_sent"])
 
     return Built(model, module, inner_optimizer(model.parameters(), cfg), comm_stats=stats,
-                 notes={"bits": cfg.hook_bits})
+                 notes={"bits": cfg.hook_bits, "rail": state.rail_collective})
 
 
 BUILDERS: dict[str, Callable[[Any, Config], Built]] = {

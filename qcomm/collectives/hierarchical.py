@@ -6,13 +6,17 @@ Per flat bucket of ``n`` elements, with ``L`` ranks per node and ``N`` nodes:
    shards of ``s``; local rank i gets the node's mean of shard i (summed in float32, in
    local-rank order, divided by L);
 2. rail allreduce of that shard, across the N nodes (the ranks with local rank i):
-   with a spec, quantize ``shard mean + residual`` (error feedback, one residual per shard)
-   into one payload, all-gather the N payloads, ``dequant_accumulate(weights = 1/N)``;
+   with a spec, through the codec with error feedback (:mod:`.rail`): below 3 nodes every node
+   all-gathers the N payloads of the shard and decodes their mean; from 3 nodes on a quantized
+   reduce-scatter (each node owns a chunk: it decodes the N payloads of its chunk, re-quantizes
+   their mean with its own residual) then an all-gather of the owners' chunks, so a node sends
+   about ``2 P`` bytes whatever N instead of ``(N - 1) P`` (``rail_collective`` chooses);
    without a spec, reduce-scatter + all-gather at full precision;
 3. intra-node all-gather of the L shards, and the bucket is copied back into the tensors.
 
-Shards are equal, and with a spec block-aligned (``s`` a multiple of ``spec.block_size``), so
-the codec's blocks of a shard are blocks of the bucket and every payload has the same length.
+Shards are equal, and with a spec block-aligned (``s`` a multiple of ``spec.block_size``, of
+``N * spec.block_size`` for the reduce-scatter form), so the codec's blocks of a shard are blocks
+of the bucket and every payload has the same length.
 Without a spec ``s`` is a multiple of ``N`` (equal sub-shards on the rail).
 
 Every rank ends with bit-identical values (each element is reduced once, by fixed owners, in a
@@ -21,14 +25,16 @@ traffic each. Bytes are counted per level as in :mod:`qcomm.collectives.intra`:
 reduce-scatter and all-gather of ``c`` bytes per chunk over ``P`` ranks each send
 ``(P - 1) * c`` per rank. Per rank and bucket, with element size ``e``:
 ``intra = 2 * (L - 1) * s * e`` (L > 1), ``inter = (N - 1) * packed_nbytes(s, spec)`` with a
-spec, ``2 * (N - 1) * (s / N) * e`` without (N > 1).
+spec in the all-gather form, ``2 * (N - 1) * packed_nbytes(s / N, spec)`` in the reduce-scatter
+form, ``2 * (N - 1) * (s / N) * e`` without a spec (N > 1).
 
 Accuracy. Without a spec: the exact mean up to float32 rounding of the sums. With a spec,
 nearest rounding and bits >= 2, element j of node k's decoded shard differs from ``v_k = mean_k
 + residual_k`` by at most ``scale_k / 2`` (``scale_k`` = the block's absmax / (2**(bits-1)-1),
 stored in node k's payload) and error feedback carries that difference into the next call, so
 ``result = exact mean + (1/N) sum_k (residual_k before - residual_k after)``: the running sum of
-results tracks the running sum of exact means within ``(1/N) sum_k |residual_k|``.
+results tracks the running sum of exact means within ``(1/N) sum_k |residual_k|``. The
+reduce-scatter form adds the owner's residual of each chunk to both (see :mod:`.rail`).
 """
 
 from __future__ import annotations
@@ -41,28 +47,27 @@ import torch
 from qcomm.collectives.buckets import Bucket, pack, unpack
 from qcomm.collectives.handles import Handle, Last
 from qcomm.collectives.intra import BucketedMean
-from qcomm.collectives.primitives import (
-    acc_dtype,
-    decode_mean,
-    quantize_or_poison,
-    start_all_gather,
-    start_reduce_scatter,
-)
-from qcomm.compress import QuantSpec, packed_nbytes
+from qcomm.collectives.primitives import acc_dtype, start_all_gather, start_reduce_scatter
+from qcomm.collectives.rail import check_rail_collective, rail_form, rail_mean
+from qcomm.collectives.stats import CommStats
+from qcomm.collectives.topology import Topology
+from qcomm.compress import NonFiniteError, QuantSpec
 from qcomm.seeds import derive
 
 __all__ = ["HierarchicalAllreduce", "shard_numel"]
 
 
 def shard_numel(numel: int, procs_per_node: int, num_nodes: int,
-                spec: QuantSpec | None) -> int:
+                spec: QuantSpec | None, rail: str = "all_gather") -> int:
     """Elements per local rank's shard of a bucket of ``numel`` elements: the bucket is padded
     to ``procs_per_node * shard_numel`` with shards a multiple of the codec's block size (with a
-    spec and several nodes) or of ``num_nodes`` (without a spec)."""
+    spec and several nodes; of ``num_nodes`` block sizes when ``rail`` is
+    ``"reduce_scatter"``: the shard is cut into one chunk of whole blocks per node) or of
+    ``num_nodes`` (without a spec)."""
     if num_nodes == 1:
         align = 1  # no rail step: shards need only be equal
     elif spec is not None:
-        align = spec.block_size
+        align = spec.block_size * (num_nodes if rail == "reduce_scatter" else 1)
     else:
         align = num_nodes
     unit = procs_per_node * align
@@ -81,9 +86,43 @@ class HierarchicalAllreduce(BucketedMean):
         bucket_mb: bucket size in MiB (2**20 bytes) of the input dtype; > 0.
         stats: where bytes sent are counted (``"intra"`` and ``"inter"``); new if None.
         seed: base seed of stochastic rounding (mixed with rank, call count and bucket).
+        timeout_s: how long a blocking call waits for the other ranks (None: the process
+            group's own timeout).
+        rail_collective: the codec's form between nodes: ``"all_gather"`` (every node decodes
+            every node's payload), ``"reduce_scatter"`` (a quantized reduce-scatter then an
+            all-gather, two residuals) or ``"auto"`` (the default: the reduce-scatter from 3
+            nodes on, where it sends fewer bytes). Without a spec or with one node there is no
+            codec between nodes and the choice changes nothing.
+
+    Attributes:
+        rail_form: the form the rails run (``"auto"`` resolved for this topology).
 
     Nothing is communicated in the constructor; groups and buffers are created on first use.
     """
+
+    def __init__(self, topology: Topology, *, bucket_mb: float = 25.0,
+                 spec: QuantSpec | None = None, stats: CommStats | None = None,
+                 seed: int = 0, timeout_s: float | None = None,
+                 rail_collective: str = "auto") -> None:
+        super().__init__(topology, bucket_mb=bucket_mb, spec=spec, stats=stats, seed=seed,
+                         timeout_s=timeout_s)
+        self.rail_collective = check_rail_collective(rail_collective)
+        self.rail_form = rail_form(self.rail_collective, topology.num_nodes)
+
+    def state_dict(self) -> dict:
+        """The residuals and call count (:meth:`BucketedMean.state_dict`) and the rail form
+        they belong to (the two forms pad shards differently and keep different residuals)."""
+        return {**super().state_dict(), "rail_form": self.rail_form}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load what :meth:`state_dict` returned; ValueError if it was saved with the other
+        rail form."""
+        if isinstance(state, dict) and state.get("rail_form") != self.rail_form:
+            raise ValueError(f"state['rail_form'] is {state.get('rail_form')!r}; this allreduce "
+                             f"runs {self.rail_form!r} (rail_collective="
+                             f"{self.rail_collective!r} on {self.topology.num_nodes} nodes): "
+                             "build it with the rail_collective the state was saved with")
+        super().load_state_dict(state)
 
     def mean_(self, tensors: Sequence[torch.Tensor], *, async_op: bool = False,
               key: str | int | None = None) -> Handle:
@@ -127,7 +166,7 @@ class HierarchicalAllreduce(BucketedMean):
         spec = self.spec
         device, dtype = tensors[0].device, bucket.dtype
         acc = acc_dtype(dtype)
-        s = shard_numel(bucket.numel, L, N, spec)
+        s = shard_numel(bucket.numel, L, N, spec, self.rail_form)
         buf = torch.zeros(L * s, dtype=dtype, device=device)
         pack(bucket, tensors, buf)
 
@@ -140,16 +179,11 @@ class HierarchicalAllreduce(BucketedMean):
             shard = buf.to(acc)
 
         # 2. rail: average my shard over the nodes.
-        error = None
+        error, commit = None, []
         if N > 1 and spec is not None:
-            nbytes = packed_nbytes(s, spec)
-            payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            error = quantize_or_poison(self.error_feedback, key, shard, spec, seed, payload)
-            gathered = torch.empty(N, nbytes, dtype=torch.uint8, device=device)
-            work = start_all_gather(gathered.view(-1), payload, rail, N, self.stats, "inter")
-            yield work if L > 1 else Last(work)
-            shard = torch.zeros(s, dtype=torch.float32, device=device)
-            error = decode_mean(gathered, shard, spec) or error
+            shard, error, commit = yield from rail_mean(
+                self.rail_form, shard, self.error_feedback, key, spec, seed, rail, N,
+                self.stats, last=L == 1)
         elif N > 1:
             # Full precision: reduce-scatter + all-gather over the rail in the input dtype (the
             # node means are rounded to it once: the slow link carries what the user gave).
@@ -166,6 +200,13 @@ class HierarchicalAllreduce(BucketedMean):
             yield Last(start_all_gather(out, shard.to(dtype), intra, L, self.stats, "intra"))
         else:
             out = shard
+        if commit and error is None and L > 1 and not bool(torch.isfinite(out).all()):
+            # Another rail of this node failed to decode (its shard came back NaN): every rank
+            # of the job fails the call alike and no residual changes.
+            error = NonFiniteError("a shard of this bucket could not be decoded on another "
+                                   "rail (non-finite input on some rank)", "tensors", [])
         unpack(bucket, out, tensors)
         if error is not None:
             raise error
+        for k in commit:
+            self.error_feedback.commit(k)

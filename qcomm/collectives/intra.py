@@ -218,7 +218,10 @@ class IntraNodeAllreduce(BucketedMean):
         x = pack(bucket, tensors, torch.empty(bucket.numel, dtype=bucket.dtype, device=device))
         nbytes = packed_nbytes(bucket.numel, self.spec)
         payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        error = quantize_or_poison(self.error_feedback, key, x, self.spec, seed, payload)
+        # The residual is committed only if every payload decodes (every rank of the node
+        # decodes the same ones, so all commit or none does): a failed mean loses nothing.
+        error = quantize_or_poison(self.error_feedback, key, x, self.spec, seed, payload,
+                                   commit=False)
         gathered = torch.empty(L, nbytes, dtype=torch.uint8, device=device)
         yield Last(start_all_gather(gathered.view(-1), payload, group, L, self.stats, "intra"))
         mean = torch.zeros(bucket.numel, dtype=torch.float32, device=device)
@@ -226,6 +229,7 @@ class IntraNodeAllreduce(BucketedMean):
         unpack(bucket, mean, tensors)
         if error is not None:
             raise error
+        self.error_feedback.commit(key)
 
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         """``out = cat(shard of local rank 0, shard of local rank 1, ...)``, blocking.

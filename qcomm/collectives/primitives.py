@@ -201,13 +201,14 @@ def start_all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, size: i
 
 
 def quantize_or_poison(ef: ErrorFeedback, key: str, x: torch.Tensor, spec: QuantSpec, seed: int,
-                       out: torch.Tensor) -> NonFiniteError | None:
+                       out: torch.Tensor, *, commit: bool = True) -> NonFiniteError | None:
     """Quantize ``x`` with error feedback into ``out``. On non-finite input return the error
     instead of raising: ``out`` then holds NaN scales and is sent anyway, so every peer's
     decode raises too and all ranks finish the same collectives (no rank is left hanging); the
-    residual is unchanged (ErrorFeedback guarantees it)."""
+    residual is unchanged (ErrorFeedback guarantees it). ``commit=False``: the new residual
+    waits for ``ef.commit(key)`` (see :meth:`ErrorFeedback.quantize`)."""
     try:
-        ef.quantize(key, x, spec, seed=seed, out=out)
+        ef.quantize(key, x, spec, seed=seed, out=out, commit=commit)
     except NonFiniteError as e:
         return e
     return None

@@ -519,3 +519,19 @@ def test_variants_resolve_to_registry_entries():
     assert M.parse_methods("assgd-4-h8f4,ddp") == ["assgd-4-h8f4", "ddp"]
     with pytest.raises(KeyError):
         M.METHODS["assgd-16"]
+
+
+@pytest.mark.parametrize(("name", "want"), [
+    ("localsgd-p32", ("localsgd", {"localsgd_period": 32})),
+    ("ddp-powersgd-r4", ("ddp-powersgd", {"powersgd_rank": 4})),
+    ("torchft-diloco-h32-o7-m5", ("torchft-diloco", {"diloco_sync_every": 32,
+                                                     "diloco_outer_lr": 0.7,
+                                                     "diloco_outer_momentum": 0.5})),
+    ("qcomm-hook-rs", ("qcomm-hook", {"hook_rail": "reduce_scatter"})),
+    ("qcomm-hook-b2-ag", ("qcomm-hook", {"hook_bits": 2, "hook_rail": "all_gather"})),
+    ("qcomm-hook", None), ("torchft-diloco", None), ("qcomm-hook-rs2", None),
+])
+def test_peer_variant_names_set_config_fields(name, want):
+    assert M.peer_variant(name) == want
+    if want is not None:
+        assert name in M.METHODS and M.resolve(name) == want

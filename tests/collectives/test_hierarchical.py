@@ -1,7 +1,9 @@
 """HierarchicalAllreduce on Gloo: bits=None against dist.all_reduce and the exact mean; bits 8,
 4, 2, 1 against the bound the codec guarantees; error feedback over calls; async; bytes per
 level; state_dict. Shapes: 2 nodes x 2, 3 x 1, 4 x 1, 1 node x 2, each behaviour its own test
-in a session-wide Gloo world (the ``gloo`` fixture).
+in a session-wide Gloo world (the ``gloo`` fixture). The codec's rail runs in both forms (the
+all-gather, and the reduce-scatter + all-gather of :mod:`qcomm.collectives.rail`) wherever there
+are nodes to differ.
 
 Bounds (see tests/collectives/test_intra.py for the codec terms; u = 2**-24, A = sum over all
 ranks of |x| element-wise, L ranks per node, N nodes):
@@ -13,6 +15,10 @@ ranks of |x| element-wise, L ranks per node, N nodes):
   mean is within (1/N) sum_k codec_error(v_k) + float32 accumulation of the exact mean, with
   the codec's scales computed from blocks aligned to the bucket start (shards are
   block-aligned), padding counted as elements (it is part of a shard).
+* the reduce-scatter form quantizes that decoded mean m once more (a chunk's owner, from a zero
+  residual): its result is within B1 + codec_error(m) of the exact mean, B1 the bound above
+  and m within B1 of the exact mean (the slack that raises the second stage's scales); the
+  final decode of one payload at weight 1 is exact.
 """
 
 from __future__ import annotations
@@ -50,19 +56,23 @@ from tests.collectives.test_intra import (
 from tests.worlds import topology
 
 
-def _expected_bytes(plan, L: int, N: int, spec: QuantSpec | None, elem: int) -> dict[str, int]:
+def expected_bytes(plan, L: int, N: int, spec: QuantSpec | None, elem: int,
+                    rail: str = "all_gather") -> dict[str, int]:
     intra = inter = 0
     for b in plan:
-        s = shard_numel(b.numel, L, N, spec)
+        s = shard_numel(b.numel, L, N, spec, rail)
         if L > 1:
             intra += 2 * (L - 1) * s * elem  # reduce-scatter + all-gather of s-element shards
-        if N > 1:
-            inter += ((N - 1) * packed_nbytes(s, spec) if spec is not None
-                      else 2 * (N - 1) * (s // N) * elem)
+        if N > 1 and spec is None:
+            inter += 2 * (N - 1) * (s // N) * elem
+        elif N > 1 and rail == "all_gather":
+            inter += (N - 1) * packed_nbytes(s, spec)
+        elif N > 1:  # all-to-all of chunk payloads, then all-gather of the owner's chunk
+            inter += 2 * (N - 1) * packed_nbytes(s // N, spec)
     return {"intra": intra, "inter": inter}
 
 
-class _World:
+class World:
     """Inputs and bounds every rank of a world of ``W`` ranks, ``L`` per node, can recompute."""
 
     def __init__(self, world_size: int, ppn: int) -> None:
@@ -86,7 +96,7 @@ class _World:
 
 def _full_precision_body(rank: int, world_size: int, ppn: int) -> dict:
     """bits=None, several buckets: exact mean, dist.all_reduce, identical on all ranks, bytes."""
-    topo, w = topology(ppn), _World(world_size, ppn)
+    topo, w = topology(ppn), World(world_size, ppn)
     st = CommStats()
     ts = make_tensors(rank, 1)
     ref = [t.clone() for t in ts]
@@ -100,13 +110,19 @@ def _full_precision_body(rank: int, world_size: int, ppn: int) -> dict:
         "vs_all_reduce": max_excess(
             ts, as64(ref), [b + U * x * 1.01 for b, x in zip(w.fp_bound(1), a, strict=True)]),
         "identical": bitwise_same_across(ts, None, world_size),
-        "bytes": (st.bytes_sent, _expected_bytes(plan_buckets(ts, int(SMALL_BUCKET_MB * MIB)),
+        "bytes": (st.bytes_sent, expected_bytes(plan_buckets(ts, int(SMALL_BUCKET_MB * MIB)),
                                                  w.L, w.N, None, 4)),
     }
 
 
 SHAPE_IDS = {(4, 2): "2nodes_x2", (3, 1): "3nodes_x1", (4, 1): "4nodes_x1", (2, 2): "1node_x2"}
 shapes = pytest.mark.parametrize(("world", "ppn"), list(SHAPE_IDS), ids=list(SHAPE_IDS.values()))
+# The codec's two rail forms, each on every shape where nodes differ (one node: no rail).
+RAIL_CASES = [(w, p, r) for (w, p) in SHAPE_IDS for r in ("all_gather", "reduce_scatter")
+              if w // p > 1 or r == "all_gather"]
+rail_shapes = pytest.mark.parametrize(
+    ("world", "ppn", "rail"), RAIL_CASES,
+    ids=[f"{SHAPE_IDS[(w, p)]}-{r}" for w, p, r in RAIL_CASES])
 
 
 @shapes
@@ -127,42 +143,54 @@ def test_async_leaves_tensors_alone_until_wait(gloo, world, ppn):
         assert r == ASYNC_OK, rank
 
 
-def _codec_body(rank: int, world_size: int, ppn: int, case: tuple) -> dict:
+def codec_mean_bound(w: World, call: int, spec: QuantSpec, plan, rail: str
+                     ) -> list[torch.Tensor]:
+    """Per element, how far one codec call (zero residuals) may land from the exact mean of
+    call ``call``'s tensors (see the module docstring)."""
+    if w.N == 1:
+        return w.fp_bound(call)  # one node: no codec (nothing crosses a slow link)
+    bound = codec_error_bound(w.node_means(call), spec, plan, count_padding=True,
+                              slack=[U * x for x in abs_sum64(w.everyone(call))])
+    bound = [b + f for b, f in zip(bound, w.fp_bound(call), strict=True)]
+    if rail == "reduce_scatter":  # the owner quantizes a mean within `bound` of exact
+        second = codec_error_bound([mean64(w.everyone(call))], spec, plan, count_padding=True,
+                                   slack=bound)
+        bound = [b + t for b, t in zip(bound, second, strict=True)]
+    return bound
+
+
+def _codec_body(rank: int, world_size: int, ppn: int, case: tuple, rail: str) -> dict:
     """One call from zero residuals, against the codec's bound."""
     bits, rounding, bucket_mb, async_op = case
-    topo, w = topology(ppn), _World(world_size, ppn)
+    topo, w = topology(ppn), World(world_size, ppn)
     spec = QuantSpec(bits, BLOCK, rounding)
     call = 20 + bits
     st = CommStats()
     tq = make_tensors(rank, call)
-    HierarchicalAllreduce(topo, spec=spec, bucket_mb=bucket_mb, stats=st,
-                          seed=3).mean_(tq, async_op=async_op).wait()
+    HierarchicalAllreduce(topo, spec=spec, bucket_mb=bucket_mb, stats=st, seed=3,
+                          rail_collective=rail).mean_(tq, async_op=async_op).wait()
     plan = plan_buckets(tq, max(1, int(bucket_mb * MIB)))
-    if w.N > 1:
-        bound = codec_error_bound(w.node_means(call), spec, plan, count_padding=True,
-                                  slack=[U * x for x in abs_sum64(w.everyone(call))])
-        bound = [b + f for b, f in zip(bound, w.fp_bound(call), strict=True)]
-    else:
-        bound = w.fp_bound(call)  # one node: no codec (nothing crosses a slow link)
     return {
-        "excess": max_excess(tq, mean64(w.everyone(call)), bound),
+        "excess": max_excess(tq, mean64(w.everyone(call)),
+                             codec_mean_bound(w, call, spec, plan, rail)),
         "identical": bitwise_same_across(tq, None, world_size),
-        "bytes": (st.bytes_sent, _expected_bytes(plan, w.L, w.N, spec, 4)),
+        "bytes": (st.bytes_sent, expected_bytes(plan, w.L, w.N, spec, 4, rail)),
     }
 
 
-@shapes
+@rail_shapes
 @codec_cases
-def test_codec_mean_within_its_bound(gloo, world, ppn, case):
-    assert_within_bound(gloo.run(_codec_body, world, args=(ppn, case)))
+def test_codec_mean_within_its_bound(gloo, world, ppn, rail, case):
+    assert_within_bound(gloo.run(_codec_body, world, args=(ppn, case, rail)))
 
 
-def _bf16_body(rank: int, world_size: int, ppn: int) -> float:
+def _bf16_body(rank: int, world_size: int, ppn: int, rail: str) -> float:
     """bfloat16 input, 8 bits: the codec bound plus one rounding to bfloat16 at the end."""
-    topo, w = topology(ppn), _World(world_size, ppn)
+    topo, w = topology(ppn), World(world_size, ppn)
     spec = QuantSpec(8, BLOCK)
     tb = make_tensors(rank, 30, torch.bfloat16)
-    HierarchicalAllreduce(topo, spec=spec, bucket_mb=SMALL_BUCKET_MB).mean_(tb)
+    HierarchicalAllreduce(topo, spec=spec, bucket_mb=SMALL_BUCKET_MB,
+                          rail_collective=rail).mean_(tb)
     plan = plan_buckets(tb, int(SMALL_BUCKET_MB * MIB))
     exact_b = mean64(w.everyone(30, torch.bfloat16))
     fb = w.fp_bound(30, torch.bfloat16)
@@ -172,22 +200,27 @@ def _bf16_body(rank: int, world_size: int, ppn: int) -> float:
         # Without a spec the node means are rounded to bfloat16 before the rail (wire dtype);
         # with one they are quantized from float32: no extra rounding there.
         fb = [c + f for c, f in zip(cb, fb, strict=True)]
+        if rail == "reduce_scatter":
+            second = codec_error_bound([exact_b], spec, plan, count_padding=True, slack=fb)
+            fb = [f + t for f, t in zip(fb, second, strict=True)]
     return max_excess(
         tb, exact_b, [f + 2.0**-8 * (e.abs() + f) for f, e in zip(fb, exact_b, strict=True)])
 
 
-@shapes
-def test_bfloat16_within_the_codec_bound_plus_one_rounding(gloo, world, ppn):
-    assert all(e <= 0 for e in gloo.run(_bf16_body, world, args=(ppn,)))
+@rail_shapes
+def test_bfloat16_within_the_codec_bound_plus_one_rounding(gloo, world, ppn, rail):
+    assert all(e <= 0 for e in gloo.run(_bf16_body, world, args=(ppn, rail)))
 
 
-def _error_feedback_body(rank: int, world_size: int, ppn: int) -> dict:
-    """Several calls (2 bits): sum of results + mean_k residual_k equals the sum of exact
-    means, and every residual stays within max_t block absmax / (2 L_q - 1)."""
-    topo, w = topology(ppn), _World(world_size, ppn)
+def _error_feedback_body(rank: int, world_size: int, ppn: int, rail: str) -> dict:
+    """Several calls (2 bits): sum of results + mean_k residual_k (+ the owners' residuals in
+    the reduce-scatter form) equals the sum of exact means, and every residual stays bounded:
+    a node's within max_t block absmax of its mean, an owner's within twice the largest."""
+    topo, w = topology(ppn), World(world_size, ppn)
     L, N = w.L, w.N
     spec = QuantSpec(2, BLOCK)
-    ar = HierarchicalAllreduce(topo, spec=spec, bucket_mb=SMALL_BUCKET_MB)
+    ar = HierarchicalAllreduce(topo, spec=spec, bucket_mb=SMALL_BUCKET_MB, rail_collective=rail)
+    two_stage = N > 1 and ar.rail_form == "reduce_scatter"
     plan = plan_buckets(make_tensors(rank, 0), int(SMALL_BUCKET_MB * MIB))
     run_got = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
     run_exact = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
@@ -207,37 +240,45 @@ def _error_feedback_body(rank: int, world_size: int, ppn: int) -> dict:
         a = abs_sum64(w.everyone(200 + c))
         for i in range(len(SHAPES)):
             # Per call: node-mean rounding, decode/accumulate rounding with |v|, scale <= 2M,
-            # and the running sum's own rounding.
+            # and the running sum's own rounding; the owner's stage rounds values <= 4M.
+            mb = sum(m[i] for m in m_bound)
             tol[i] += U * a[i] * (1 / N + 1 / L) * 1.01 + U * run_got[i].abs() + (
-                (N + 3) * U * 4 * sum(mb[i] for mb in m_bound) / N if N > 1 else 0)
+                (N + 3) * U * 4 * mb / N if N > 1 else 0) + (8 * U * 4 * mb if two_stage else 0)
     residuals = _node_residuals(ar, plan, topo) if N > 1 else [
         [torch.zeros(s) for s in SHAPES]]
-    corrected = [run_got[i] + sum(r[i].double() for r in residuals) / N
+    owners = _owner_residuals(ar, plan, topo) if two_stage else [torch.zeros(s) for s in SHAPES]
+    corrected = [run_got[i] + sum(r[i].double() for r in residuals) / N + owners[i].double()
                  for i in range(len(SHAPES))]
     out = {"identity": max_excess(corrected, run_exact, tol), "residual_bound": -1.0}
     if N > 1:
         out["residual_bound"] = max(
             max_excess(residuals[k], [torch.zeros_like(t) for t in m_bound[k]],
                        [t * (1 + 1e-5) for t in m_bound[k]]) for k in range(N))
+    if two_stage:
+        largest = [torch.stack([m[i] for m in m_bound]).amax(0) for i in range(len(SHAPES))]
+        out["residual_bound"] = max(out["residual_bound"], max_excess(
+            owners, [torch.zeros_like(t) for t in largest], [2 * t for t in largest]))
     return out
 
 
-@shapes
-def test_error_feedback_carries_the_residual_over_calls(gloo, world, ppn):
-    for rank, r in enumerate(gloo.run(_error_feedback_body, world, args=(ppn,))):
+@rail_shapes
+def test_error_feedback_carries_the_residual_over_calls(gloo, world, ppn, rail):
+    for rank, r in enumerate(gloo.run(_error_feedback_body, world, args=(ppn, rail))):
         assert r["identity"] <= 0, (rank, r)
         assert r["residual_bound"] <= 0, (rank, r)
 
 
-def _state_dict_body(rank: int, world_size: int, ppn: int) -> bool:
+def _state_dict_body(rank: int, world_size: int, ppn: int, rail: str) -> bool:
     """A fresh instance loaded with the state continues bit-identically (stochastic rounding,
-    so the call count that seeds it matters too)."""
+    so the call count that seeds it matters too; both residuals in the two-stage form)."""
     topo = topology(ppn)
     spec = QuantSpec(4, BLOCK, "stochastic")
-    a1 = HierarchicalAllreduce(topo, spec=spec, bucket_mb=SMALL_BUCKET_MB, seed=9)
+    a1 = HierarchicalAllreduce(topo, spec=spec, bucket_mb=SMALL_BUCKET_MB, seed=9,
+                               rail_collective=rail)
     for c in range(2):
         a1.mean_(make_tensors(rank, 300 + c))
-    a2 = HierarchicalAllreduce(topo, spec=spec, bucket_mb=SMALL_BUCKET_MB, seed=9)
+    a2 = HierarchicalAllreduce(topo, spec=spec, bucket_mb=SMALL_BUCKET_MB, seed=9,
+                               rail_collective=rail)
     a2.load_state_dict(a1.state_dict())
     y1, y2 = make_tensors(rank, 302), make_tensors(rank, 302)
     a1.mean_(y1)
@@ -245,9 +286,9 @@ def _state_dict_body(rank: int, world_size: int, ppn: int) -> bool:
     return all(torch.equal(p, q) for p, q in zip(y1, y2, strict=True))
 
 
-@shapes
-def test_state_dict_resumes_bit_identically(gloo, world, ppn):
-    assert all(gloo.run(_state_dict_body, world, args=(ppn,)))
+@rail_shapes
+def test_state_dict_resumes_bit_identically(gloo, world, ppn, rail):
+    assert all(gloo.run(_state_dict_body, world, args=(ppn, rail)))
 
 
 def _empty_body(rank: int, world_size: int, ppn: int) -> dict:
@@ -301,6 +342,21 @@ def _node_residuals(ar: HierarchicalAllreduce, plan, topo: Topology) -> list[lis
     return out
 
 
+def _owner_residuals(ar: HierarchicalAllreduce, plan, topo: Topology) -> list[torch.Tensor]:
+    """The owners' residuals (second stage) as tensors shaped like SHAPES: shard l of a bucket
+    is the concatenation, by node, of the chunks its owners (local rank l of each node) hold."""
+    L, N, W = topo.procs_per_node, topo.num_nodes, topo.world_size
+    state = ar.state_dict()["error_feedback"]["residuals"]
+    out = [torch.zeros(s) for s in SHAPES]
+    for i, b in enumerate(plan):
+        mine = state[f"ef/{i}/owner"]
+        rows = torch.empty(W * mine.numel())
+        all_gather_flat(rows, mine, None)
+        rows = rows.view(N, L, mine.numel())  # global rank k * L + l: node k, local rank l
+        unpack(b, rows.transpose(0, 1).reshape(-1), out)
+    return out
+
+
 def test_single_process_is_identity_without_a_process_group():
     topo = Topology(1, rank=0, world_size=1)
     st = CommStats()
@@ -313,13 +369,56 @@ def test_single_process_is_identity_without_a_process_group():
     assert st.bytes_sent == {"intra": 0, "inter": 0}
 
 
-@pytest.mark.parametrize(("numel", "L", "N", "bits", "want"), [
-    (261, 2, 2, 4, 160), (261, 2, 2, None, 132), (261, 1, 3, None, 261), (261, 1, 3, 4, 288),
-    (261, 2, 1, 4, 131), (0, 2, 2, 4, 0), (1, 4, 4, 8, 32),
+@pytest.mark.parametrize(("numel", "L", "N", "bits", "rail", "want"), [
+    (261, 2, 2, 4, "all_gather", 160), (261, 2, 2, None, "all_gather", 132),
+    (261, 1, 3, None, "all_gather", 261), (261, 1, 3, 4, "all_gather", 288),
+    (261, 2, 1, 4, "all_gather", 131), (0, 2, 2, 4, "all_gather", 0),
+    (1, 4, 4, 8, "all_gather", 32), (261, 1, 3, 4, "reduce_scatter", 288),
+    (261, 2, 4, 4, "reduce_scatter", 256), (1, 1, 8, 4, "reduce_scatter", 256),
+    (261, 2, 1, 4, "reduce_scatter", 131), (261, 2, 2, None, "reduce_scatter", 132),
 ])
-def test_shard_numel_is_equal_and_aligned(numel, L, N, bits, want):
+def test_shard_numel_is_equal_and_aligned(numel, L, N, bits, rail, want):
     spec = QuantSpec(bits, 32) if bits else None
-    s = shard_numel(numel, L, N, spec)
+    s = shard_numel(numel, L, N, spec, rail)
     assert s == want and L * s >= numel
     if N > 1:
-        assert s % (32 if spec else N) == 0
+        unit = 32 * (N if rail == "reduce_scatter" else 1) if spec else N
+        assert s % unit == 0
+
+
+@pytest.mark.parametrize(("nodes", "want"), [(1, "all_gather"), (2, "all_gather"),
+                                             (3, "reduce_scatter"), (8, "reduce_scatter")])
+def test_auto_takes_the_reduce_scatter_from_three_nodes(nodes, want):
+    topo = Topology(1, rank=0, world_size=nodes)
+    assert HierarchicalAllreduce(topo, spec=QuantSpec(4, 32)).rail_form == want
+    forced = HierarchicalAllreduce(topo, rail_collective="all_gather")
+    assert forced.rail_form == "all_gather"
+
+
+def test_bad_rail_collective_names_itself_and_the_choices():
+    with pytest.raises(ValueError, match=r"rail_collective.*all_gather.*reduce_scatter"):
+        HierarchicalAllreduce(_TOPO, rail_collective="ring")
+
+
+def test_state_of_the_other_rail_form_is_refused_and_nothing_is_loaded():
+    topo = Topology(1, rank=0, world_size=4)
+    spec = QuantSpec(4, 32)
+    saved = HierarchicalAllreduce(topo, spec=spec, rail_collective="all_gather").state_dict()
+    target = HierarchicalAllreduce(topo, spec=spec)  # auto: the reduce-scatter at 4 nodes
+    before = target.state_dict()
+    with pytest.raises(ValueError, match=r"rail_form.*all_gather.*reduce_scatter"):
+        target.load_state_dict(saved)
+    assert target.state_dict() == before
+
+
+@pytest.mark.parametrize("nodes", [3, 4, 8, 16])
+def test_reduce_scatter_bytes_per_node_stay_flat_in_the_node_count(nodes):
+    """By the byte formula the hook's stats follow (counted against it in the Gloo tests):
+    2 (N-1)/N payloads against N-1; for a 1 MiB bucket at 4 bits in blocks of 128."""
+    spec = QuantSpec(4, 128)
+    numel = 1 << 18
+    plan = plan_buckets([torch.zeros(numel)], 1 << 22)
+    ag = expected_bytes(plan, 1, nodes, spec, 4, "all_gather")["inter"]
+    rs = expected_bytes(plan, 1, nodes, spec, 4, "reduce_scatter")["inter"]
+    assert rs / ag == pytest.approx(2 / nodes, rel=1e-3)
+    assert rs <= 2 * packed_nbytes(numel, spec)
