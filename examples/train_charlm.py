@@ -1,0 +1,464 @@
+"""Train a small character-level transformer with AdamW on qcomm, on one machine or several.
+
+Launch it with torchrun; one line per machine (README.md, "Run on several machines"):
+
+    # two machines, one process each; HOST0 is the first machine's address
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST0:29400 --rdzv-id charlm examples/train_charlm.py --steps 300
+
+    # one machine, 4 processes emulating 2 nodes of 2 (gossip between the two halves)
+    torchrun --nproc-per-node 4 examples/train_charlm.py --procs-per-node 2
+
+    # one process, no torchrun: plain AdamW (nothing to communicate)
+    python examples/train_charlm.py --steps 50
+
+The model is a decoder-only transformer over bytes (GPT-2's layout at toy size). The text is
+this interpreter's own standard library (its ``*.py`` files), which every machine with Python
+has, so nothing is downloaded; ``--text FILE`` trains on a file of your own instead. Each rank
+draws its own random windows of the training text.
+
+The optimizer is ``HierarchicalOptimizer(torch.optim.AdamW(...))``: gradients averaged inside
+each node (``--ddp``: by torch's DDP during backward), AdamW's own update, then compressed
+asynchronous gossip of the parameters between nodes. The ranks per node are torchrun's
+``LOCAL_WORLD_SIZE`` unless ``--procs-per-node`` says otherwise. Backend: Gloo on CPU; on GPU,
+NCCL for CUDA tensors with Gloo for the few CPU tensors (``--backend``).
+
+Rank 0 prints the mean training loss of its own batches and the bytes this rank sent between
+nodes every ``--log-every`` steps, and the validation loss before and after training; at the
+end every rank averages the parameters exactly (``average_parameters()``) and prints their
+sha256, the same on every rank. ``--ckpt-dir DIR`` writes ``DIR/step0000100/rank00000.pt``
+(one file per rank, every rank at the same step); ``--resume DIR/step0000100`` goes on from
+there (on CPU, tests/examples/test_train_charlm.py checks that it ends with the bytes of an
+uninterrupted run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import logging
+import math
+import os
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from qcomm.collectives import PeerError
+from qcomm.engine import CommOptions
+from qcomm.sgd import HierarchicalOptimizer, checkpoint_path, load_checkpoint, save_checkpoint
+
+log = logging.getLogger("train_charlm")
+
+VOCAB = 128  # ASCII bytes are their own token; every other byte becomes token 127
+OTHER = VOCAB - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the text
+
+
+def stdlib_source(limit: int) -> bytes:
+    """The first ``limit`` bytes of this interpreter's standard-library ``*.py`` files (those
+    directly in the stdlib directory, sorted by name), concatenated.
+
+    Raises:
+        ValueError: the directory holds fewer bytes of source (e.g. a zipped stdlib).
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for path in sorted(root.glob("*.py")):
+        if size >= limit:
+            break
+        data = path.read_bytes()
+        parts.append(data)
+        size += len(data)
+    if size < limit:
+        raise ValueError(f"{root} holds {size} bytes of *.py source, fewer than the {limit} "
+                         "asked for; pass --text FILE or smaller --train-bytes/--val-bytes")
+    return b"".join(parts)[:limit]
+
+
+def load_text(path: str | None, train_bytes: int, val_bytes: int) -> tuple[torch.Tensor,
+                                                                           torch.Tensor]:
+    """(train, validation) uint8 token tensors: the text's first ``train_bytes`` and the
+    ``val_bytes`` right after them (contiguous sides, so no validation line was trained on)."""
+    total = train_bytes + val_bytes
+    if path is None:
+        data = stdlib_source(total)
+    else:
+        data = Path(path).read_bytes()[:total]
+        if len(data) < total:
+            raise ValueError(f"{path} holds {len(data)} bytes, fewer than --train-bytes + "
+                             f"--val-bytes = {total}")
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+    tokens[tokens >= OTHER] = OTHER
+    return tokens[:train_bytes], tokens[train_bytes:]
+
+
+def random_windows(tokens: torch.Tensor, context: int, count: int) -> torch.Tensor:
+    """``count`` random windows of ``context + 1`` tokens, int64 (count, context + 1).
+
+    Drawn from torch's global CPU generator on purpose: :func:`load_checkpoint` restores its
+    state, so a resumed run draws the same batches as an uninterrupted one."""
+    starts = torch.randint(0, len(tokens) - context - 1, (count,))
+    return tokens[starts[:, None] + torch.arange(context + 1)].long()
+
+
+def fixed_windows(tokens: torch.Tensor, context: int, count: int) -> torch.Tensor:
+    """``count`` windows spread evenly over ``tokens``: the same validation set every run."""
+    starts = torch.linspace(0, len(tokens) - context - 1, count).long()
+    return tokens[starts[:, None] + torch.arange(context + 1)].long()
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then a 4x GELU MLP, each residual."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class CharLM(nn.Module):
+    """Decoder-only transformer: tokens (batch, time) int64 -> logits (batch, time, VOCAB)."""
+
+    def __init__(self, width: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, width)
+        self.pos = nn.Embedding(context, width)
+        self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(layers)))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def next_token_loss(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy (nats) of each window's next characters."""
+    logits = model(windows[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), windows[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, windows: torch.Tensor, batch: int = 64) -> float:
+    """Mean next-character loss of ``model`` over ``windows`` (nats)."""
+    total = 0.0
+    for i in range(0, len(windows), batch):
+        w = windows[i:i + batch]
+        total += float(next_token_loss(model, w)) * len(w)
+    return total / len(windows)
+
+
+def parameters_sha256(model: nn.Module) -> str:
+    """sha256 of every parameter's bytes, in ``state_dict`` order: equal digests, equal
+    parameters."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# the processes
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where this process runs: its rank among ``world`` and its device."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def start_processes(backend: str, timeout_s: float) -> Place:
+    """Join torchrun's job (when launched by torchrun) and pick this rank's device.
+
+    Raises:
+        RuntimeError: a GPU backend asked for without enough GPUs on this machine.
+    """
+    if "RANK" not in os.environ:  # plain `python train_charlm.py`: one process
+        return Place(0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"--backend nccl: local rank {local_rank} needs a GPU of its own, "
+                               f"this machine has {torch.cuda.device_count()}; start fewer "
+                               "processes per node (--nproc-per-node) or use --backend gloo")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # CUDA tensors (gradients, parameters, gossip payloads) go through NCCL; the few CPU
+        # tensors (qcomm's control votes, this script's byte totals) through Gloo.
+        pg_backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        pg_backend = "gloo"
+    # One timeout bounds every wait, so a machine that dies ends the job instead of hanging it.
+    dist.init_process_group(pg_backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return Place(dist.get_rank(), dist.get_world_size(), device)
+
+
+def comm_options(args: argparse.Namespace) -> dict[str, object]:
+    """The communication options given on the command line, as HierarchicalOptimizer's
+    keyword arguments (checked here, before any process group exists)."""
+    options = dict(bits=args.bits, block_size=args.block_size, rounding=args.rounding,
+                   graph=args.graph, staleness=args.staleness, gamma=args.gamma,
+                   sync_every=args.sync_every, fragments=args.fragments,
+                   outer_momentum=args.outer_momentum, intra_bits=args.intra_bits,
+                   procs_per_node=args.procs_per_node, wait_free=args.wait_free,
+                   timeout_s=args.timeout_s, seed=args.seed)
+    CommOptions.from_kwargs(options)  # ValueError/TypeError naming the bad option
+    return options
+
+
+def say(place: Place, text: str) -> None:
+    """Print on rank 0 only: lines every rank would print alike, or rank 0's own figures."""
+    if place.rank == 0:
+        print(text, flush=True)
+
+
+def step_dir(root: str, step: int) -> Path:
+    """The checkpoint directory of ``step`` under ``--ckpt-dir``."""
+    return Path(root) / f"step{step:07d}"
+
+
+def train(args: argparse.Namespace, place: Place, options: dict[str, object]) -> None:
+    """Build, (resume,) train, average, report, save. Every rank runs it in lock step."""
+    train_tokens, val_tokens = load_text(args.text, args.train_bytes, args.val_bytes)
+    val_windows = fixed_windows(val_tokens, args.context, args.val_windows).to(place.device)
+
+    torch.manual_seed(args.seed)
+    model = CharLM(args.width, args.layers, args.heads, args.context).to(place.device)
+    opt = HierarchicalOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay),
+        **options)
+    try:
+        start = 0
+        if args.resume:
+            mine = checkpoint_path(args.resume, place.rank)
+            if not mine.is_file():
+                raise FileNotFoundError(
+                    f"rank {place.rank}: no checkpoint file {mine}. Every rank reads the file "
+                    "it wrote itself: resume with the same machines and processes, and with "
+                    "per-machine directories keep each machine's rank (torchrun orders the "
+                    "machines by --local-addr, else by host name)")
+            # Every rank reads its own file; torch's RNG state comes back with it.
+            start = int(load_checkpoint(args.resume, opt, model)["step"])
+            say(place, f"resumed from {args.resume} at step {start}")
+        else:
+            if place.distributed:
+                # qcomm needs every rank to start from the same parameters; the seed gives
+                # them on one torch build, rank 0's copy gives them across machines.
+                for t in model.state_dict().values():
+                    dist.broadcast(t, src=0)
+            # Different batches on every rank, drawn from the global generator (see
+            # random_windows) after the model's initialisation.
+            torch.manual_seed(args.seed * 1_000_003 + place.rank + 1)
+        net = opt.data_parallel(model) if args.ddp else model
+
+        n_params = sum(p.numel() for p in model.parameters())
+        say(place, f"{n_params:,} parameters; {place.world} processes on {place.device.type}; "
+                   f"text: {len(train_tokens):,} training / {len(val_tokens):,} validation "
+                   f"bytes; comm options {options}")
+        say(place, f"validation loss at step {start}: {evaluate(model, val_windows):.4f} "
+                   "(rank 0's parameters)")
+
+        running, count, t0 = 0.0, 0, time.perf_counter()
+        for step in range(start + 1, args.steps + 1):
+            batch = random_windows(train_tokens, args.context, args.batch_size)
+            opt.zero_grad()
+            loss = next_token_loss(net, batch.to(place.device))
+            loss.backward()
+            if args.clip > 0:
+                # The node's mean gradient first, so that every rank clips the same gradient.
+                opt.sync_gradients()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+            running, count = running + loss.item(), count + 1
+            if not math.isfinite(running):
+                raise FloatingPointError(f"rank {place.rank}: training loss {loss.item()} at "
+                                         f"step {step}; lower --lr")
+            if step % args.log_every == 0 or step == args.steps:
+                sent = opt.stats()["bytes_sent"]
+                say(place, f"step {step}/{args.steps}: train loss {running / count:.4f} "
+                           f"(rank 0, mean of {count} steps), sent by rank 0 so far: "
+                           f"{sent['inter']:,} bytes between nodes, {sent['intra']:,} inside "
+                           f"its node; {count / (time.perf_counter() - t0):.1f} steps/s")
+                running, count, t0 = 0.0, 0, time.perf_counter()
+            if args.ckpt_dir and args.save_every and step % args.save_every == 0 \
+                    and step < args.steps:
+                # Every rank saves at the same step (the gossip rounds in flight are saved
+                # with their neighbours' payloads, which arrive only at that step).
+                path = save_checkpoint(step_dir(args.ckpt_dir, step), opt, model,
+                                       extra={"step": step})
+                say(place, f"saved {path.parent} (one file per rank)")
+
+        # The exact global mean on every rank: evaluation and the final checkpoint see one
+        # model, not one per node.
+        opt.average_parameters()
+        say(place, f"validation loss at step {args.steps}: {evaluate(model, val_windows):.4f} "
+                   "(global mean of the parameters)")
+        sent = opt.stats()["bytes_sent"]
+        totals = torch.tensor([sent["inter"], sent["intra"]], dtype=torch.int64)
+        if place.distributed:
+            dist.all_reduce(totals)  # CPU tensor: Gloo moves it under both backends
+        say(place, f"bytes sent by all ranks: {int(totals[0]):,} between nodes, "
+                   f"{int(totals[1]):,} inside nodes")
+        print(f"rank {place.rank}: parameters sha256 {parameters_sha256(model)}", flush=True)
+        if args.ckpt_dir:
+            path = save_checkpoint(step_dir(args.ckpt_dir, args.steps), opt, model,
+                                   extra={"step": args.steps})
+            say(place, f"saved {path.parent} (one file per rank)")
+    finally:
+        opt.close()  # before destroy_process_group: it releases qcomm's groups and transport
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description="Train a small character-level transformer with AdamW on qcomm's "
+                    "hierarchical communication; run it under torchrun.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = ap.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=300, help="Total optimizer steps.")
+    g.add_argument("--batch-size", type=int, default=32, help="Windows per rank and step.")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate.")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay.")
+    g.add_argument("--clip", type=float, default=1.0,
+                   help="Clip the node's mean gradient to this norm; 0 turns clipping off.")
+    g.add_argument("--seed", type=int, default=0,
+                   help="Seed of the model, of the batches and of stochastic rounding.")
+    g.add_argument("--log-every", type=int, default=25, help="Steps between loss lines.")
+    g = ap.add_argument_group("model and text")
+    g.add_argument("--width", type=int, default=128, help="Embedding width.")
+    g.add_argument("--layers", type=int, default=2, help="Transformer blocks.")
+    g.add_argument("--heads", type=int, default=4, help="Attention heads (divide --width).")
+    g.add_argument("--context", type=int, default=64, help="Characters per window.")
+    g.add_argument("--text", default=None,
+                   help="A text file to train on; default: this Python's stdlib sources.")
+    g.add_argument("--train-bytes", type=int, default=1 << 20, help="Training text size.")
+    g.add_argument("--val-bytes", type=int, default=64 << 10, help="Validation text size.")
+    g.add_argument("--val-windows", type=int, default=128, help="Validation windows.")
+    g = ap.add_argument_group(
+        "communication (qcomm.engine.CommOptions; the defaults are README.md's "
+        "ADAMW_SLOW_LINK)")
+    g.add_argument("--bits", type=int, default=4, choices=(1, 2, 4, 8),
+                   help="Bits per value of the gossip between nodes.")
+    g.add_argument("--block-size", type=int, default=128,
+                   help="Values per quantization scale (a power of two in [32, 4096]).")
+    g.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic"),
+                   help="Rounding of the quantizer.")
+    g.add_argument("--graph", default="ring", choices=("ring", "exponential", "complete"),
+                   help="Gossip graph between nodes.")
+    g.add_argument("--sync-every", type=int, default=2,
+                   help="Every part of the parameters is gossiped once every this many steps.")
+    g.add_argument("--fragments", type=int, default=2,
+                   help="Fragments per gossip period (divides --sync-every).")
+    g.add_argument("--gamma", type=float, default=1.0,
+                   help="Consensus step in (0, 1]; values above 0.5 need --fragments > "
+                        "--staleness.")
+    g.add_argument("--staleness", type=int, default=1, help="Gossip rounds in flight.")
+    g.add_argument("--outer-momentum", type=float, default=0.0,
+                   help="Outer Nesterov momentum on each fragment's progress (SGD's "
+                        "SLOW_LINK uses 0.5; it makes AdamW worse).")
+    g.add_argument("--intra-bits", type=int, default=None, choices=(1, 2, 4, 8),
+                   help="Quantize the gradient mean inside a node too; default: full "
+                        "precision.")
+    g.add_argument("--procs-per-node", type=int, default=None,
+                   help="Ranks per node; default: torchrun's LOCAL_WORLD_SIZE. Smaller than "
+                        "--nproc-per-node emulates several nodes on one machine.")
+    g.add_argument("--wait-free", action="store_true",
+                   help="No node waits for a neighbour's gossip round (nodes of different "
+                        "speeds).")
+    g.add_argument("--ddp", action="store_true",
+                   help="Average gradients inside each node with torch DDP during backward.")
+    g.add_argument("--timeout-s", type=float, default=300.0,
+                   help="Longest wait for another rank, in seconds, in qcomm and in "
+                        "torch.distributed; past it the job fails with an error naming the "
+                        "rank.")
+    g.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="auto: nccl when CUDA is available, else gloo. nccl puts each local "
+                        "rank on its own GPU and moves CPU tensors through Gloo.")
+    g = ap.add_argument_group("checkpoints")
+    g.add_argument("--ckpt-dir", default=None,
+                   help="Write DIR/stepNNNNNNN/rankRRRRR.pt (one file per rank) every "
+                        "--save-every steps and at the end (after the final average).")
+    g.add_argument("--save-every", type=int, default=0,
+                   help="Steps between checkpoints; 0: only at the end.")
+    g.add_argument("--resume", default=None,
+                   help="A step directory written by --ckpt-dir (DIR/stepNNNNNNN): go on "
+                        "from it, up to --steps in all. Same number of machines and "
+                        "processes, same options.")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.width % args.heads:
+        ap.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
+    if min(args.steps, args.log_every, args.batch_size, args.context) < 1 or args.save_every < 0:
+        ap.error("--steps, --log-every, --batch-size and --context must be >= 1, "
+                 "--save-every >= 0")
+    try:
+        options = comm_options(args)
+    except (TypeError, ValueError) as e:
+        ap.error(str(e))
+    rank = os.environ.get("RANK", "0")
+    # qcomm logs the layout it detected (nodes x ranks, what is compressed where) at INFO on
+    # rank 0 through the "qcomm" logger, and peer failures at WARNING.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s rank {rank} %(name)s %(levelname)s: %(message)s")
+    logging.getLogger("qcomm").setLevel(logging.INFO)
+    place = None
+    try:
+        place = start_processes(args.backend, args.timeout_s)
+        if not place.distributed:
+            print("one process: plain AdamW, nothing to communicate (launch with torchrun "
+                  "for several)", flush=True)
+        train(args, place, options)
+    except PeerError as e:
+        # Another rank died, hung past --timeout-s or sent corrupt data: say which, and stop.
+        log.error("rank %s: stopping, a peer failed: %s", rank, e)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
