@@ -91,12 +91,24 @@ def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
             path = _files(directory)[0]
     elif saved_world != world and len(files := _files(directory)) == world:
         path = files[rank]  # the survivors of a run that lost nodes, in rank order
+    elif not path.exists() and saved_world == world:
+        raise FileNotFoundError(
+            f"no file {path.name} in {directory}: this rank's checkpoint is missing although "
+            f"the directory was saved by a world of {world}, as this run is (with a directory "
+            "per machine, each machine must resume with the ranks it saved; or use a "
+            "directory every machine shares)")
     elif not path.exists():
         raise ValueError(
             f"checkpoint was saved with world size {saved_world} but this run has world size "
             f"{world}: no file {path.name} in {directory} (pass on_world_size_change='reinit')"
         )
     payload = torch.load(path, map_location="cpu", weights_only=False)
+    # Loaded on the CPU (the random-number state must stay there). qcomm's own state lives on
+    # the parameters' device: moved there. The wrapped torch optimizer's state is left to its
+    # load_state_dict, which casts it by its own rules (Adam keeps "step" on the CPU).
+    if payload["optimizer"].get(STATE_KEY) is not None:
+        payload["optimizer"][STATE_KEY] = _to_device(payload["optimizer"][STATE_KEY],
+                                                     _params_device(optimizer))
     # The optimizer checks the geometry first and raises before anything is changed.
     optimizer.load_state_dict(payload["optimizer"], on_world_size_change=on_world_size_change)
     if model is not None:
@@ -106,6 +118,26 @@ def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
     if restore_rng:
         torch.set_rng_state(payload["rng"])
     return payload["extra"]
+
+
+def _params_device(optimizer: HierarchicalOptimizer) -> torch.device:
+    """The device of the optimizer's first parameter (the engine's flat buffers live there)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            return p.device
+    return torch.device("cpu")
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in it (nested in dicts, lists, tuples) moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        moved = [_to_device(v, device) for v in obj]
+        return type(obj)(moved) if type(obj) in (list, tuple) else obj
+    return obj
 
 
 def _files(directory: str | os.PathLike) -> list[Path]:

@@ -245,3 +245,31 @@ def test_single_process_extras_are_noops() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     st = opt.stats(consensus=True)
     assert st["bytes_sent"] == {"intra": 0, "inter": 0} and st["consensus_distance"] is None
+
+
+def test_a_missing_own_file_of_the_same_world_size_says_so(tmp_path) -> None:
+    """The directory was saved by a world of this size but this rank's file is not there
+    (a directory per machine, handed to the wrong one): FileNotFoundError naming the file,
+    not a world-size error; nothing loaded."""
+    model = _model()
+    opt = ASSGD(model.parameters(), lr=0.1)
+    save_checkpoint(tmp_path, opt, model)
+    (tmp_path / "rank00000.pt").rename(tmp_path / "rank00001.pt")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(FileNotFoundError, match=r"no file rank00000\.pt .*world of 1"):
+        load_checkpoint(tmp_path, opt, model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_qcomm_state_is_moved_to_the_parameters_device() -> None:
+    """Checkpoints load on the CPU; qcomm's own state follows the parameters (here to the
+    meta device, the one other device every machine has), nested containers kept."""
+    from qcomm.sgd.checkpoint import _to_device
+
+    state = {"a": torch.ones(2), "b": [torch.zeros(1), (3, torch.ones(1))], "c": "x",
+             "d": None}
+    moved = _to_device(state, torch.device("meta"))
+    assert moved["a"].is_meta and moved["b"][0].is_meta and moved["b"][1][1].is_meta
+    assert isinstance(moved["b"][1], tuple) and moved["b"][1][0] == 3
+    assert moved["c"] == "x" and moved["d"] is None
+    assert state["a"].device.type == "cpu"  # the input is not changed
