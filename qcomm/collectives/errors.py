@@ -15,6 +15,16 @@ from __future__ import annotations
 LINKS = ("intra", "inter")
 
 
+def backend_detail(e: BaseException) -> str:
+    """What a backend's exception says, for the detail of a :class:`PeerError`: its first
+    non-empty line, whole (the rest stays on the chained exception), or its type's name when
+    it says nothing."""
+    for line in str(e).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(e).__name__
+
+
 class PeerError(RuntimeError):
     """A peer failed.
 

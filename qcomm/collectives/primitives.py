@@ -19,7 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError
+from qcomm.collectives.errors import (
+    PeerError,
+    PeerLostError,
+    PeerTimeoutError,
+    backend_detail,
+)
 from qcomm.collectives.memory import MemoryGroup
 from qcomm.collectives.stats import CommStats
 from qcomm.compress import ErrorFeedback, NonFiniteError, QuantSpec, dequant_accumulate
@@ -65,7 +70,7 @@ def as_peer_error(e: RuntimeError, operation: str, timeout_s: float | None,
     qcomm error that says what happened, to whom, on which link."""
     if isinstance(e, PeerError):
         return e
-    text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    text = backend_detail(e)
     if "timed out" in text.lower() or "timeout" in text.lower():
         return PeerTimeoutError(f"{operation} [{text}]", timeout_s or 0.0, peers, link)
     return PeerLostError(operation, peers, link, detail=text)

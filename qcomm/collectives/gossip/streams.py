@@ -47,7 +47,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError
+from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError, backend_detail
 from qcomm.collectives.stats import CommStats
 
 __all__ = ["GlooStreams", "Mailboxes", "MemoryStreams", "MessageStreams"]
@@ -401,7 +401,7 @@ def _peer_error(e: BaseException, what: str, timeout_s: float, rank: int, level:
     else the connection broke (the peer died)."""
     if time.monotonic() - since >= timeout_s * 0.999:
         return PeerTimeoutError(what, timeout_s, [rank], level)
-    return PeerLostError(what, [rank], level, detail=str(e).strip().splitlines()[0][:200])
+    return PeerLostError(what, [rank], level, detail=backend_detail(e))
 
 
 class _Link:

@@ -31,7 +31,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives.errors import PeerLostError, PeerTimeoutError
+from qcomm.collectives.errors import PeerLostError, PeerTimeoutError, backend_detail
 from qcomm.collectives.stats import CommStats
 
 TAG_MODULUS = 1 << 20
@@ -129,7 +129,7 @@ class _GlooRound(RoundHandle):
             level = self._owner.level
             if time.monotonic() < deadline:  # failed early: Gloo saw the connection break
                 raise PeerLostError(what, missing, level,
-                                    detail=str(first).strip().splitlines()[0][:200]) from first
+                                    detail=backend_detail(first)) from first
             raise PeerTimeoutError(what, timeout_s, missing, level) from first
         self._works = []
         self._done = True
@@ -195,7 +195,7 @@ class GlooTransport(Transport):
         except RuntimeError as e:  # a connection broke before this round (a peer died)
             self.failed = f"gossip round {round} (rank {self.rank})"
             raise PeerLostError(self.failed, self.peer_ranks, self.level,
-                                detail=str(e).strip().splitlines()[0][:200]) from e
+                                detail=backend_detail(e)) from e
         if self.stats is not None and self.peers:
             self.stats.record(self.level, payload.numel() * len(self.peers),
                               messages=len(self.peers))
