@@ -28,7 +28,7 @@ from qcomm.kernels.wire_format import QuantSpec
 
 __all__ = ["GPU_EXTRA_HINT", "CodecBackend", "ReferenceBackend", "TritonBackend"]
 
-GPU_EXTRA_HINT = "pip install 'qcomm[gpu]' (or pip install triton)"
+GPU_EXTRA_HINT = "pip install -e '.[gpu]' in a qcomm checkout (or pip install triton)"
 
 
 class CodecBackend(ABC):

@@ -1,6 +1,7 @@
 """Hypothesis strategies for adversarial inputs to block-quantization codecs.
 
-Needs hypothesis (``pip install 'qcomm[test]'``); the rest of :mod:`qcomm.testing` does not.
+Needs hypothesis (``pip install -e '.[test]'`` in a qcomm checkout); the rest of
+:mod:`qcomm.testing` does not.
 
 Usable for any codec, not only qcomm's::
 
@@ -33,7 +34,7 @@ try:
 except ImportError as e:  # an optional dependency: say which extra brings it
     raise ImportError(
         "qcomm.testing.strategies needs hypothesis, which qcomm does not install by default: "
-        "pip install 'qcomm[test]' (qcomm's test extra) or pip install hypothesis"
+        "pip install -e '.[test]' in a qcomm checkout (its test extra) or pip install hypothesis"
     ) from e
 
 from qcomm.kernels.wire_format import (
