@@ -59,8 +59,10 @@ from bench.common import (
     write_json,
 )
 from qcomm import compress
-from qcomm.compress import QuantSpec, backend_name, packed_nbytes
+from qcomm.compress import QuantSpec, packed_nbytes
+from qcomm.kernels import backend as codec_backends
 from qcomm.kernels import reference
+from qcomm.kernels.backend import backend_name
 from qcomm.kernels.wire_format import SUPPORTED_BITS, split_payload
 
 OPS = ("quantize", "accumulate")
@@ -257,7 +259,7 @@ class Runner:
     def kernels(self) -> compress.CodecBackend:
         """The backend the public API dispatches to, called directly for the kernel row.
         Resolved on use, so a backend that fails to import fails its rows, not the run."""
-        return compress.backend_for(self.device)
+        return codec_backends.backend_for(self.device)
 
     def spec(self, bits: int) -> QuantSpec:
         return QuantSpec(bits=bits, block_size=self.args.block_size, rounding=self.args.rounding)

@@ -17,11 +17,11 @@ import torch
 from qcomm.compress import (
     ErrorFeedback,
     QuantSpec,
-    backend_name,
     dequantize,
     packed_nbytes,
     quantize,
 )
+from qcomm.kernels.backend import backend_name
 
 
 def gradient_like(numel: int, generator: torch.Generator) -> torch.Tensor:

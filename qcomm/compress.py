@@ -16,9 +16,10 @@ The byte layout, the rounding rules and the scale definitions are in
 must agree on it); the random stream of stochastic rounding is in
 :mod:`qcomm.kernels.counter_hash`. CUDA tensors run the fused Triton kernels
 (:mod:`qcomm.kernels.triton_codec`), CPU tensors run the bit-identical torch reference
-(:mod:`qcomm.kernels.reference`); both implement :class:`qcomm.kernels.backend.CodecBackend`, and
-:func:`backend_for` chooses one per device type, once. ``QCOMM_BACKEND=reference|triton`` forces
-one (``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``). Triton is optional (the ``gpu``
+(:mod:`qcomm.kernels.reference`); both implement :class:`qcomm.kernels.backend.CodecBackend`,
+and :func:`qcomm.kernels.backend.backend_for` chooses one per device type, once.
+``QCOMM_BACKEND=reference|triton`` forces one (``triton`` on CPU tensors needs
+``TRITON_INTERPRET=1``). Triton is optional (the ``gpu``
 extra): without it CUDA tensors run the reference, with a warning.
 
 Non-finite input never leaks: a block holding NaN or Inf gets a NaN scale inside the kernel (no
@@ -31,14 +32,12 @@ would overflow float32 (:class:`AccumulateOverflowError`), before ``out`` is tou
 from __future__ import annotations
 
 import math
-import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from qcomm.kernels.backend import GPU_EXTRA_HINT, CodecBackend, ReferenceBackend, TritonBackend
+from qcomm.kernels.backend import backend_for
 from qcomm.kernels.wire_format import (
     INPUT_DTYPES,
     MAX_BLOCK_SIZE,
@@ -47,13 +46,11 @@ from qcomm.kernels.wire_format import (
     WIRE_FORMAT_VERSION,
     QuantSpec,
     check_spec,
-    codes_nbytes,
-    num_blocks,
     packed_nbytes,
     split_payload,
 )
 from qcomm.seeds import draw_seed
-from qcomm.validation import check_choice, check_seed, check_tensor
+from qcomm.validation import check_seed, check_tensor
 
 __all__ = [
     "WIRE_FORMAT_VERSION",
@@ -62,18 +59,12 @@ __all__ = [
     "NonFiniteError",
     "Packed",
     "QuantSpec",
-    "backend_for",
-    "backend_name",
-    "codes_nbytes",
     "dequant_accumulate",
     "dequantize",
-    "num_blocks",
     "packed_nbytes",
     "quantize",
-    "reset_backends",
 ]
 
-BACKENDS = ("reference", "triton")
 # |level| of the largest code of each width, valid or not (2**(bits-1) for 4 and 8 bits: the
 # unused top code decodes to L + 1), so the overflow bound of dequant_accumulate holds for any
 # payload.
@@ -148,71 +139,6 @@ class Packed:
         ``(numel,)``) must have ``numel`` elements (ValueError otherwise)."""
         return cls(payload, numel, spec, torch.Size(shape if shape is not None else (numel,)),
                    dtype)
-
-
-# The backend of each device type, chosen on the first codec call on that type (the
-# environment is read then, once) and kept: a codec call costs a dict lookup, not an
-# environment read and an import attempt.
-_backends: dict[str, CodecBackend] = {}
-_warned_no_triton = False
-
-
-def backend_for(device: torch.device) -> CodecBackend:
-    """The backend that runs codec calls on ``device``'s type (chosen once, then cached).
-
-    ``QCOMM_BACKEND`` (read at the first call per device type): unset or ``auto`` picks the
-    Triton kernels for CUDA tensors when triton is installed, else the reference (CUDA tensors
-    without triton run the reference on the GPU, with a warning naming the ``gpu`` extra: same
-    bytes, slower); ``reference`` forces the reference; ``triton`` forces the kernels (CPU
-    tensors then need ``TRITON_INTERPRET=1``).
-
-    Raises:
-        ValueError: ``QCOMM_BACKEND`` is none of the above, or ``triton`` on a CPU tensor
-            without the interpreter.
-        ImportError: ``QCOMM_BACKEND=triton`` without triton installed.
-    """
-    backend = _backends.get(device.type)
-    if backend is None:
-        backend = _backends[device.type] = _choose_backend(device.type)
-    return backend
-
-
-def _choose_backend(device_type: str) -> CodecBackend:
-    global _warned_no_triton
-    forced = check_choice("QCOMM_BACKEND",
-                          os.environ.get("QCOMM_BACKEND", "").strip().lower() or "auto",
-                          ("auto", *BACKENDS))
-    if forced == "reference":
-        return ReferenceBackend()
-    if forced == "triton":
-        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                "QCOMM_BACKEND=triton on a CPU tensor needs TRITON_INTERPRET=1 "
-                "(Triton compiles for CUDA devices only)"
-            )
-        return TritonBackend()
-    if device_type != "cuda":
-        return ReferenceBackend()
-    try:
-        return TritonBackend()
-    except ImportError:
-        if not _warned_no_triton:
-            _warned_no_triton = True
-            warnings.warn(f"qcomm: triton is not installed, so CUDA tensors run the pure-torch "
-                          f"codec (the same bytes, slower); for the fused kernels: "
-                          f"{GPU_EXTRA_HINT}", RuntimeWarning, stacklevel=4)
-        return ReferenceBackend()
-
-
-def reset_backends() -> None:
-    """Forget the backends chosen so far: the next codec call reads ``QCOMM_BACKEND`` again
-    (for programs and tests that change it at run time)."""
-    _backends.clear()
-
-
-def backend_name(device: torch.device) -> str:
-    """The backend that runs codec calls on ``device``: ``"triton"`` or ``"reference"``."""
-    return backend_for(device).name
 
 
 # ---------------------------------------------------------------------------------------------

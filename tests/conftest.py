@@ -26,7 +26,7 @@ import pytest  # noqa: E402
 def _fresh_codec_backend():
     """qcomm.compress chooses a backend once per device type and keeps it; tests that set
     QCOMM_BACKEND (monkeypatch) get a fresh choice, and leave none behind."""
-    from qcomm.compress import reset_backends
+    from qcomm.kernels.backend import reset_backends
 
     reset_backends()
     yield

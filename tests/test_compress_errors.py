@@ -14,15 +14,13 @@ from qcomm.compress import (
     NonFiniteError,
     Packed,
     QuantSpec,
-    backend_name,
-    codes_nbytes,
     dequant_accumulate,
     dequantize,
-    num_blocks,
     packed_nbytes,
     quantize,
 )
-from qcomm.kernels.wire_format import split_payload
+from qcomm.kernels.backend import backend_name
+from qcomm.kernels.wire_format import codes_nbytes, num_blocks, split_payload
 from qcomm.testing.strategies import adversarial_tensors, lengths, quant_specs
 
 SPEC = QuantSpec(4, 32)
@@ -424,8 +422,7 @@ def test_payload_that_fits_no_spec_says_so() -> None:
 
 
 def test_backend_is_chosen_once_per_device_type(monkeypatch: pytest.MonkeyPatch) -> None:
-    from qcomm.compress import backend_for, reset_backends
-    from qcomm.kernels.backend import CodecBackend, ReferenceBackend
+    from qcomm.kernels.backend import CodecBackend, ReferenceBackend, backend_for, reset_backends
 
     cpu = torch.device("cpu")
     first = backend_for(cpu)
@@ -447,16 +444,16 @@ def _without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_without_triton_cuda_tensors_fall_back_to_the_reference(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from qcomm import compress
+    from qcomm.kernels import backend as backends
     from qcomm.kernels.backend import ReferenceBackend, TritonBackend
 
     _without_triton(monkeypatch)
     with pytest.raises(ImportError, match=r"pip install -e '\.\[gpu\]'"):
         TritonBackend()
-    monkeypatch.setattr(compress, "_warned_no_triton", False)
+    monkeypatch.setattr(backends, "_warned_no_triton", False)
     with pytest.warns(RuntimeWarning, match=r"triton is not installed.*\.\[gpu\]"):
-        backend = compress._choose_backend("cuda")
-    assert isinstance(backend, ReferenceBackend)
+        chosen = backends._choose_backend("cuda")
+    assert isinstance(chosen, ReferenceBackend)
 
 
 def test_forcing_triton_without_it_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,9 @@
 - :mod:`qcomm.collectives.gossip`: asynchronous compressed (CHOCO) gossip between nodes.
 - :class:`CommStats`: bytes sent per level; :class:`PeerError` (timeout, lost connection,
   corrupt payload): a peer failed, named with the link.
+
+``mean_(..., async_op=True)`` returns a :class:`~qcomm.collectives.handles.Handle` (``wait()``,
+``is_completed()``); the modules hold what the layers above use and tests check.
 """
 
 from qcomm.collectives.errors import (
@@ -16,8 +19,7 @@ from qcomm.collectives.errors import (
     PeerTimeoutError,
 )
 from qcomm.collectives.gossip import CompressedGossip, consensus_distance, default_gamma
-from qcomm.collectives.handles import Handle
-from qcomm.collectives.hierarchical import HierarchicalAllreduce, shard_numel
+from qcomm.collectives.hierarchical import HierarchicalAllreduce
 from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
@@ -26,7 +28,6 @@ __all__ = [
     "CommStats",
     "CompressedGossip",
     "CorruptPayloadError",
-    "Handle",
     "HierarchicalAllreduce",
     "IntraNodeAllreduce",
     "PeerError",
@@ -35,5 +36,4 @@ __all__ = [
     "Topology",
     "consensus_distance",
     "default_gamma",
-    "shard_numel",
 ]

@@ -11,6 +11,9 @@ same input and seed, whichever backend runs (``tests/kernels/test_triton_parity.
   tensors under ``TRITON_INTERPRET=1``). Triton is an optional dependency (the ``gpu`` extra):
   constructing this backend without it raises an ImportError that says so.
 
+:func:`backend_for` chooses one per device type, once (``QCOMM_BACKEND`` forces one);
+:func:`backend_name` says which; :func:`reset_backends` forgets the choices.
+
 Arguments arrive validated and flat: ``x``/``out`` 1-D and contiguous, ``payload`` uint8
 ``[packed_nbytes(n, spec)]`` (``payloads`` ``[K, packed_nbytes(n, spec)]``), everything on one
 device, the seed an int in [0, 2**64). Backends do not check them again.
@@ -19,14 +22,20 @@ device, the seed an int in [0, 2**64). Backends do not check them again.
 from __future__ import annotations
 
 import importlib
+import os
+import warnings
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
 
 from qcomm.kernels.wire_format import QuantSpec
+from qcomm.validation import check_choice
 
-__all__ = ["GPU_EXTRA_HINT", "CodecBackend", "ReferenceBackend", "TritonBackend"]
+__all__ = ["BACKENDS", "GPU_EXTRA_HINT", "CodecBackend", "ReferenceBackend", "TritonBackend",
+           "backend_for", "backend_name", "reset_backends"]
+
+BACKENDS = ("reference", "triton")
 
 GPU_EXTRA_HINT = "pip install -e '.[gpu]' in a qcomm checkout (or pip install triton)"
 
@@ -117,3 +126,68 @@ class TritonBackend(_ModuleBackend):
             raise ImportError(f"qcomm's Triton backend needs triton, which is not installed: "
                               f"{GPU_EXTRA_HINT}") from e
         super().__init__(triton_codec)
+
+
+# The backend of each device type, chosen on the first codec call on that type (the
+# environment is read then, once) and kept: a codec call costs a dict lookup, not an
+# environment read and an import attempt.
+_backends: dict[str, CodecBackend] = {}
+_warned_no_triton = False
+
+
+def backend_for(device: torch.device) -> CodecBackend:
+    """The backend that runs codec calls on ``device``'s type (chosen once, then cached).
+
+    ``QCOMM_BACKEND`` (read at the first call per device type): unset or ``auto`` picks the
+    Triton kernels for CUDA tensors when triton is installed, else the reference (CUDA tensors
+    without triton run the reference on the GPU, with a warning naming the ``gpu`` extra: same
+    bytes, slower); ``reference`` forces the reference; ``triton`` forces the kernels (CPU
+    tensors then need ``TRITON_INTERPRET=1``).
+
+    Raises:
+        ValueError: ``QCOMM_BACKEND`` is none of the above, or ``triton`` on a CPU tensor
+            without the interpreter.
+        ImportError: ``QCOMM_BACKEND=triton`` without triton installed.
+    """
+    backend = _backends.get(device.type)
+    if backend is None:
+        backend = _backends[device.type] = _choose_backend(device.type)
+    return backend
+
+
+def _choose_backend(device_type: str) -> CodecBackend:
+    global _warned_no_triton
+    forced = check_choice("QCOMM_BACKEND",
+                          os.environ.get("QCOMM_BACKEND", "").strip().lower() or "auto",
+                          ("auto", *BACKENDS))
+    if forced == "reference":
+        return ReferenceBackend()
+    if forced == "triton":
+        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "QCOMM_BACKEND=triton on a CPU tensor needs TRITON_INTERPRET=1 "
+                "(Triton compiles for CUDA devices only)"
+            )
+        return TritonBackend()
+    if device_type != "cuda":
+        return ReferenceBackend()
+    try:
+        return TritonBackend()
+    except ImportError:
+        if not _warned_no_triton:
+            _warned_no_triton = True
+            warnings.warn(f"qcomm: triton is not installed, so CUDA tensors run the pure-torch "
+                          f"codec (the same bytes, slower); for the fused kernels: "
+                          f"{GPU_EXTRA_HINT}", RuntimeWarning, stacklevel=4)
+        return ReferenceBackend()
+
+
+def reset_backends() -> None:
+    """Forget the backends chosen so far: the next codec call reads ``QCOMM_BACKEND`` again
+    (for programs and tests that change it at run time)."""
+    _backends.clear()
+
+
+def backend_name(device: torch.device) -> str:
+    """The backend that runs codec calls on ``device``: ``"triton"`` or ``"reference"``."""
+    return backend_for(device).name

@@ -80,7 +80,7 @@ def test_broken_kernel_and_failed_compile_are_reported(tmp_path: Path, monkeypat
     def failing_compile(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(bench.compress, "backend_for", lambda device: Broken())
+    monkeypatch.setattr(bench.codec_backends, "backend_for", lambda device: Broken())
     monkeypatch.setattr(torch, "compile", failing_compile)
     # Leave torch._dynamo's global config alone for the other tests in this process.
     monkeypatch.setattr(bench, "configure_dynamo", lambda: None)
