@@ -6,11 +6,11 @@ one model sends, when, and its state) -> :mod:`qcomm.sgd` (the torch.optim surfa
 - :class:`AveragingEngine`: intra-node gradient mean, inter-node gossip of the parameters,
   exact averaging, stats, state_dict, close.
 - :class:`CommOptions`: the validated communication options every optimizer accepts.
-- :class:`NonFiniteGradientError`: a NaN/Inf gradient stopped a step that changed nothing.
+- :class:`~qcomm.engine.gradients.NonFiniteGradientError` (exported by :mod:`qcomm.sgd`): a
+  NaN/Inf gradient stopped a step that changed nothing.
 """
 
 from qcomm.engine.engine import AveragingEngine
-from qcomm.engine.gradients import NonFiniteGradientError
 from qcomm.engine.options import CommOptions
 
-__all__ = ["AveragingEngine", "CommOptions", "NonFiniteGradientError"]
+__all__ = ["AveragingEngine", "CommOptions"]

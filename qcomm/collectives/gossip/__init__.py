@@ -7,7 +7,6 @@ pace, deterministic), :mod:`.wait_free` (no node waits for a neighbour's round),
 :mod:`.simulate` (n members in one process, for tests and tuning).
 """
 
-from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError
 
 from .choco import CompressedGossip, consensus_distance, default_gamma
 from .graphs import GRAPHS, adjacency, neighbours
@@ -20,9 +19,6 @@ __all__ = [
     "MIXINGS",
     "CompressedGossip",
     "GossipSimulator",
-    "PeerError",
-    "PeerLostError",
-    "PeerTimeoutError",
     "WaitFreeGossip",
     "WaitFreeSimulator",
     "adjacency",
