@@ -20,10 +20,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives import PeerError
 from qcomm.collectives.gossip import (
     CompressedGossip,
     GossipSimulator,
-    PeerError,
     consensus_distance,
     neighbours,
 )
