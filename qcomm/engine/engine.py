@@ -186,7 +186,8 @@ class AveragingEngine:
         if node is not None:
             node.gossip.steps = self.steps  # the gossip's clock starts where the engine is
         self._ready = True
-        log_layout(topo, self.options, self._ddp_intra, node.flat.numel if node else 0)
+        log_layout(topo, self.options, self._ddp_intra, node.flat.numel if node else 0,
+                   node.gossip.gamma if node else None)
 
     @property
     def _gossip(self) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from qcomm.collectives.stats import CommStats
@@ -15,24 +16,56 @@ __all__ = ["engine_stats", "log_layout"]
 log = logging.getLogger("qcomm")
 
 
-def log_layout(topology: Topology, options: CommOptions, ddp_intra: bool,
-               gossiped: int) -> None:
-    """On rank 0: how many nodes and ranks, what is averaged how on which link. One node is a
-    warning: nothing crosses a slow link then."""
-    if topology.rank != 0:
-        return
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _schedule(options: CommOptions, gamma: float | None) -> str:
+    """The gossip's schedule in words: how often, in what pieces, how stale, which step."""
+    every = ("every step" if options.sync_every == 1
+             else f"every part once every {options.sync_every} steps")
+    pieces = f" in {options.fragments} fragments" if options.fragments > 1 else ""
+    step = f"gamma {gamma:g}" if gamma is not None else "gamma default"
+    outer = (f", outer Nesterov momentum {options.outer_momentum:g} lr {options.outer_lr:g}"
+             if options.outer_momentum else "")
+    mode = ("wait-free" + (", going on without lost nodes"
+                           if options.on_peer_loss == "continue" else "")
+            if options.wait_free else f"staleness {options.staleness}")
+    return f"gossip {every}{pieces}, {mode}, {step}{outer}"
+
+
+def layout_line(topology: Topology, options: CommOptions, ddp_intra: bool, gossiped: int,
+                gamma: float | None = None) -> tuple[int, str]:
+    """(logging level, the sentence) that says how this job communicates: nodes and ranks,
+    what is averaged how on which link, and the gossip's schedule. One node is a warning:
+    nothing crosses a slow link then."""
     L, N = topology.procs_per_node, topology.num_nodes
     intra = ("DDP in backward" if ddp_intra else
              f"{options.intra_bits}-bit" if options.intra_bits else "fp32")
     if N > 1:
-        log.info("qcomm: %d nodes x %d ranks; gradients averaged inside each node (%s); "
-                 "%d parameters gossiped between nodes in %d-bit messages over a %s graph, "
-                 "each local rank carrying 1/%d of them on its rail%s", N, L, intra, gossiped,
-                 options.bits, options.graph, L, ", wait-free" if options.wait_free else "")
+        return logging.INFO, (
+            f"qcomm: {_count(N, 'node')} x {_count(L, 'rank')}; gradients averaged inside "
+            f"each node ({intra}); {gossiped} parameters gossiped between nodes in "
+            f"{options.bits}-bit messages over a {options.graph} graph, each local rank "
+            f"carrying 1/{L} of them on its rail; {_schedule(options, gamma)}")
+    return logging.WARNING, (
+        f"qcomm: 1 node x {_count(L, 'rank')}: gradients are averaged inside the node "
+        f"({intra}) and nothing is compressed, since no link between nodes exists. To emulate "
+        "several nodes on one machine pass procs_per_node=.")
+
+
+def log_layout(topology: Topology, options: CommOptions, ddp_intra: bool,
+               gossiped: int, gamma: float | None = None) -> None:
+    """On rank 0, once: :func:`layout_line` on logger ``qcomm``. Where logging was never
+    configured (no handler on the way to the root logger) Python would drop an INFO record,
+    so the line goes to stderr instead: a user sees what qcomm detected either way."""
+    if topology.rank != 0:
+        return
+    level, line = layout_line(topology, options, ddp_intra, gossiped, gamma)
+    if log.hasHandlers():
+        log.log(level, line)
     else:
-        log.warning("qcomm: 1 node x %d ranks: gradients are averaged inside the node (%s) "
-                    "and nothing is compressed, since no link between nodes exists. To "
-                    "emulate several nodes on one machine pass procs_per_node=.", L, intra)
+        print(line, file=sys.stderr, flush=True)
 
 
 def per_fragment(rounds: int, fragments: int) -> list[int]:

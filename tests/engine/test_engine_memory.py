@@ -219,6 +219,7 @@ def test_unfreezing_after_the_first_step_raises_and_changes_nothing() -> None:
 @pytest.mark.parametrize(("nodes", "ppn", "level", "text"), [
     (1, 4, logging.WARNING, "1 node x 4 ranks"),
     (2, 2, logging.INFO, "2 nodes x 2 ranks"),
+    (2, 1, logging.INFO, "2 nodes x 1 rank;"),
 ])
 def test_detected_layout_is_logged_once(caplog: pytest.LogCaptureFixture, nodes: int, ppn: int,
                                         level: int, text: str) -> None:
@@ -238,3 +239,33 @@ def test_detected_layout_is_logged_once(caplog: pytest.LogCaptureFixture, nodes:
         world.run(body)
     records = [r for r in caplog.records if r.name == "qcomm"]
     assert len(records) == 1 and records[0].levelno == level and text in records[0].message
+    if nodes > 1:  # the schedule too
+        assert "gossip every step, staleness 1, gamma " in records[0].message
+
+
+def test_layout_line_says_the_schedule() -> None:
+    from qcomm.engine.options import CommOptions
+    from qcomm.engine.report import layout_line
+
+    topo = Topology(2, rank=0, world_size=8)
+    opts = CommOptions(sync_every=16, fragments=4, gamma=0.5, outer_momentum=0.5,
+                       wait_free=True, on_peer_loss="continue", procs_per_node=2)
+    level, line = layout_line(topo, opts, True, 1000, 0.5)
+    assert level == logging.INFO
+    assert line.startswith("qcomm: 4 nodes x 2 ranks; gradients averaged inside each node "
+                           "(DDP in backward); 1000 parameters gossiped")
+    assert line.endswith("gossip every part once every 16 steps in 4 fragments, wait-free, "
+                         "going on without lost nodes, gamma 0.5, outer Nesterov momentum 0.5 "
+                         "lr 1")
+
+
+def test_without_logging_configured_the_layout_goes_to_stderr(capsys, monkeypatch) -> None:
+    """Python drops INFO records when no handler is configured: the line is printed."""
+    from qcomm.engine import report
+    from qcomm.engine.options import CommOptions
+
+    monkeypatch.setattr(report.log, "hasHandlers", lambda: False)
+    report.log_layout(Topology(1, rank=0, world_size=2), CommOptions(), False, 10, 0.3)
+    assert "qcomm: 2 nodes x 1 rank; " in capsys.readouterr().err
+    report.log_layout(Topology(1, rank=1, world_size=2), CommOptions(), False, 10, 0.3)
+    assert capsys.readouterr().err == ""  # rank 0 only

@@ -125,7 +125,7 @@ def test_two_agents_train_average_and_resume_exactly(tmp_path: Path) -> None:
                    [["--ckpt-dir", str(d), "--save-every", "4"] for d in dirs])
 
     # The layout is two nodes (one per agent), and the gossip crossed between them.
-    assert "qcomm: 2 nodes x 1 ranks" in full[0], full[0][-4000:]
+    assert "qcomm: 2 nodes x 1 rank;" in full[0], full[0][-4000:]
     inter = re.findall(r"^bytes sent by all ranks: ([\d,]+) between nodes", full[0], re.M)
     assert inter and int(inter[0].replace(",", "")) > 0, full[0][-4000:]
     before, after = _val_loss(full[0], 0), _val_loss(full[0], 8)
