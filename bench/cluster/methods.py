@@ -104,13 +104,15 @@ def qcomm_variant(name: str) -> dict[str, Any] | None:
 
 # The peers' own knobs in their names, as qcomm's: localsgd-p<period>,
 # torchft-[streaming-]diloco[-h<sync_every>][-o<outer lr x 10>][-m<outer momentum x 10>],
-# ddp-powersgd-r<rank>; and qcomm's hook: qcomm-hook[-b<bits>][-ag|-rs] (the rail's all-gather
-# or two-stage reduce-scatter; plain: "auto"). The plain names run the defaults of Config.
+# ddp-powersgd-r<rank>; and qcomm's hook: qcomm-hook[-b<bits>][-ag|-rs][-n] (the rail's
+# all-gather or two-stage reduce-scatter, plain: "auto"; -n: nearest rounding). The plain names
+# run the defaults of Config.
 _PEER = re.compile(r"(?P<base>localsgd)-p(?P<p>\d+)"
                    r"|(?P<dbase>torchft-diloco|torchft-streaming-diloco)"
                    r"(?:-h(?P<h>\d+))?(?:-o(?P<o>\d+))?(?:-m(?P<m>\d))?"
                    r"|(?P<pbase>ddp-powersgd)-r(?P<r>\d+)"
-                   r"|(?P<hbase>qcomm-hook)(?:-b(?P<hb>[1248]))?(?:-(?P<hr>ag|rs))?")
+                   r"|(?P<hbase>qcomm-hook)(?:-b(?P<hb>[1248]))?(?:-(?P<hr>ag|rs))?"
+                   r"(?P<hn>-n)?")
 _HOOK_RAILS = {"ag": "all_gather", "rs": "reduce_scatter"}
 
 
@@ -129,6 +131,8 @@ def peer_variant(name: str) -> tuple[str, dict[str, Any]] | None:
             out["hook_bits"] = int(m["hb"])
         if m["hr"]:
             out["hook_rail"] = _HOOK_RAILS[m["hr"]]
+        if m["hn"]:
+            out["hook_rounding"] = "nearest"
         return (m["hbase"], out) if out else None
     if m["h"]:
         out["diloco_sync_every"] = int(m["h"])
@@ -595,7 +599,8 @@ def _qcomm_hook(module, cfg: Config) -> Built:
 
     model = DDP(module)
     state = hooks.HierarchicalQuantState(procs_per_node=cfg.layout.procs, bits=cfg.hook_bits,
-                                         seed=cfg.seed, rail_collective=cfg.hook_rail)
+                                         seed=cfg.seed, rail_collective=cfg.hook_rail,
+                                         rounding=cfg.hook_rounding)
     model.register_comm_hook(state, hooks.hierarchical_quantized_hook)
 
     def stats() -> dict[str, int]:
@@ -605,7 +610,8 @@ def _qcomm_hook(module, cfg: Config) -> Built:
         return dict(state.stats.snapshot()["bytes_sent"])
 
     return Built(model, module, inner_optimizer(model.parameters(), cfg), comm_stats=stats,
-                 notes={"bits": cfg.hook_bits, "rail": state.rail_collective})
+                 notes={"bits": cfg.hook_bits, "rail": state.rail_collective,
+                        "rounding": state.rounding})
 
 
 BUILDERS: dict[str, Callable[[Any, Config], Built]] = {

@@ -95,10 +95,13 @@ def test_a_killed_node_is_dropped_and_the_survivors_finish_in_agreement(
 
 
 def test_with_raise_a_killed_node_is_the_named_error() -> None:
+    """Its ring neighbours raise PeerLostError naming it, in whichever call they make next: a
+    step, or the final average when a neighbour had taken all its steps before the victim
+    reached its step KILL_AT (wait-free nodes do not wait for each other: on a loaded machine
+    a neighbour can finish first). Every survivor stops with a named error."""
     res = run_world(_kill_body, 4, args=(1, "raise"), timeout_s=180, allow_exit={VICTIM})
-    for rank in (0, 2):   # its ring neighbours, in a step
+    for rank in (0, 2):
         assert res[rank]["error"] == "PeerLostError" and res[rank]["peers"] == [VICTIM], res
-        assert res[rank]["step"] < STEPS
     assert res[3]["error"] in ("PeerLostError", "PeerTimeoutError"), res  # in the average
 
 
