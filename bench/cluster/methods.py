@@ -104,15 +104,15 @@ def qcomm_variant(name: str) -> dict[str, Any] | None:
 
 # The peers' own knobs in their names, as qcomm's: localsgd-p<period>,
 # torchft-[streaming-]diloco[-h<sync_every>][-o<outer lr x 10>][-m<outer momentum x 10>],
-# ddp-powersgd-r<rank>; and qcomm's hook: qcomm-hook[-b<bits>][-ag|-rs][-n] (the rail's
-# all-gather or two-stage reduce-scatter, plain: "auto"; -n: nearest rounding). The plain names
-# run the defaults of Config.
+# ddp-powersgd-r<rank>; and qcomm's hook: qcomm-hook[-b<bits>][-ag|-rs][-n|-st] (the rail's
+# all-gather or two-stage reduce-scatter, plain: "auto"; -n nearest, -st stochastic rounding,
+# plain: the hook's default, nearest). The plain names run the defaults of Config.
 _PEER = re.compile(r"(?P<base>localsgd)-p(?P<p>\d+)"
                    r"|(?P<dbase>torchft-diloco|torchft-streaming-diloco)"
                    r"(?:-h(?P<h>\d+))?(?:-o(?P<o>\d+))?(?:-m(?P<m>\d))?"
                    r"|(?P<pbase>ddp-powersgd)-r(?P<r>\d+)"
                    r"|(?P<hbase>qcomm-hook)(?:-b(?P<hb>[1248]))?(?:-(?P<hr>ag|rs))?"
-                   r"(?P<hn>-n)?")
+                   r"(?:-(?P<hn>n|st))?")
 _HOOK_RAILS = {"ag": "all_gather", "rs": "reduce_scatter"}
 
 
@@ -132,7 +132,7 @@ def peer_variant(name: str) -> tuple[str, dict[str, Any]] | None:
         if m["hr"]:
             out["hook_rail"] = _HOOK_RAILS[m["hr"]]
         if m["hn"]:
-            out["hook_rounding"] = "nearest"
+            out["hook_rounding"] = "nearest" if m["hn"] == "n" else "stochastic"
         return (m["hbase"], out) if out else None
     if m["h"]:
         out["diloco_sync_every"] = int(m["h"])
@@ -598,9 +598,10 @@ def _qcomm_hook(module, cfg: Config) -> Built:
     import qcomm.hooks as hooks
 
     model = DDP(module)
+    rounding = {} if cfg.hook_rounding is None else {"rounding": cfg.hook_rounding}
     state = hooks.HierarchicalQuantState(procs_per_node=cfg.layout.procs, bits=cfg.hook_bits,
                                          seed=cfg.seed, rail_collective=cfg.hook_rail,
-                                         rounding=cfg.hook_rounding)
+                                         **rounding)
     model.register_comm_hook(state, hooks.hierarchical_quantized_hook)
 
     def stats() -> dict[str, int]:

@@ -54,7 +54,7 @@ class Config:
     localsgd_warmup: int = 0
     hook_bits: int = 4
     hook_rail: str = "auto"
-    hook_rounding: str = "stochastic"
+    hook_rounding: str | None = None
     diloco_sync_every: int = 16
     diloco_outer_lr: float = 0.7
     diloco_outer_momentum: float = 0.9

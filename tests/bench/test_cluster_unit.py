@@ -531,6 +531,7 @@ def test_variants_resolve_to_registry_entries():
     ("qcomm-hook-b2-ag", ("qcomm-hook", {"hook_bits": 2, "hook_rail": "all_gather"})),
     ("qcomm-hook-rs-n", ("qcomm-hook", {"hook_rail": "reduce_scatter",
                                         "hook_rounding": "nearest"})),
+    ("qcomm-hook-st", ("qcomm-hook", {"hook_rounding": "stochastic"})),
     ("qcomm-hook", None), ("torchft-diloco", None), ("qcomm-hook-rs2", None),
 ])
 def test_peer_variant_names_set_config_fields(name, want):
