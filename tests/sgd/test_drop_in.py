@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import io
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -886,6 +887,29 @@ def test_zero_grad_closure_and_add_param_group_later(subject: Subject,
         for opt in (plain, ours):
             opt.zero_grad(set_to_none=set_to_none)
         _assert_same([p.grad for p in (wa, ba, ca)], [p.grad for p in (wb, bb, cb)])
+
+
+def test_a_scheduler_or_an_override_on_the_wrapped_optimizer_sees_every_step() -> None:
+    """The wrapped optimizer's update runs without torch's global hooks, but a scheduler
+    built on the wrapped optimizer still counts its steps (no "scheduler before optimizer"
+    warning, the same schedule), and an override of its ``step`` set by the user runs."""
+    param = Parameter(torch.ones(3))
+    inner = SGD([param], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    opt = HierarchicalOptimizer(inner)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            param.grad = torch.ones(3)
+            opt.step()
+            sched.step()
+    assert inner.param_groups[0]["lr"] == 0.1 * 0.5**3
+    _assert_same(param.detach(), torch.full((3,), 1 - 0.1 - 0.05 - 0.025))
+    calls = []
+    scheduled = inner.step
+    inner.step = lambda *a, **k: calls.append(1) or scheduled(*a, **k)
+    opt.step()
+    assert calls == [1]
 
 
 def _step_without_values(subject: Subject, kwargs: dict[str, Any],
