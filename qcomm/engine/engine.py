@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim import optimizer as torch_optimizer
 
 from qcomm.collectives.errors import PeerError
 from qcomm.collectives.intra import IntraNodeAllreduce
@@ -42,7 +43,12 @@ from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.engine.agreement import check_agreement, fingerprint
-from qcomm.engine.gradients import NonFiniteGradientError, all_finite, node_mean_and_vote
+from qcomm.engine.gradients import (
+    NonFiniteGradientError,
+    all_finite,
+    holds_values,
+    node_mean_and_vote,
+)
 from qcomm.engine.node_gossip import NodeGossip
 from qcomm.engine.options import CommOptions
 from qcomm.engine.report import engine_stats, log_layout
@@ -52,6 +58,31 @@ from qcomm.validation import check_instance
 __all__ = ["AveragingEngine"]
 
 log = logging.getLogger("qcomm")
+
+
+def _check_not_differentiable(groups: list[dict[str, Any]]) -> None:
+    """ValueError naming the first param group with ``differentiable=True``."""
+    for gi, group in enumerate(groups):
+        if group.get("differentiable", False):
+            raise ValueError(
+                f"differentiable=True (param group {gi}) is supported in a single process "
+                "only: the node's gradient mean and the gossip between nodes are not "
+                "differentiable; pass differentiable=False")
+
+
+def _check_fused_devices(groups: list[dict[str, Any]]) -> None:
+    """torch's own RuntimeError for ``fused=True`` on parameters its fused kernels refuse
+    (device or dtype), raised here, before the gradients are averaged, instead of inside the
+    wrapped optimizer's step, after. (torch's check is private; without it, the wrapped
+    optimizer's step raises the same error later.)"""
+    check = getattr(torch_optimizer, "_device_dtype_check_for_fused", None)
+    if check is None:
+        return
+    for group in groups:
+        if group.get("fused"):
+            for p in group["params"]:
+                check(p)
+
 
 class AveragingEngine:
     """Hierarchical averaging of one model: intra-node gradient mean, inter-node gossip.
@@ -98,16 +129,33 @@ class AveragingEngine:
     # -----------------------------------------------------------------------------------------
     # where are we
 
+    def _world_size_now(self) -> int | None:
+        """The job's world size as known without a collective; None without a process group
+        (and without an in-memory topology)."""
+        if self._topology_arg is not None:
+            return self._topology_arg.world_size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+        return None
+
     @property
     def distributed(self) -> bool:
         """True when this rank has peers (a process group of several ranks, or an in-memory
         topology of several)."""
-        if self._topology_arg is not None:
-            return self._topology_arg.world_size > 1
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size() > 1
-        self._warn_env_without_group()
-        return False
+        world = self._world_size_now()
+        if world is None:
+            self._warn_env_without_group()
+            return False
+        return world > 1
+
+    def check_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Raise ValueError when this rank has peers and a param group (``groups``: the
+        optimizer's, or a state dict's) asks for ``differentiable=True``: the node's gradient
+        mean and the gossip run outside autograd. Nothing to check in one process, where a
+        step is the wrapped optimizer's alone."""
+        world = self._world_size_now()
+        if world is not None and world > 1:
+            _check_not_differentiable(groups)
 
     def _warn_env_without_group(self) -> None:
         if self._warned_env:
@@ -156,6 +204,10 @@ class AveragingEngine:
             return
         if self._closed:
             raise RuntimeError("the engine is closed")
+        # Before any group is created: what the communication cannot carry out is refused
+        # while nothing has changed.
+        _check_not_differentiable(self.owner.param_groups)
+        _check_fused_devices(self.owner.param_groups)
         opts = self.options
         topo = self._topology_arg or Topology(opts.procs_per_node)
         # Group creation is collective: every rank touches both properties here, in this order.
@@ -271,7 +323,11 @@ class AveragingEngine:
             return self._go
         grads = self._communicated_grads()
         if not self.distributed:
-            finite = node_finite = all_finite(grads)
+            # Alone, the step must cost what the wrapped optimizer's costs: gradients in host
+            # memory are checked (reading them syncs no device), those on an accelerator only
+            # when on_nonfinite="skip" asks for it (the skip needs the answer on the host).
+            host_only = self.options.on_nonfinite != "skip"
+            finite = node_finite = all_finite(grads, host_only=host_only)
         else:
             self.setup()
             self._check_frozen()
@@ -306,7 +362,8 @@ class AveragingEngine:
         bad = []
         if not node_finite:
             for p in self.params():
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                if (p.grad is not None and holds_values(p.grad)
+                        and not bool(torch.isfinite(p.grad).all())):
                     bad.append(self.locate(p))
         where = f"parameters (group, index) {bad[:8]}" if bad else "another rank's gradients"
         raise NonFiniteGradientError(

@@ -12,6 +12,11 @@ does for gradients and FSDP's flat parameter for parameters), the parameter obje
 same (the optimizer's state, hooks and references keep working), and the gossip reads and
 writes them in place: no copy in, no copy out. Otherwise (bf16 parameters, several devices, a
 non-contiguous one) ``flat`` is a float32 copy, filled and written back around each round.
+
+A complex parameter is laid out as its real view (``torch.view_as_real``: each value's real
+and imaginary parts, two floats), so it takes twice its number of values in ``flat``, and the
+gossip, the codec and the averages see exactly those floats. Complex parameters are always
+copied (a complex view of ``flat`` would need every range to start at an even offset).
 """
 
 from __future__ import annotations
@@ -20,13 +25,27 @@ from collections.abc import Sequence
 
 import torch
 
+from qcomm.engine.gradients import real_view
+
+
+def _values(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s values as one flat real tensor (a complex one as its two floats per value); a
+    view of ``p`` when it is contiguous, else a copy."""
+    return real_view(p.detach()).reshape(-1)
+
+
+def _real_numel(p: torch.Tensor) -> int:
+    """How many elements ``p`` takes in the flat buffer: 2 per value when complex."""
+    return p.numel() * (2 if p.is_complex() else 1)
+
 
 class FlatParams:
     """The parameters' flat float32 buffer: their storage (aliased) or a copy.
 
     Args:
-        params: the parameters, any float dtype. They may live on several devices; the flat
-            buffer lives on the first parameter's device (copies cross devices).
+        params: the parameters, any floating or complex dtype. They may live on several
+            devices; the flat buffer lives on the first parameter's device (copies cross
+            devices).
         num_shards: the node's number of local ranks (>= 1).
         align: shard length granularity (the codec block size times the fragments).
         alias: make the parameters views of ``flat`` when they allow it (see the module
@@ -42,13 +61,13 @@ class FlatParams:
             raise ValueError("params must not be empty")
         device = params[0].device
         self.params = list(params)
-        self.numel = sum(p.numel() for p in self.params)
+        self.numel = sum(_real_numel(p) for p in self.params)
         per = -(-self.numel // num_shards)
         self.shard_numel = max(align, -(-per // align) * align)
         self.num_shards = num_shards
         self.padded_numel = self.shard_numel * num_shards
         self.flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
-        sizes = [p.numel() for p in self.params]
+        sizes = [_real_numel(p) for p in self.params]
         # Views of ``flat``, one per parameter, in order (the padding is not covered).
         self._views = list(torch.split(self.flat[: self.numel], sizes))
         same = all(p.dtype == torch.float32 and p.device == device for p in self.params)
@@ -104,7 +123,7 @@ class FlatParams:
                           out=self.flat[: self.numel])
             else:
                 for v, p in zip(self._views, self.params, strict=True):
-                    v.copy_(p.detach().reshape(-1))
+                    v.copy_(_values(p))
         return self.flat
 
     def _pieces(self, start: int, stop: int):
@@ -122,7 +141,7 @@ class FlatParams:
             return
         with torch.no_grad():
             for i, off, at, n in self._pieces(start, stop):
-                self.flat[at:at + n].copy_(self.params[i].detach().reshape(-1)[off:off + n])
+                self.flat[at:at + n].copy_(_values(self.params[i])[off:off + n])
 
     def store_range(self, start: int, stop: int, keep: Sequence[bool] | None = None) -> None:
         """The parameters' elements in ``flat[start:stop]`` <- flat (``keep`` as in
@@ -132,7 +151,8 @@ class FlatParams:
         with torch.no_grad():
             for i, off, at, n in self._pieces(start, stop):
                 if keep is None or not keep[i]:
-                    self.params[i].view(-1)[off:off + n].copy_(self.flat[at:at + n])
+                    # A view of the parameter: ranges are stored only into contiguous ones.
+                    _values(self.params[i])[off:off + n].copy_(self.flat[at:at + n])
 
     def store_to_params(self, keep: Sequence[bool] | None = None) -> None:
         """parameters <- flat (cast to each parameter's dtype and device); nothing to do when
@@ -148,7 +168,8 @@ class FlatParams:
         with torch.no_grad():
             for i, (v, p) in enumerate(zip(self._views, self.params, strict=True)):
                 if keep is None or not keep[i]:
-                    p.copy_(v.view_as(p))
+                    target = real_view(p.detach())  # shares p's storage
+                    target.copy_(v.view(target.shape))
 
     def snapshot(self, keep: Sequence[bool]) -> list[tuple[int, torch.Tensor]]:
         """Copies of the parameters flagged in ``keep`` (aliased: a round writes them in place,

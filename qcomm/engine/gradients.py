@@ -25,12 +25,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.topology import Topology
 
-__all__ = ["NonFiniteGradientError", "all_finite", "node_mean_and_vote"]
+__all__ = ["HOST_DEVICE_TYPES", "NonFiniteGradientError", "all_finite", "holds_values",
+           "host_readable", "node_mean_and_vote", "real_view"]
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -46,16 +48,50 @@ class NonFiniteGradientError(FloatingPointError):
         self.params = params
 
 
-def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """True when no tensor holds NaN or +-Inf. One host sync per device, whatever the number of
-    tensors (tensors may live on several devices)."""
+# Device types whose memory the host reads directly: checking a gradient there costs no
+# device synchronisation (a module attribute, so a test can pretend a device is not one).
+HOST_DEVICE_TYPES: tuple[str, ...] = ("cpu",)
+
+
+def holds_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` has values to read: not a meta tensor and not a fake one (both carry only
+    shape, dtype and device; torch's optimizers step them without reading a value)."""
+    return not t.is_meta and not isinstance(t, FakeTensor)
+
+
+def host_readable(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s values costs no device synchronisation: a plain tensor (no
+    subclass: fake, distributed, ...) in host memory."""
+    return t.device.type in HOST_DEVICE_TYPES and type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def real_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for a complex tensor its real view (``torch.view_as_real``: one more
+    trailing dimension of 2, the real and imaginary parts, sharing ``t``'s storage), so that
+    what flattens, quantizes or reduces values sees a complex number as its two floats."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def all_finite(tensors: Sequence[torch.Tensor], *, host_only: bool = False) -> bool:
+    """True when no tensor holds NaN or +-Inf. One host read per device, whatever the number of
+    tensors (tensors may live on several devices).
+
+    Args:
+        tensors: any shapes, floating or complex dtypes (a complex value is finite when both
+            its parts are), on any devices. Tensors without values (meta, fake) count as
+            finite: there is nothing to read.
+        host_only: check only the tensors :func:`host_readable` (reading them costs no device
+            synchronisation) and count the others as finite: what a single process does, so
+            that its step adds no host sync to the wrapped optimizer's.
+    """
     # Each tensor's min and max (one reduction pass, no temporary the size of the tensor;
     # NaN propagates into both, +-Inf shows in one): finite exactly when the tensor is. Not a
     # sum-based test: the sum of finite values can overflow to Inf (a false alarm).
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
-        if t.numel():
-            by_device.setdefault(t.device, []).extend(torch.aminmax(t))
+        if not t.numel() or not holds_values(t) or (host_only and not host_readable(t)):
+            continue
+        by_device.setdefault(t.device, []).extend(torch.aminmax(real_view(t)))
     return all(bool(torch.isfinite(torch.stack(ends)).all()) for ends in by_device.values())
 
 
@@ -87,7 +123,8 @@ def node_mean_and_vote(grads: Sequence[torch.Tensor], topology: Topology,
     and on the gossip round this step applies.
 
     Args:
-        grads: this rank's gradients, the same shapes on every rank of the node.
+        grads: this rank's gradients, the same shapes on every rank of the node; a complex
+            gradient is averaged as its real view (its two floats per value).
         topology: the job's layout (its intra and rail groups are used).
         intra: the node's allreduce, None when alone on the node.
         grads_are_node_means: True when DDP over the node's group averaged them in backward.
@@ -105,6 +142,8 @@ def node_mean_and_vote(grads: Sequence[torch.Tensor], topology: Topology,
         finite (for the error message); ``failed_mask`` ORs the node's ``round_mask`` (0
         without a round or when alone on the node).
     """
+    # Averaged in place through the real views, which share the complex gradients' storage.
+    grads = [real_view(g) for g in grads]
     alone = intra is None
     mask = 0 if round_mask is None else round_mask
     failed = 0

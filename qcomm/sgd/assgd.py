@@ -4,7 +4,7 @@ One step on every rank (``L`` ranks per node, ``n`` nodes):
 
 1. gradients -> synchronous mean over the node's ranks (full precision by default);
 2. the local update, ``torch.optim.SGD``'s own (momentum, dampening, nesterov, weight decay,
-   maximize, foreach), so all ranks of a node hold the same parameters afterwards;
+   maximize, foreach, fused), so all ranks of a node hold the same parameters afterwards;
 3. with ``n > 1``: the parameters are flattened to float32 and split into ``L`` shards; local rank
    ``l`` runs one round of asynchronous CHOCO gossip on shard ``l`` with the ranks of local rank
    ``l`` on the other nodes (its *rail*, so every NIC of a node carries 1/L of the traffic), then
@@ -33,10 +33,17 @@ class ASSGD(HierarchicalOptimizer):
     ``HierarchicalOptimizer(torch.optim.SGD(...), ...)`` with SGD's arguments.
 
     Args:
-        params: iterable of parameters or param-group dicts (each group may set its own lr,
-            momentum, dampening, weight_decay, nesterov, maximize, foreach).
-        lr, momentum, dampening, weight_decay, nesterov, maximize, foreach: exactly as in
-            ``torch.optim.SGD`` (``dampening`` must lie in [0, 1]).
+        params: iterable of parameters (floating or complex, any shapes), named parameters,
+            or param-group dicts (each group may set its own lr, momentum, dampening,
+            weight_decay, nesterov, maximize, foreach, differentiable, fused).
+        lr, momentum, dampening, weight_decay, nesterov, maximize, foreach, fused: exactly as
+            in ``torch.optim.SGD`` (``lr`` and ``weight_decay`` may be 1-element tensors;
+            ``dampening`` must lie in [0, 1]). ``fused=True`` where SGD cannot fuse raises
+            SGD's own RuntimeError (with several processes, at the first step, before the
+            gradients are averaged).
+        differentiable: as in ``torch.optim.SGD`` in a single process (the step is SGD's
+            alone). With peers it raises ValueError: the node's gradient mean and the gossip
+            are not differentiable.
         layout: the job's :class:`~qcomm.collectives.Topology` (None: built at the first
             distributed step).
         **comm_options: the communication options (``bits``, ``block_size``, ``rounding``,
@@ -46,21 +53,26 @@ class ASSGD(HierarchicalOptimizer):
             :class:`~qcomm.sgd.HierarchicalOptimizer`. ``topology=`` and ``gossip_step=`` are
             deprecated names of ``graph`` and ``gamma``.
 
-    Limits of "drop-in": gradients must be dense (a sparse gradient raises TypeError); the
-    parameters that require a gradient at the first distributed step are the ones communicated
-    (unfreezing one later raises); ``add_param_group`` is refused after that step.
+    Limits of "drop-in" (see :class:`~qcomm.sgd.HierarchicalOptimizer` for the whole list):
+    gradients must be dense (a sparse gradient raises TypeError, in one process too); the
+    parameters that require a gradient at the first distributed step are the ones
+    communicated (unfreezing one later raises); ``add_param_group`` is refused after that
+    step; ``differentiable=True`` needs a single process. Bad hyperparameters raise
+    ValueError/TypeError in qcomm's wording (``"<name> must be <what>, got <value>"``), not
+    always SGD's.
     """
 
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
-                 momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+                 momentum: float = 0, dampening: float = 0,
+                 weight_decay: float | torch.Tensor = 0,
                  nesterov: bool = False, *, maximize: bool = False, foreach: bool | None = None,
+                 differentiable: bool = False, fused: bool | None = None,
                  layout: Topology | None = None, **comm_options: Any) -> None:
-        check_sgd_group(dict(lr=lr, momentum=momentum, dampening=dampening,
-                             weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
-                             foreach=foreach))
-        sgd = torch.optim.SGD(params, lr=lr, momentum=momentum, dampening=dampening,
-                              weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
-                              foreach=foreach)
+        hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                     nesterov=nesterov, maximize=maximize, foreach=foreach,
+                     differentiable=differentiable, fused=fused)
+        check_sgd_group(hyper)
+        sgd = torch.optim.SGD(params, **hyper)
         for group in sgd.param_groups:
             check_sgd_group(group)
         super().__init__(sgd, layout=layout, **comm_options)

@@ -11,11 +11,17 @@ The wrapped optimizer keeps its update rule, its param groups and its state; thi
 :class:`~qcomm.engine.AveragingEngine` around its ``step()``. It is itself a
 ``torch.optim.Optimizer``: ``param_groups``, ``state`` and ``defaults`` are the wrapped
 optimizer's (the same objects, so LR schedulers and code that edits groups work), step hooks
-registered on it run around the whole step, and ``state_dict()`` is the wrapped optimizer's
-plus one ``"qcomm"`` entry.
+registered on it run around the whole step, torch's global step hooks
+(``register_optimizer_step_pre_hook`` / ``_post_hook``) run once per step, around it, the
+wrapped optimizer's own step hooks around its update, and ``state_dict()`` is the wrapped
+optimizer's plus one ``"qcomm"`` entry.
 
 With one process (no process group, or world size 1) a step is exactly the wrapped optimizer's
-step, bit for bit, plus a finiteness check of the gradients that changes no value.
+step, bit for bit, plus a finiteness check of the gradients in host memory that changes no
+value. It reads no value on an accelerator (no host sync the wrapped optimizer does not make)
+unless ``on_nonfinite="skip"`` asks for the check there too (one read per device and step).
+Meta and fake parameters are stepped wherever the wrapped optimizer steps them. torch.optim's
+generic optimizer tests run against it: ``tests/sgd/test_drop_in.py``.
 """
 
 from __future__ import annotations
@@ -62,8 +68,28 @@ class HierarchicalOptimizer(Optimizer):
             ``topology=`` and ``gossip_step=`` are deprecated names of ``graph`` and ``gamma``.
 
     Every rank must start from the same parameters and call :meth:`step` the same number of
-    times. The first distributed step creates the process groups (collective). Gradients must be
-    dense (sparse gradients raise TypeError).
+    times. The first distributed step creates the process groups (collective).
+
+    Parameters may be real or complex (a complex one is averaged and gossiped as its real view,
+    two floats per value), on any device; the wrapped optimizer's arguments (``foreach``,
+    ``fused``, ``capturable``, a tensor ``lr``, ...) keep their meaning.
+
+    Limits of "drop-in", each an error naming it rather than a silent difference:
+
+    * gradients must be dense: a sparse gradient raises TypeError, in one process too (the
+      communication has no sparse path, and a job should not fail only when it scales out);
+    * ``differentiable=True`` needs a single process (ValueError with peers, at construction,
+      ``add_param_group``, ``load_state_dict`` or the first step): the gradient mean and the
+      gossip run outside autograd;
+    * the parameters that require a gradient at the first distributed step are the ones
+      communicated: unfreezing one later raises ValueError, and ``add_param_group`` after that
+      step raises RuntimeError;
+    * a closure is evaluated once, before the gradients are averaged (no LBFGS);
+    * on ``fused=True`` optimizers, GradScaler takes its generic path (unscale, check, step):
+      this wrapper does not claim ``_step_supports_amp_scaling``, since its finiteness check
+      and gradient mean run before the wrapped optimizer's step, on the gradients as they are
+      (scaled ones would overflow there first). ``grad_scale`` / ``found_inf`` set on it
+      reach the wrapped optimizer.
     """
 
     def __init__(self, optimizer: Optimizer, *, layout: Topology | None = None,
@@ -77,6 +103,7 @@ class HierarchicalOptimizer(Optimizer):
         # Its warnings point at the caller's line, through subclass constructors too.
         self.comm = CommOptions.from_kwargs(comm_options)
         self._attach(optimizer, layout)
+        self.engine.check_groups(optimizer.param_groups)
 
     def _attach(self, optimizer: Optimizer, layout: Topology | None) -> None:
         """The torch.optim.Optimizer machinery (hooks, step patching) without copying the
@@ -114,12 +141,43 @@ class HierarchicalOptimizer(Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
+    # Fused optimizers read ``grad_scale`` / ``found_inf`` (float32 scalar tensors: the scale
+    # to divide the gradients by, and > 0 when a gradient overflowed: skip) as attributes of
+    # themselves; set on this wrapper, they reach the wrapped optimizer. GradScaler itself
+    # does not set them here (this wrapper does not claim ``_step_supports_amp_scaling``, so
+    # GradScaler unscales and checks before ``step()``, as for any optimizer).
+    @property
+    def grad_scale(self) -> torch.Tensor | None:
+        return getattr(self.optimizer, "grad_scale", None)
+
+    @grad_scale.setter
+    def grad_scale(self, value: torch.Tensor | None) -> None:
+        self.optimizer.grad_scale = value
+
+    @grad_scale.deleter
+    def grad_scale(self) -> None:
+        del self.optimizer.grad_scale
+
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        return getattr(self.optimizer, "found_inf", None)
+
+    @found_inf.setter
+    def found_inf(self, value: torch.Tensor | None) -> None:
+        self.optimizer.found_inf = value
+
+    @found_inf.deleter
+    def found_inf(self) -> None:
+        del self.optimizer.found_inf
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As the wrapped optimizer's; not after the first distributed step (the layout of the
         communicated parameters is fixed then)."""
         if self.engine.topology is not None:
             raise RuntimeError("add_param_group after the first distributed step is not "
                                "supported: the communicated parameters are fixed")
+        if isinstance(param_group, dict):
+            self.engine.check_groups([{**self.defaults, **param_group}])
         self.optimizer.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -160,10 +218,45 @@ class HierarchicalOptimizer(Optimizer):
         if not go:
             self.engine.skip_step()
             return loss
-        self.optimizer.step()
+        self._inner_step()
         with torch.no_grad():
             self.engine.finish_step()
         return loss
+
+    def _inner_step(self) -> None:
+        """The wrapped optimizer's update with its own step hooks, without the global ones
+        (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``_post_hook``): torch
+        runs those around every ``Optimizer.step``, so they already ran around this wrapper's,
+        and the user made one step."""
+        inner = self.optimizer
+        patched = type(inner).step
+        raw = getattr(patched, "__wrapped__", None)
+        override = vars(inner).get("step")
+        if raw is None or not getattr(patched, "hooked", False) or (
+                override is not None and not getattr(override, "_wrapped_by_lr_sched", False)):
+            # Not torch's hooked step, or an instance override we know nothing of: run it as
+            # its owner set it up.
+            inner.step()
+            return
+        if override is not None:
+            # A scheduler built on the wrapped optimizer counts its steps through this flag.
+            inner._opt_called = True  # type: ignore[attr-defined]
+        # What torch's step wrapper (Optimizer.profile_hook_step) does, less the global hooks.
+        args: tuple[Any, ...] = (inner,)
+        kwargs: dict[str, Any] = {}
+        with torch.autograd.profiler.record_function(
+                f"Optimizer.step#{type(inner).__name__}.step"):
+            for hook in inner._optimizer_step_pre_hooks.values():
+                result = hook(inner, args, kwargs)
+                if result is not None:
+                    if not (isinstance(result, tuple) and len(result) == 2):
+                        raise RuntimeError(f"a step pre-hook must return None or a tuple of "
+                                           f"(new_args, new_kwargs), got {result}")
+                    args, kwargs = result
+            raw(*args, **kwargs)
+            inner._optimizer_step_code()
+            for hook in inner._optimizer_step_post_hooks.values():
+                hook(inner, args, kwargs)
 
     def sync_gradients(self) -> bool:
         """Average the gradients over the node's ranks now, as DDP does during backward.
@@ -264,6 +357,7 @@ class HierarchicalOptimizer(Optimizer):
         sd = dict(state_dict)
         engine_state = sd.pop(STATE_KEY, None)
         self._check_groups(sd)
+        self.engine.check_groups([{**self.defaults, **g} for g in sd.get("param_groups", [])])
         if engine_state is not None:
             self.engine.check_state(engine_state, on_world_size_change=on_world_size_change)
         self.optimizer.load_state_dict(sd)

@@ -34,3 +34,6 @@ def check_sgd_group(group: dict) -> None:
         )
     check_instance("maximize", group["maximize"], bool, what="a bool")
     check_instance("foreach", group["foreach"], bool, allow_none=True, what="a bool")
+    # Groups saved by torch versions before these flags lack them; SGD then takes its default.
+    check_instance("differentiable", group.get("differentiable", False), bool, what="a bool")
+    check_instance("fused", group.get("fused"), bool, allow_none=True, what="a bool")
