@@ -93,6 +93,10 @@ class HierarchicalQuantState:
         rail_collective: ``"auto"`` (default: the two-stage reduce-scatter from 3 nodes on, the
             all-gather below), ``"reduce_scatter"`` or ``"all_gather"`` (see
             :class:`~qcomm.collectives.hierarchical.HierarchicalAllreduce`).
+        comm: a :class:`~qcomm.engine.CommOptions` giving ``procs_per_node``, ``bits``,
+            ``block_size``, ``rounding``, ``seed``, ``bucket_mb`` and ``timeout_s`` instead of
+            the keywords above (the optimizers' options object; its gossip options must stay
+            at their defaults here). None: the keywords.
 
     Attributes:
         iter: iterations completed (counted when DDP's last bucket of an iteration is hooked).
@@ -104,12 +108,22 @@ class HierarchicalQuantState:
     _HPARAMS = ("procs_per_node", "bits", "block_size", "rounding", "seed", "bucket_mb",
                 "start_iter", "timeout_s", "rail_collective")
 
+    # The options a CommOptions can give the hook (the rest are the gossip's).
+    _FROM_COMM = ("procs_per_node", "bits", "block_size", "rounding", "seed", "bucket_mb",
+                  "timeout_s")
+
     def __init__(self, procs_per_node: int | None = None, *,
                  process_group: Any = None, bits: int = 4, block_size: int = 128,
                  rounding: str = "nearest", seed: int = 0, bucket_mb: float = 25.0,
                  start_iter: int = 0, timeout_s: float | None = None,
-                 rail_collective: str = "auto") -> None:
+                 rail_collective: str = "auto", comm: Any = None) -> None:
         from qcomm.collectives.rail import check_rail_collective
+
+        if comm is not None:
+            procs_per_node, bits, block_size, rounding, seed, bucket_mb, timeout_s = \
+                _from_comm(comm, dict(procs_per_node=procs_per_node, bits=bits,
+                                      block_size=block_size, rounding=rounding, seed=seed,
+                                      bucket_mb=bucket_mb, timeout_s=timeout_s))
 
         self.procs_per_node = check_int("procs_per_node", procs_per_node, low=1,
                                         allow_none=True)
@@ -215,6 +229,30 @@ class HierarchicalQuantState:
     def __setstate__(self, state: dict) -> None:
         self.process_group, self._allreduce, self._worker = None, None, None
         self.load_state_dict(state)
+
+
+def _from_comm(comm: Any, given: dict[str, Any]) -> tuple:
+    """The hook's options from a :class:`~qcomm.engine.CommOptions` (the one place options
+    are defined and validated). Keywords besides it must keep their defaults, and the gossip's
+    options must too: the hook averages every iteration exactly, they would change nothing."""
+    from qcomm.engine.options import CommOptions
+
+    if not isinstance(comm, CommOptions):
+        fail("comm", "a CommOptions or None", comm, TypeError)
+    defaults = HierarchicalQuantState.__init__.__kwdefaults__
+    both = [k for k, v in given.items()
+            if (v is not None if k == "procs_per_node" else v != defaults[k])]
+    if both:
+        raise TypeError(f"pass {', '.join(both)} in comm= or as keywords, not both")
+    plain = CommOptions()
+    gossip = [f for f in CommOptions.__dataclass_fields__
+              if f not in HierarchicalQuantState._FROM_COMM
+              and getattr(comm, f) != getattr(plain, f)]
+    if gossip:
+        raise ValueError(f"comm sets {', '.join(gossip)}, which the DDP hook does not use (it "
+                         "averages every iteration's gradients: there is no gossip); pass options "
+                         f"among {', '.join(HierarchicalQuantState._FROM_COMM)}")
+    return tuple(getattr(comm, k) for k in HierarchicalQuantState._FROM_COMM)
 
 
 class _Worker:

@@ -233,3 +233,19 @@ def test_load_state_dict_refuses_bad_state_and_keeps_its_own() -> None:
     with pytest.raises(ValueError, match="rail_collective"):
         state.load_state_dict(bad)
     assert (state.bits, state.start_iter, state.rail_collective) == (8, 3, "auto")
+
+
+def test_the_hook_takes_the_optimizers_options_object() -> None:
+    from qcomm.engine import CommOptions
+
+    state = HierarchicalQuantState(comm=CommOptions(bits=2, block_size=64, procs_per_node=4,
+                                                    seed=3, timeout_s=30.0),
+                                   start_iter=2)
+    assert (state.bits, state.block_size, state.procs_per_node, state.seed, state.timeout_s,
+            state.start_iter) == (2, 64, 4, 3, 30.0, 2)
+    with pytest.raises(TypeError, match="pass bits in comm= or as keywords, not both"):
+        HierarchicalQuantState(bits=8, comm=CommOptions())
+    with pytest.raises(ValueError, match="comm sets sync_every, fragments, which the DDP hook"):
+        HierarchicalQuantState(comm=CommOptions(sync_every=4, fragments=2))
+    with pytest.raises(TypeError, match="comm must be a CommOptions"):
+        HierarchicalQuantState(comm={"bits": 2})

@@ -172,12 +172,17 @@ class CommOptions:
                 "gamma <= 0.5", UserWarning, stacklevel=_user_stacklevel())
 
     @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> CommOptions:
-        """Build from an optimizer's keyword arguments: unknown names raise TypeError listing
+    def from_kwargs(cls, kwargs: dict[str, Any], base: CommOptions | None = None
+                    ) -> CommOptions:
+        """Build from an optimizer's keyword arguments, over ``base`` (a CommOptions whose
+        fields the keywords replace; None: the defaults): unknown names raise TypeError listing
         the accepted ones; deprecated names (``topology``, ``gossip_step``) are mapped to
-        today's with a DeprecationWarning."""
+        today's with a DeprecationWarning. Everything is validated again."""
+        if base is not None and not isinstance(base, CommOptions):
+            raise TypeError(f"comm must be a CommOptions (or None), got {type(base).__name__}")
         fields = set(cls.__dataclass_fields__)
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {} if base is None else {
+            f: getattr(base, f) for f in fields}
         aliases: dict[str, str] = {}
         for name, value in kwargs.items():
             if name in DEPRECATED_NAMES:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from qcomm.collectives.topology import Topology
+from qcomm.engine.options import CommOptions
 from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
 from qcomm.sgd.options import check_sgd_group
 
@@ -46,12 +47,9 @@ class ASSGD(HierarchicalOptimizer):
             are not differentiable.
         layout: the job's :class:`~qcomm.collectives.Topology` (None: built at the first
             distributed step).
-        **comm_options: the communication options (``bits``, ``block_size``, ``rounding``,
-            ``graph``, ``mixing``, ``staleness``, ``gamma``, ``intra_bits``,
-            ``procs_per_node``, ``bucket_mb``, ``on_nonfinite``, ``timeout_s``, ``seed``,
-            ``wait_free``, ``max_backlog``); see
-            :class:`~qcomm.sgd.HierarchicalOptimizer`. ``topology=`` and ``gossip_step=`` are
-            deprecated names of ``graph`` and ``gamma``.
+        comm, **comm_options: the communication options, a
+            :class:`~qcomm.engine.CommOptions` and/or its fields as keywords (see
+            :class:`~qcomm.sgd.HierarchicalOptimizer`).
 
     Limits of "drop-in" (see :class:`~qcomm.sgd.HierarchicalOptimizer` for the whole list):
     gradients must be dense (a sparse gradient raises TypeError, in one process too); the
@@ -67,7 +65,8 @@ class ASSGD(HierarchicalOptimizer):
                  weight_decay: float | torch.Tensor = 0,
                  nesterov: bool = False, *, maximize: bool = False, foreach: bool | None = None,
                  differentiable: bool = False, fused: bool | None = None,
-                 layout: Topology | None = None, **comm_options: Any) -> None:
+                 layout: Topology | None = None, comm: CommOptions | None = None,
+                 **comm_options: Any) -> None:
         hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                      nesterov=nesterov, maximize=maximize, foreach=foreach,
                      differentiable=differentiable, fused=fused)
@@ -75,7 +74,7 @@ class ASSGD(HierarchicalOptimizer):
         sgd = torch.optim.SGD(params, **hyper)
         for group in sgd.param_groups:
             check_sgd_group(group)
-        super().__init__(sgd, layout=layout, **comm_options)
+        super().__init__(sgd, layout=layout, comm=comm, **comm_options)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim.SGD.add_param_group``, validating the group's hyperparameters first.

@@ -58,14 +58,12 @@ class HierarchicalOptimizer(Optimizer):
         layout: the job's :class:`~qcomm.collectives.Topology`; None (default) builds it at the
             first distributed step from torch.distributed and ``procs_per_node`` /
             torchrun's ``LOCAL_WORLD_SIZE``.
-        **comm_options: the communication options of :class:`~qcomm.engine.CommOptions`:
-            ``bits`` (4), ``block_size`` (128), ``rounding`` ("stochastic"), ``graph``
-            ("ring"), ``mixing`` ("uniform"), ``staleness`` (1), ``gamma`` (None: a default
-            for bits and staleness), ``intra_bits`` (None), ``procs_per_node`` (None),
-            ``bucket_mb`` (25), ``on_nonfinite`` ("raise"), ``timeout_s`` (300), ``seed`` (0),
-            ``sync_every`` (1), ``fragments`` (1), ``outer_momentum`` (0), ``outer_lr`` (1),
-            ``wait_free`` (False: nodes at one pace), ``max_backlog`` (64).
-            ``topology=`` and ``gossip_step=`` are deprecated names of ``graph`` and ``gamma``.
+        comm: a :class:`~qcomm.engine.CommOptions`, the one place every communication option
+            is defined, validated and documented (bits, graph, schedule, timeouts, ...); None:
+            its defaults.
+        **comm_options: the same options as keywords (a convenience: they build the
+            CommOptions, replacing fields of ``comm`` when both are given); an unknown name
+            raises TypeError listing the accepted ones.
 
     Every rank must start from the same parameters and call :meth:`step` the same number of
     times. The first distributed step creates the process groups (collective).
@@ -93,7 +91,7 @@ class HierarchicalOptimizer(Optimizer):
     """
 
     def __init__(self, optimizer: Optimizer, *, layout: Topology | None = None,
-                 **comm_options: Any) -> None:
+                 comm: CommOptions | None = None, **comm_options: Any) -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, "
                             f"got {type(optimizer).__name__}")
@@ -101,7 +99,7 @@ class HierarchicalOptimizer(Optimizer):
             raise TypeError("optimizer is already a HierarchicalOptimizer; wrap the inner "
                             "torch optimizer once")
         # Its warnings point at the caller's line, through subclass constructors too.
-        self.comm = CommOptions.from_kwargs(comm_options)
+        self.comm = CommOptions.from_kwargs(comm_options, comm)
         self._attach(optimizer, layout)
         self.engine.check_groups(optimizer.param_groups)
 

@@ -273,3 +273,20 @@ def test_qcomm_state_is_moved_to_the_parameters_device() -> None:
     assert isinstance(moved["b"][1], tuple) and moved["b"][1][0] == 3
     assert moved["c"] == "x" and moved["d"] is None
     assert state["a"].device.type == "cpu"  # the input is not changed
+
+
+def test_comm_options_object_and_keywords_build_the_same_options() -> None:
+    """comm= is the one options object; keywords build it, or replace its fields."""
+    from qcomm.engine import CommOptions
+
+    base = CommOptions(bits=2, sync_every=4, fragments=2, rounding="nearest")
+    a = ASSGD(_model().parameters(), lr=0.1, comm=base)
+    b = ASSGD(_model().parameters(), lr=0.1, bits=2, sync_every=4, fragments=2,
+              rounding="nearest")
+    c = ASSGD(_model().parameters(), lr=0.1, comm=base, bits=8)
+    assert a.comm == b.comm == base
+    assert c.comm == CommOptions(bits=8, sync_every=4, fragments=2, rounding="nearest")
+    with pytest.raises(TypeError, match="comm must be a CommOptions"):
+        ASSGD(_model().parameters(), lr=0.1, comm={"bits": 2})
+    with pytest.raises(ValueError, match="bits"):  # keywords over comm are validated again
+        ASSGD(_model().parameters(), lr=0.1, comm=base, bits=3)
