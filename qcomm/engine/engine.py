@@ -273,6 +273,9 @@ class AveragingEngine:
                             "in-memory topology")
         layout = self._topology_arg or Topology(self.options.procs_per_node)
         if layout.procs_per_node == 1:
+            if layout.rank == 0:
+                log.info("qcomm: data_parallel() returns the model as it is: one rank per "
+                         "node, so there is nothing to average inside a node")
             return model
         from torch.nn.parallel import DistributedDataParallel
 

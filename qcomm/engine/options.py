@@ -46,7 +46,7 @@ WIRE_FIELDS = ("bits", "block_size", "rounding", "graph", "mixing", "staleness",
                "on_peer_loss")
 
 
-def _user_stacklevel() -> int:
+def user_stacklevel() -> int:
     """The ``stacklevel`` (seen from the caller's ``warnings.warn``) of the innermost frame
     outside this package: the user's line, however many of our frames lie between (optimizer
     constructors and their subclasses', ``from_kwargs``, the dataclass's generated
@@ -169,7 +169,7 @@ class CommOptions:
                 f"{self.fragments}: each fragment is sent again before its previous round's "
                 "correction is applied, and a consensus step above 0.5 then oscillates or "
                 "diverges; use fragments > staleness (e.g. sync_every=2, fragments=2) or "
-                "gamma <= 0.5", UserWarning, stacklevel=_user_stacklevel())
+                "gamma <= 0.5", UserWarning, stacklevel=user_stacklevel())
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], base: CommOptions | None = None
@@ -190,7 +190,7 @@ class CommOptions:
                 if new in kwargs:
                     raise TypeError(f"pass either {name}= (deprecated) or {new}=, not both")
                 warnings.warn(f"{name}= is deprecated, use {new}=", DeprecationWarning,
-                              stacklevel=_user_stacklevel())
+                              stacklevel=user_stacklevel())
                 aliases[new] = name
                 name = new
             elif name not in fields:

@@ -26,6 +26,7 @@ generic optimizer tests run against it: ``tests/sgd/test_drop_in.py``.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,7 @@ from torch.optim import Optimizer
 
 from qcomm.collectives.topology import Topology
 from qcomm.engine import AveragingEngine, CommOptions
+from qcomm.engine.options import user_stacklevel
 
 __all__ = ["STATE_KEY", "HierarchicalOptimizer"]
 
@@ -100,6 +102,13 @@ class HierarchicalOptimizer(Optimizer):
                             "torch optimizer once")
         # Its warnings point at the caller's line, through subclass constructors too.
         self.comm = CommOptions.from_kwargs(comm_options, comm)
+        if self.comm.outer_momentum and "betas" in optimizer.defaults:
+            warnings.warn(
+                f"outer_momentum={self.comm.outer_momentum:g} around "
+                f"{type(optimizer).__name__}: with an adaptive optimizer the outer momentum "
+                "was measured to hurt (a transformer with AdamW never reached its target "
+                "loss with it); the README's ADAMW_SLOW_LINK uses none", UserWarning,
+                stacklevel=user_stacklevel())
         self._attach(optimizer, layout)
         self.engine.check_groups(optimizer.param_groups)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -290,3 +291,16 @@ def test_comm_options_object_and_keywords_build_the_same_options() -> None:
         ASSGD(_model().parameters(), lr=0.1, comm={"bits": 2})
     with pytest.raises(ValueError, match="bits"):  # keywords over comm are validated again
         ASSGD(_model().parameters(), lr=0.1, comm=base, bits=3)
+
+
+def test_outer_momentum_around_an_adaptive_optimizer_warns_at_the_callers_line() -> None:
+    from qcomm.sgd import HierarchicalOptimizer
+
+    model = _model()
+    with pytest.warns(UserWarning, match=r"outer_momentum=0.5 around AdamW") as caught:
+        HierarchicalOptimizer(torch.optim.AdamW(model.parameters()), sync_every=4,
+                              fragments=2, outer_momentum=0.5)
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # SGD: the outer momentum is what SGD needs, no warning
+        ASSGD(model.parameters(), lr=0.1, sync_every=4, fragments=2, outer_momentum=0.5)
