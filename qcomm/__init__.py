@@ -11,7 +11,6 @@ The package in layers, top to bottom; each imports only its own layer and the la
     qcomm.collectives  topology, intra-node allreduce, hierarchical allreduce, compressed gossip
     qcomm.compress     the codec: QuantSpec, quantize / dequantize / dequant_accumulate
     qcomm.kernels      the Triton kernels and the pure-torch reference
-    qcomm.deprecation  deprecated names kept for one release
     qcomm.seeds        the seed derivation tree (every random stream comes from it)
     qcomm.validation   the argument checks every layer shares
 

@@ -15,7 +15,7 @@ ROOT = Path(qcomm.__file__).resolve().parent
 
 # Bottom to top. A module belongs to the first entry its dotted name starts with.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("qcomm.validation", "qcomm.seeds", "qcomm.deprecation")),
+    ("foundation", ("qcomm.validation", "qcomm.seeds")),
     ("kernels", ("qcomm.kernels",)),
     ("compress", ("qcomm.compress",)),
     ("collectives", ("qcomm.collectives",)),

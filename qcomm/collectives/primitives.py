@@ -28,8 +28,6 @@ from qcomm.collectives.errors import (
 from qcomm.collectives.memory import MemoryGroup
 from qcomm.collectives.stats import CommStats
 from qcomm.compress import ErrorFeedback, NonFiniteError, QuantSpec, dequant_accumulate
-from qcomm.deprecation import deprecated_names
-from qcomm.seeds import derive as _derive
 
 __all__ = ["acc_dtype", "all_gather_flat", "all_reduce", "all_to_all_single", "as_peer_error",
            "decode_mean", "group_size", "other_ranks", "quantize_or_poison",
@@ -231,5 +229,3 @@ def decode_mean(payloads: torch.Tensor, out: torch.Tensor,
         return e
     return None
 
-
-__getattr__ = deprecated_names(__name__, {"derive_seed": ("qcomm.seeds.derive", _derive)})

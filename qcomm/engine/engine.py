@@ -441,8 +441,7 @@ class AveragingEngine:
             started per fragment, a list of ``fragments`` ints), ``gamma`` (the gossip's
             consensus step, None without gossip) and ``consensus_distance`` (``sqrt(mean_i
             ||x_i - mean x||^2)`` over nodes, float, or None when not asked for or with one
-            node). ``gossip_step`` is a deprecated alias of ``gamma`` (reading it warns; it
-            goes in the next release). With ``wait_free`` also ``rounds_received`` and
+            node). With ``wait_free`` also ``rounds_received`` and
             ``lag_rounds``: per neighbour on this rank's rail (its global rank), the rounds of
             it applied here and how many rounds this rank has started beyond them.
         """

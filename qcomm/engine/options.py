@@ -32,13 +32,11 @@ from qcomm.validation import (
     check_timeout,
 )
 
-__all__ = ["DEPRECATED_NAMES", "GRAPHS", "MIXINGS", "NONFINITE_MODES", "PEER_LOSS_MODES",
+__all__ = ["GRAPHS", "MIXINGS", "NONFINITE_MODES", "PEER_LOSS_MODES",
            "WIRE_FIELDS", "CommOptions"]
 
 NONFINITE_MODES = ("raise", "skip")
 
-# Old argument names still accepted (with a DeprecationWarning) -> today's names.
-DEPRECATED_NAMES = {"topology": "graph", "gossip_step": "gamma"}
 
 # Options that shape the wire format and the mixing: a checkpoint loads only into the same ones.
 WIRE_FIELDS = ("bits", "block_size", "rounding", "graph", "mixing", "staleness", "intra_bits",
@@ -175,44 +173,17 @@ class CommOptions:
     def from_kwargs(cls, kwargs: dict[str, Any], base: CommOptions | None = None
                     ) -> CommOptions:
         """Build from an optimizer's keyword arguments, over ``base`` (a CommOptions whose
-        fields the keywords replace; None: the defaults): unknown names raise TypeError listing
-        the accepted ones; deprecated names (``topology``, ``gossip_step``) are mapped to
-        today's with a DeprecationWarning. Everything is validated again."""
+        fields the keywords replace; None: the defaults): an unknown name raises TypeError
+        listing the accepted ones. Everything is validated again."""
         if base is not None and not isinstance(base, CommOptions):
             raise TypeError(f"comm must be a CommOptions (or None), got {type(base).__name__}")
         fields = set(cls.__dataclass_fields__)
-        out: dict[str, Any] = {} if base is None else {
-            f: getattr(base, f) for f in fields}
-        aliases: dict[str, str] = {}
-        for name, value in kwargs.items():
-            if name in DEPRECATED_NAMES:
-                new = DEPRECATED_NAMES[name]
-                if new in kwargs:
-                    raise TypeError(f"pass either {name}= (deprecated) or {new}=, not both")
-                warnings.warn(f"{name}= is deprecated, use {new}=", DeprecationWarning,
-                              stacklevel=user_stacklevel())
-                aliases[new] = name
-                name = new
-            elif name not in fields:
-                raise TypeError(f"unknown communication option {name!r}; accepted: "
-                                f"{', '.join(sorted(fields))}")
-            out[name] = value
-        try:
-            return cls(**out)
-        except (TypeError, ValueError) as e:
-            # Name the argument as the caller spelled it.
-            for new, old in aliases.items():
-                if str(e).startswith(new + " "):
-                    raise type(e)(f"{old} (deprecated name of {new}): {e}") from None
-            raise
-
-    @classmethod
-    def from_saved(cls, saved: dict[str, Any]) -> dict[str, Any]:
-        """A checkpoint's options dict with today's names (older checkpoints used ``topology``
-        and ``gossip_step``) and today's defaults for options they predate."""
-        out = {f.name: f.default for f in cls.__dataclass_fields__.values()}
-        out.update({DEPRECATED_NAMES.get(k, k): v for k, v in saved.items()})
-        return out
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise TypeError(f"unknown communication option {unknown[0]!r}; accepted: "
+                            f"{', '.join(sorted(fields))}")
+        out = {} if base is None else {f: getattr(base, f) for f in fields}
+        return cls(**{**out, **kwargs})
 
     @property
     def round_period(self) -> int:

@@ -8,7 +8,6 @@ from typing import Any
 
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
-from qcomm.deprecation import DeprecatedKeys
 from qcomm.engine.options import CommOptions
 
 __all__ = ["engine_stats", "log_layout"]
@@ -89,7 +88,6 @@ def engine_stats(steps: int, skipped_steps: int, comm_stats: CommStats, gossip: 
         "fragment_rounds": per_fragment(g.rounds_started if g is not None else 0,
                                         options.fragments),
         "gamma": g.gamma if g is not None else None,
-        "gossip_step": g.gamma if g is not None else None,  # deprecated alias of gamma
         "consensus_distance": None,
     }
     if options.wait_free:
@@ -97,4 +95,4 @@ def engine_stats(steps: int, skipped_steps: int, comm_stats: CommStats, gossip: 
         out["lag_rounds"] = g.lag() if g is not None else {}
         out["live_nodes"] = g.live_members() if g is not None else 1
         out["dropped_ranks"] = [e["rank"] for e in g.losses] if g is not None else []
-    return DeprecatedKeys(out, {"gossip_step": "gamma"})
+    return out

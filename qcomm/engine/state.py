@@ -10,9 +10,6 @@ One rank's entry (``optimizer.state_dict()["qcomm"]``)::
      "intra": IntraNodeAllreduce.state_dict() | None,         # intra_bits residuals, call count
      "comm_stats": CommStats.snapshot()}
 
-Format 1 (qcomm 0.1.0's ASSGD) is the same with the options ``topology`` and ``gossip_step``
-named the old way; it loads unchanged.
-
 A run that lost nodes (``on_peer_loss="continue"``) and restarts with its survivors only (the
 same ranks per node, nodes in the same order) loads exactly: the gossip goes on with the saved
 run's member numbers, seeds and links, as if it had not stopped.
@@ -41,7 +38,7 @@ __all__ = ["STATE_FORMAT", "WORLD_CHANGE_MODES", "EngineStateFile", "check_loada
            "geometry"]
 
 STATE_FORMAT = 2
-READABLE_FORMATS = (1, 2)
+READABLE_FORMATS = (STATE_FORMAT,)
 WORLD_CHANGE_MODES = ("error", "reinit")
 
 
@@ -77,8 +74,7 @@ def _nonzero_residuals(intra: dict | None) -> bool:
 
 
 def _check_wire(state: dict, options: CommOptions) -> None:
-    saved_opts = CommOptions.from_saved(state["comm"])
-    saved = {k: saved_opts[k] for k in WIRE_FIELDS}
+    saved = {k: state["comm"].get(k) for k in WIRE_FIELDS}
     mine = {k: getattr(options, k) for k in WIRE_FIELDS}
     if saved != mine:
         raise ValueError(f"checkpoint was saved with communication options {saved}, "

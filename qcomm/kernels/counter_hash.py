@@ -27,11 +27,7 @@ import torch
 
 # One source for the hash: the constants and the host-side key live with the rest of the seed
 # derivation tree (qcomm.seeds); the Triton kernels import them from there too.
-from qcomm.deprecation import deprecated_names
 from qcomm.seeds import MASK32, MIX_MUL_1, MIX_MUL_2, stream_key
-from qcomm.seeds import mix32 as _mix32_int
-from qcomm.validation import SEED_MAX as _SEED_MAX
-from qcomm.validation import check_seed as _check_seed
 
 __all__ = ["mix32", "stream_key", "uniform"]
 
@@ -79,9 +75,3 @@ def _lo_indices(first: int, count: int, device: torch.device | str) -> torch.Ten
         return torch.arange(first, first + count, dtype=torch.int32, device=device)
     return torch.arange(first, first + count, dtype=torch.int64, device=device).to(torch.int32)
 
-
-__getattr__ = deprecated_names(__name__, {
-    "check_seed": ("qcomm.validation.check_seed", _check_seed),
-    "mix32_int": ("qcomm.seeds.mix32", _mix32_int),
-    "SEED_MAX": ("qcomm.validation.SEED_MAX", _SEED_MAX),
-})

@@ -212,14 +212,10 @@ def test_pickle_and_deepcopy_keep_options_and_counters() -> None:
         assert clone.stats()["steps"] == 2
 
 
-def test_assgd_is_sgd_on_the_engine_and_deprecated_names_warn() -> None:
+def test_assgd_is_sgd_on_the_engine_and_unknown_options_are_named() -> None:
     model = _model()
-    with pytest.warns(DeprecationWarning, match="topology= is deprecated, use graph=") as rec:
-        opt = ASSGD(model.parameters(), lr=0.1, topology="exponential")
-    assert rec[0].filename == __file__  # points at the caller's line
+    opt = ASSGD(model.parameters(), lr=0.1, graph="exponential")
     assert isinstance(opt.optimizer, torch.optim.SGD) and opt.comm.graph == "exponential"
-    with pytest.raises(ValueError, match=r"gossip_step \(deprecated name of gamma\)"), \
-            pytest.warns(DeprecationWarning):
-        ASSGD(model.parameters(), lr=0.1, gossip_step=2.0)
-    with pytest.raises(TypeError, match="not both"):
-        ASSGD(model.parameters(), lr=0.1, graph="ring", topology="ring")
+    with pytest.raises(TypeError, match=r"unknown communication option 'topology'; accepted: "
+                                        r"bits, block_size, .*graph"):
+        ASSGD(model.parameters(), lr=0.1, topology="ring")

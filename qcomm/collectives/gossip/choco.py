@@ -75,7 +75,6 @@ from qcomm.compress import (
     packed_nbytes,
     quantize,
 )
-from qcomm.deprecation import deprecated_names, warn_deprecated
 from qcomm.seeds import gossip_message_seed
 from qcomm.validation import (
     check_seed,
@@ -84,7 +83,6 @@ from qcomm.validation import (
 from .gamma import default_gamma
 from .graphs import neighbours
 from .integrity import SEAL_NBYTES, bad_messages, seal_
-from .legacy import check_saved_wire_format, seal_saved_round
 from .member import GossipMember
 from .mixing import mixing_matrix
 from .transport import GlooTransport, MemoryTransport, RoundHandle, Transport
@@ -128,6 +126,14 @@ def _check_group(group_ranks: object, group: dist.ProcessGroup | None) -> tuple[
     return ranks, dist.get_rank(group)
 
 
+def _saved_round(payloads: torch.Tensor, message_nbytes: int) -> torch.Tensor:
+    """A saved round's messages, uint8 ``[K, message_nbytes]`` (sealed as received)."""
+    if payloads.dim() != 2 or payloads.shape[-1] != message_nbytes:
+        raise ValueError(f"a saved round holds messages of shape {tuple(payloads.shape)}; "
+                         f"this gossip sends [K, {message_nbytes}]")
+    return payloads
+
+
 class CompressedGossip(GossipMember):
     """Compressed, asynchronous CHOCO gossip of one fp32 vector per member.
 
@@ -155,9 +161,6 @@ class CompressedGossip(GossipMember):
             ``u = mu u + d; x_f = a_f + lr (d + mu u)``, then the mixing. ``outer_lr=1,
             outer_momentum=0`` (default) is plain CHOCO. The average of the members moves by
             the outer step on their average progress; the mixing still preserves it.
-        transport: deprecated (it goes in the next release): an in-process transport; the
-            simulator (:class:`~.simulate.GossipSimulator`) is how to run members in one
-            process.
 
     Buffers (fp32 ``[numel]`` x 3 (x 4 with momentum), plus ``staleness + 1`` rounds of uint8
     ``[degree + 1, packed_nbytes(numel / F, spec)]``) are created on the first :meth:`step`, on
@@ -170,15 +173,10 @@ class CompressedGossip(GossipMember):
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
                  outer_momentum: float = 0.0, outer_lr: float = 1.0, round_period: int = 1,
-                 transport: Transport | None = None,
                  _transport: Transport | None = None) -> None:
         # _transport: an in-process Transport (the simulator's); then group_ranks is
         # list(range(n)) and group is None and unused. Not public: the simulator and the
         # in-memory world are the public ways to run members in one process.
-        if transport is not None:
-            warn_deprecated("CompressedGossip(transport=...)",
-                            "qcomm.collectives.gossip.GossipSimulator (members in one process)")
-            _transport = _transport or transport
         # hyperparameters (checked with the limits every layer shares, then fixed)
         self._set_hyperparameters(
             numel, graph=graph, mixing=mixing, spec=spec, gamma=gamma, staleness=staleness,
@@ -445,7 +443,9 @@ class CompressedGossip(GossipMember):
         if state["config"] != self._config():
             raise ValueError(f"state was saved with config {state['config']}, this gossip has "
                              f"{self._config()}")
-        check_saved_wire_format(state, self.spec.bits)
+        if state.get("wire_format") != WIRE_FORMAT_VERSION:
+            raise ValueError(f"state holds messages in wire format {state.get('wire_format')}; "
+                             f"this version decodes format {WIRE_FORMAT_VERSION}")
         if self._in_flight and any(r.handle is not None for r in self._in_flight):
             raise RuntimeError("load_state_dict with rounds of this instance in flight")
         copy = lambda t: None if t is None else t.detach().clone()
@@ -458,10 +458,9 @@ class CompressedGossip(GossipMember):
         self._momentum = copy(state.get("momentum"))
         self._anchor = copy(state.get("anchor"))
         self._scratch = None
-        senders = [self.member, *self.peers]
         self._in_flight = deque(
-            _Round(int(r), seal_saved_round(copy(p), int(r), senders, self.message_nbytes),
-                   None) for r, p in state["in_flight"])
+            _Round(int(r), _saved_round(copy(p), self.message_nbytes), None)
+            for r, p in state["in_flight"])
 
     def close(self) -> None:
         """Forget rounds in flight and release the transport. Never blocks, also after a
@@ -502,6 +501,3 @@ def distance_from_sums(x: torch.Tensor,
     sq, _ = total(torch.sum((v - mean) ** 2).reshape(1))
     return math.sqrt(float(sq) / n)
 
-
-__getattr__ = deprecated_names(__name__, {
-    "round_seed": ("qcomm.seeds.gossip_message_seed", gossip_message_seed)})
