@@ -47,6 +47,14 @@ _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
 
 
+def _forwarded(name: str) -> property:
+    """An attribute of the wrapper that reads, sets and deletes the wrapped optimizer's."""
+    return property(lambda self: getattr(self.optimizer, name, None),
+                    lambda self, value: setattr(self.optimizer, name, value),
+                    lambda self: delattr(self.optimizer, name),
+                    doc=f"The wrapped optimizer's ``{name}`` (None when it has none).")
+
+
 class HierarchicalOptimizer(Optimizer):
     """Wraps ``optimizer`` with hierarchical communication: gradients averaged inside each node
     (synchronous, full precision by default), parameters gossiped between nodes (asynchronous,
@@ -153,29 +161,8 @@ class HierarchicalOptimizer(Optimizer):
     # themselves; set on this wrapper, they reach the wrapped optimizer. GradScaler itself
     # does not set them here (this wrapper does not claim ``_step_supports_amp_scaling``, so
     # GradScaler unscales and checks before ``step()``, as for any optimizer).
-    @property
-    def grad_scale(self) -> torch.Tensor | None:
-        return getattr(self.optimizer, "grad_scale", None)
-
-    @grad_scale.setter
-    def grad_scale(self, value: torch.Tensor | None) -> None:
-        self.optimizer.grad_scale = value
-
-    @grad_scale.deleter
-    def grad_scale(self) -> None:
-        del self.optimizer.grad_scale
-
-    @property
-    def found_inf(self) -> torch.Tensor | None:
-        return getattr(self.optimizer, "found_inf", None)
-
-    @found_inf.setter
-    def found_inf(self, value: torch.Tensor | None) -> None:
-        self.optimizer.found_inf = value
-
-    @found_inf.deleter
-    def found_inf(self) -> None:
-        del self.optimizer.found_inf
+    grad_scale = _forwarded("grad_scale")
+    found_inf = _forwarded("found_inf")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As the wrapped optimizer's; not after the first distributed step (the layout of the
