@@ -298,10 +298,10 @@ class _Worker:
 def _allreduce_fp(state: HierarchicalQuantState, tensor: torch.Tensor
                   ) -> torch.futures.Future[torch.Tensor]:
     """DDP's own averaging (divide, then allreduce, asynchronous), for the warm-up."""
+    from qcomm.collectives.primitives import all_reduce_mean_future
+
     group = state.process_group if state.process_group is not None else dist.group.WORLD
-    tensor.div_(dist.get_world_size(group))
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return all_reduce_mean_future(tensor, group)
 
 
 def _bucket_key(bucket: dist.GradBucket, tensor: torch.Tensor) -> str:

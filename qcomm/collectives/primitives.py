@@ -1,11 +1,14 @@
-"""The steps every collective of this package is built from, and the one place that talks to
-``torch.distributed``'s collectives.
+"""The steps every collective of this package is built from, and the one place that calls
+``torch.distributed``'s collectives (the gossip's point-to-point messages are
+:mod:`.gossip.transport`'s and :mod:`.gossip.streams`'; other modules only ask torch.distributed
+about the job: rank, world size, groups).
 
 Each function takes a ``group``: a ``torch.distributed`` process group (or None for the default
 group), or a :class:`~qcomm.collectives.memory.MemoryGroup` (ranks as threads of one process, for
 tests and simulations); the dispatch between the two happens here and nowhere else.
 
-* wrappers: :func:`all_reduce`, :func:`all_gather_flat`, :func:`all_to_all_single`;
+* wrappers: :func:`all_reduce`, :func:`all_gather_flat`, :func:`all_to_all_single`, and
+  :func:`all_reduce_mean_future` (DDP's own averaging, for the hook's warm-up);
 * pipeline steps used by the bucketed means (:mod:`.intra`, :mod:`.hierarchical`):
   :func:`start_reduce_scatter`, :func:`start_all_gather`, :func:`quantize_or_poison`,
   :func:`decode_mean`, with :func:`acc_dtype` (message seeds: :func:`qcomm.seeds.derive`).
@@ -29,7 +32,8 @@ from qcomm.collectives.memory import MemoryGroup
 from qcomm.collectives.stats import CommStats
 from qcomm.compress import ErrorFeedback, NonFiniteError, QuantSpec, dequant_accumulate
 
-__all__ = ["acc_dtype", "all_gather_flat", "all_reduce", "all_to_all_single", "as_peer_error",
+__all__ = ["acc_dtype", "all_gather_flat", "all_reduce", "all_reduce_mean_future",
+           "all_to_all_single", "as_peer_error",
            "decode_mean", "group_size", "other_ranks", "quantize_or_poison",
            "start_all_gather", "start_reduce_scatter", "wait_work", "wait_works"]
 
@@ -135,6 +139,15 @@ def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum", *,
     work = _post(lambda: dist.all_reduce(tensor, op=_DIST_OPS[op], group=group, async_op=True),
                  operation, group, link)
     wait_works([work], timeout_s, operation, group, link)
+
+
+def all_reduce_mean_future(tensor: torch.Tensor, group: Any) -> torch.futures.Future:
+    """DDP's own averaging: ``tensor`` divided by the group's size, then summed over ``group``
+    (a torch.distributed process group) asynchronously. Returns a future completing with the
+    averaged ``tensor``."""
+    tensor.div_(dist.get_world_size(group))
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, *,
