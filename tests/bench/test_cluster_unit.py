@@ -14,8 +14,13 @@ SHAPES = [[512, 40], [512], [512, 512], [512], [512, 512], [512], [10, 512], [10
 NUMEL = 551_434
 
 
-def test_shapes_match_the_default_model():
-    assert sum(M._prod(s) for s in SHAPES) == NUMEL
+def test_shapes_are_the_mnist1d_workloads_default_model():
+    """SHAPES (the byte formulas' input below) are the parameters of the model the mnist1d
+    workload builds by default, and M._prod counts them as torch does."""
+    info = W.WORKLOADS["mnist1d"]
+    model = W.make_mlp(info.width, info.depth)
+    assert [list(p.shape) for p in model.parameters()] == SHAPES
+    assert sum(M._prod(s) for s in SHAPES) == sum(p.numel() for p in model.parameters())
 
 
 # ---------------------------------------------------------------------------------------------
