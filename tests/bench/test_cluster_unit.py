@@ -278,6 +278,23 @@ def test_time_to_target():
     assert C.time_to_target(curve, 0.81) is None
 
 
+def test_steps_to_target_is_the_first_reaching_snapshots_step():
+    curve = [{"step": 0, "time_s": 0.0, "test_acc": 0.1},
+             {"step": 10, "time_s": 3.5, "test_acc": 0.66},
+             {"step": 20, "time_s": 6.0, "test_acc": 0.64}]
+    assert C.steps_to_target(curve, 0.65) == 10
+    assert C.steps_to_target(curve, 0.67) is None
+    assert C.time_to_target(curve, 0.65) == 3.5
+
+
+def test_aggregate_counts_a_repetition_that_never_reached_the_target_as_slowest_in_steps():
+    reps = [{"status": "ok", "steps_to_target": s, "curve": [], "time_to_target_s": s}
+            for s in (100, None, 120)]
+    row = C.aggregate(reps)
+    assert row["steps_to_target"] == 120 and row["spread"]["steps_to_target"] == [100, 120]
+    assert C.aggregate(reps[1:2] + reps[1:2] + reps[:1])["steps_to_target"] is None
+
+
 def test_time_to_target_of_a_loss_looks_for_at_most():
     curve = [{"step": 0, "time_s": 0.0, "val_loss": 4.8},
              {"step": 10, "time_s": 3.0, "val_loss": 2.2},
