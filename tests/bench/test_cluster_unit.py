@@ -520,6 +520,14 @@ def test_repeats_must_be_positive():
                                   "outer_momentum": 0.5}),
     ("qcomm-hier-4-h16f4", {"kind": "qcomm-hier", "bits": 4, "ddp": False, "sync_every": 16,
                             "fragments": 4}),
+    ("assgd-2-h16f4-g50-m9-o5-n-ddp", {"kind": "assgd", "bits": 2, "ddp": True,
+                                       "sync_every": 16, "fragments": 4, "gamma": 0.5,
+                                       "outer_momentum": 0.9, "outer_lr": 0.5,
+                                       "rounding": "nearest"}),
+    ("assgd-4-h32f4-g100-m5-o7-complete-n-ddp", {"kind": "assgd", "bits": 4, "ddp": True,
+                                                 "sync_every": 32, "fragments": 4, "gamma": 1.0,
+                                                 "outer_momentum": 0.5, "outer_lr": 0.7,
+                                                 "graph": "complete", "rounding": "nearest"}),
     ("assgd-3", None), ("assgd-4-x", None), ("ddp", None),
 ])
 def test_qcomm_variant_names(name, want):
