@@ -68,8 +68,10 @@ TARGET_BYTES_RATIO = 1 / 7
 # The qcomm method the targets are about, per workload.
 SUBJECT = {"mnist1d": "assgd-4", "charlm": "qcomm-hier-4"}
 # Fields of a run summarized per cell as median [min, max] over the repetitions.
-SPREAD_FIELDS = ("step_median_s", "samples_per_s", "time_to_target_s", "final",
-                 "inter_bytes_iface", "comm_fraction", "loop_s")
+SPREAD_FIELDS = ("step_median_s", "samples_per_s", "time_to_target_s", "steps_to_target",
+                 "final", "inter_bytes_iface", "comm_fraction", "loop_s")
+# Fields where a repetition that never reached the target counts as infinitely slow.
+NEVER_FIELDS = ("time_to_target_s", "steps_to_target")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,15 +101,23 @@ def rate_bits_per_s(rate: str) -> float:
 
 
 def time_to_target(curve: Sequence[dict[str, float]], target: float, metric: str = "test_acc",
-                   goal: str = "max") -> float | None:
+                   goal: str = "max", at: str = "time_s") -> float | None:
     """Wall-clock seconds (since the timed window opened) of the first snapshot whose
     ``metric`` reaches ``target`` (``goal`` "max": at least, "min": at most); None when none
-    does."""
+    does. ``at="step"``: that snapshot's step instead (:func:`steps_to_target`)."""
     for point in curve:
         v = point[metric]
         if (v >= target) if goal == "max" else (v <= target):
-            return point["time_s"]
+            return point[at]
     return None
+
+
+def steps_to_target(curve: Sequence[dict[str, float]], target: float,
+                    metric: str = "test_acc", goal: str = "max") -> float | None:
+    """The step (of the timed window) of the first snapshot whose ``metric`` reaches
+    ``target``; None when none does. Unlike the time, it does not depend on the machine's
+    load, so it compares how well lockstep methods train per step."""
+    return time_to_target(curve, target, metric, goal, at="step")
 
 
 def _metric(result: dict[str, Any]) -> tuple[str, str]:
@@ -168,6 +178,7 @@ def kill_summary(result: dict[str, Any], target: float) -> dict[str, Any]:
         "behaviour": behaviour, "outcome": outcome, "stop": stop,
         "survivor_nodes": survivors, "missing_ranks": missing,
         "time_to_target_s": time_to_target(counted, target, metric, goal),
+        "steps_to_target": steps_to_target(counted, target, metric, goal),
         "final": result[f"final_{metric}"], "final_from": result.get("final_from"),
         "best": best,
     }
@@ -244,6 +255,7 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
         "node_steps_per_s": node_rates,
         "node_compute_step_s": node_compute,
         "time_to_target_s": time_to_target(result["curve"], target, metric, goal),
+        "steps_to_target": steps_to_target(result["curve"], target, metric, goal),
         "final": result[f"final_{metric}"],
         "inter_bytes_iface": iface,
         "inter_packets_iface": packets,
@@ -273,7 +285,7 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     Every field of SPREAD_FIELDS is the median over the ok repetitions, and ``spread[field]``
     holds [min, max]. A repetition that never reached the target counts as infinitely slow: the
-    median time to target is None ("never") when at least half of them never did. Bytes
+    median time (and steps) to target is None ("never") when at least half of them never did. Bytes
     agreement is the worst repetition's. The curve is that of the repetition with the median
     time to target (the median step time when no repetition reached it), for the plots.
     A cell without ok repetitions keeps the first failure's status.
@@ -285,7 +297,7 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     spread: dict[str, list[float] | None] = {}
     for key in SPREAD_FIELDS:
         vals = [r.get(key) for r in ok]
-        if key == "time_to_target_s":
+        if key in NEVER_FIELDS:
             inf = float("inf")
             med = statistics.median([inf if v is None else v for v in vals])
             row[key] = None if med == inf else med
@@ -428,11 +440,12 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     best quality and the behaviour (stops / continues / finished) follow."""
     head: tuple[str, ...] = (
         "workload", "layout", "rate", "method", "n", "step ms", "samples/s",
-        "t->target s [min-max]", "final", "inter B/step (iface)", "(qcomm|formula)", "diff",
-        "diff -hdr", "comm %")
+        "t->target s [min-max]", "steps->target", "final", "inter B/step (iface)",
+        "(qcomm|formula)", "diff", "diff -hdr", "comm %")
     killed = any(r.get("kill") for r in rows)
     if killed:
-        head = (*head[:7], "survivors t->target s [min-max]", "survivors final", *head[9:],
+        head = (*head[:7], "survivors t->target s [min-max]", "survivors steps->target",
+                "survivors final", *head[10:],
                 "best", "behaviour")
     lines = []
     notes: dict[int, str] = {}  # row -> status, printed after the row (it sizes no column)
@@ -456,6 +469,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             fmt_spread(r["step_median_s"], spread.get("step_median_s"), ".1f", 1e3),
             fmt(r["samples_per_s"], ".0f"),
             fmt_spread(r["time_to_target_s"], spread.get("time_to_target_s"), ".1f",
+                       none="never"),
+            fmt_spread(r.get("steps_to_target"), spread.get("steps_to_target"), ".0f",
                        none="never"),
             fmt_quality(r["final"], r.get("metric", "test_acc")),
             fmt_bytes(r["inter_bytes_iface"]),

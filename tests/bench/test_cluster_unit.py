@@ -283,6 +283,23 @@ def test_time_to_target():
     assert C.time_to_target(curve, 0.81) is None
 
 
+def test_steps_to_target_is_the_first_reaching_snapshots_step():
+    curve = [{"step": 0, "time_s": 0.0, "test_acc": 0.1},
+             {"step": 10, "time_s": 3.5, "test_acc": 0.66},
+             {"step": 20, "time_s": 6.0, "test_acc": 0.64}]
+    assert C.steps_to_target(curve, 0.65) == 10
+    assert C.steps_to_target(curve, 0.67) is None
+    assert C.time_to_target(curve, 0.65) == 3.5
+
+
+def test_aggregate_counts_a_repetition_that_never_reached_the_target_as_slowest_in_steps():
+    reps = [{"status": "ok", "steps_to_target": s, "curve": [], "time_to_target_s": s}
+            for s in (100, None, 120)]
+    row = C.aggregate(reps)
+    assert row["steps_to_target"] == 120 and row["spread"]["steps_to_target"] == [100, 120]
+    assert C.aggregate(reps[1:2] + reps[1:2] + reps[:1])["steps_to_target"] is None
+
+
 def test_time_to_target_of_a_loss_looks_for_at_most():
     curve = [{"step": 0, "time_s": 0.0, "val_loss": 4.8},
              {"step": 10, "time_s": 3.0, "val_loss": 2.2},
@@ -508,6 +525,14 @@ def test_repeats_must_be_positive():
                                   "outer_momentum": 0.5}),
     ("qcomm-hier-4-h16f4", {"kind": "qcomm-hier", "bits": 4, "ddp": False, "sync_every": 16,
                             "fragments": 4}),
+    ("assgd-2-h16f4-g50-m9-o5-n-ddp", {"kind": "assgd", "bits": 2, "ddp": True,
+                                       "sync_every": 16, "fragments": 4, "gamma": 0.5,
+                                       "outer_momentum": 0.9, "outer_lr": 0.5,
+                                       "rounding": "nearest"}),
+    ("assgd-4-h32f4-g100-m5-o7-complete-n-ddp", {"kind": "assgd", "bits": 4, "ddp": True,
+                                                 "sync_every": 32, "fragments": 4, "gamma": 1.0,
+                                                 "outer_momentum": 0.5, "outer_lr": 0.7,
+                                                 "graph": "complete", "rounding": "nearest"}),
     ("assgd-3", None), ("assgd-4-x", None), ("ddp", None),
 ])
 def test_qcomm_variant_names(name, want):
