@@ -6,8 +6,9 @@ each would cost on a slow link between the nodes. MNIST-1D, 2 emulated nodes x 2
 
 Starts 4 local processes over Gloo (ranks 0-1 are node 0, ranks 2-3 node 1), generates MNIST-1D
 locally (``mnist1d.data.make_dataset``; nothing is downloaded), and trains one 1-D CNN (with a
-``--hidden``-unit layer in its head, 143,224 parameters at the default) several times, from
-the same seed, with the same data order, epochs and hyperparameters:
+``--hidden``-unit layer in its head, 143,224 parameters at the default) once per method, from
+the same seed, with the same data order, epochs and hyperparameters; the methods take turns,
+an epoch each, so that other work on the machine slows them alike:
 
 * ASSGD: gradients averaged inside each node in fp32, local SGD step, then asynchronous CHOCO
   gossip of ``--bits``-bit parameter differences between the nodes (sharded over the two local
@@ -111,79 +112,105 @@ def _batches(n: int, epoch: int, cfg: Config, rank: int, world: int) -> list[tor
     return [mine[i * cfg.batch_size:(i + 1) * cfg.batch_size] for i in range(steps)]
 
 
-def _train(method: str, rank: int, world: int, cfg: Config, data: dict) -> dict:
-    """One method on this rank. ``seconds``: from the first step (all ranks released together)
-    to the final model (for qcomm: the exact average of the nodes, whose collective also
-    completes the last gossip round), evaluation and diagnostics excluded."""
-    torch.manual_seed(cfg.seed)
-    model = ConvNet(hidden=cfg.hidden)
-    comm = dict(bits=cfg.bits, staleness=cfg.staleness, procs_per_node=cfg.procs_per_node,
-                seed=cfg.seed)
-    stats = CommStats()
-    averager = None
-    qcomm_method = method in ("assgd", "adamw-qcomm")
-    if method.startswith("adamw"):
-        max_lr = cfg.adamw_lr
-        opt = torch.optim.AdamW(model.parameters(), lr=max_lr,
-                                weight_decay=cfg.adamw_weight_decay)
-        if qcomm_method:
-            opt = HierarchicalOptimizer(opt, **comm)
-    else:
-        max_lr = cfg.lr
-        hp = dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        opt = (ASSGD(model.parameters(), **hp, **comm) if qcomm_method
-               else torch.optim.SGD(model.parameters(), **hp))
-    if not qcomm_method:
-        averager = HierarchicalAllreduce(Topology(cfg.procs_per_node), spec=None, stats=stats)
-    steps_per_epoch = len(_batches(len(data["y"]), 0, cfg, rank, world))
-    sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=max_lr, total_steps=cfg.epochs * steps_per_epoch, pct_start=0.15)
+class _Method:
+    """One method on this rank: its model, optimizer and communication, trained an epoch at a
+    time so that the methods can take turns (see :func:`_worker`)."""
+
+    def __init__(self, method: str, rank: int, world: int, cfg: Config, data: dict) -> None:
+        self.name, self.rank, self.world, self.cfg, self.data = method, rank, world, cfg, data
+        torch.manual_seed(cfg.seed)
+        self.model = model = ConvNet(hidden=cfg.hidden)
+        comm = dict(bits=cfg.bits, staleness=cfg.staleness, procs_per_node=cfg.procs_per_node,
+                    seed=cfg.seed)
+        self.stats = CommStats()
+        self.averager = None
+        self.qcomm = method in ("assgd", "adamw-qcomm")
+        opt: torch.optim.Optimizer
+        if method.startswith("adamw"):
+            max_lr = cfg.adamw_lr
+            opt = torch.optim.AdamW(model.parameters(), lr=max_lr,
+                                    weight_decay=cfg.adamw_weight_decay)
+            if self.qcomm:
+                opt = HierarchicalOptimizer(opt, **comm)
+        else:
+            max_lr = cfg.lr
+            hp = dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+            opt = (ASSGD(model.parameters(), **hp, **comm) if self.qcomm
+                   else torch.optim.SGD(model.parameters(), **hp))
+        self.opt = opt
+        if not self.qcomm:
+            self.averager = HierarchicalAllreduce(Topology(cfg.procs_per_node), spec=None,
+                                                  stats=self.stats)
+        self.steps_per_epoch = len(_batches(len(data["y"]), 0, cfg, rank, world))
+        self.sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=max_lr, total_steps=cfg.epochs * self.steps_per_epoch, pct_start=0.15)
+        self.steps = 0
+        self.seconds = 0.0
+
+    def train_epoch(self, epoch: int, bar) -> None:
+        """One epoch, timed from a barrier (every rank starts it together) to its last step's
+        communication done: qcomm's gossip round in flight is completed, so none of it runs
+        during the next method's turn."""
+        data, model, opt = self.data, self.model, self.opt
+        dist.barrier()
+        start = time.perf_counter()
+        for idx in _batches(len(data["y"]), epoch, self.cfg, self.rank, self.world):
+            loss = torch.nn.functional.cross_entropy(model(data["x"][idx]), data["y"][idx])
+            opt.zero_grad()
+            loss.backward()
+            if self.averager is not None:
+                self.averager.mean_([p.grad for p in model.parameters()])
+            opt.step()
+            self.sched.step()
+            self.steps += 1
+            if bar is not None:
+                bar.update(1)
+                if bar.n % 20 == 0:
+                    bar.set_postfix(method=self.name, epoch=epoch + 1, loss=f"{loss.item():.3f}")
+        if self.qcomm:
+            opt.flush()
+        self.seconds += time.perf_counter() - start
+
+    def finish(self) -> dict:
+        """The results; ``seconds`` also counts making the final model (for qcomm the exact
+        average of the nodes), not the evaluation and diagnostics."""
+        data, model, opt = self.data, self.model, self.opt
+        result: dict = {"steps": self.steps, "qcomm_file": qcomm.__file__}
+        if self.qcomm:
+            st = opt.stats(consensus=True)
+            result["own_acc"] = accuracy(model, data["x_test"], data["y_test"])
+            result["consensus_distance"] = st["consensus_distance"]
+            result["bytes"] = st["bytes_sent"]  # training only: the average below is not counted
+            t = time.perf_counter()
+            opt.average_parameters()
+            self.seconds += time.perf_counter() - t
+            opt.close()
+        else:
+            result["bytes"] = self.stats.snapshot()["bytes_sent"]
+        result["seconds"] = self.seconds
+        result["acc"] = accuracy(model, data["x_test"], data["y_test"])
+        return result
+
+
+def _worker(rank: int, world: int, cfg: Config, data: dict) -> dict:
+    """Every method on this rank, taking turns an epoch each: the machine's load (other work on
+    it) changes over seconds, and in turns it weighs on every method alike, where one method
+    after the other would each meet a different load."""
+    methods = [_Method(m, rank, world, cfg, data) for pair in cfg.pairs() for m in pair]
     bar = None
     if rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.epochs * steps_per_epoch, desc=f"{method:>11}", unit="step",
-                   dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
-    steps = 0
-    dist.barrier()  # set-up differs between ranks; the clock starts when all can step
-    start = time.perf_counter()
+        bar = tqdm(total=sum(cfg.epochs * m.steps_per_epoch for m in methods), desc="training",
+                   unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
     for epoch in range(cfg.epochs):
-        for idx in _batches(len(data["y"]), epoch, cfg, rank, world):
-            loss = torch.nn.functional.cross_entropy(model(data["x"][idx]), data["y"][idx])
-            opt.zero_grad()
-            loss.backward()
-            if averager is not None:
-                averager.mean_([p.grad for p in model.parameters()])
-            opt.step()
-            sched.step()
-            steps += 1
-            if bar is not None:
-                bar.update(1)
-                if bar.n % 20 == 0:
-                    bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}")
-    seconds = time.perf_counter() - start
-    result: dict = {"steps": steps, "qcomm_file": qcomm.__file__}
-    if qcomm_method:
-        st = opt.stats(consensus=True)
-        result["own_acc"] = accuracy(model, data["x_test"], data["y_test"])
-        result["consensus_distance"] = st["consensus_distance"]
-        result["bytes"] = st["bytes_sent"]  # training only: the average below is not counted
-        t = time.perf_counter()
-        opt.average_parameters()
-        seconds += time.perf_counter() - t
-        opt.close()
-    else:
-        result["bytes"] = stats.snapshot()["bytes_sent"]
-    result["seconds"] = seconds
+        for m in methods:
+            m.train_epoch(epoch, bar)
+    results = {m.name: m.finish() for m in methods}
     dist.barrier()
     if bar is not None:
         bar.close()
-    result["acc"] = accuracy(model, data["x_test"], data["y_test"])
-    return result
-
-
-def _worker(rank: int, world: int, cfg: Config, data: dict) -> dict:
-    return {m: _train(m, rank, world, cfg, data) for pair in cfg.pairs() for m in pair}
+    return results
 
 
 def _cluster_rank(cfg: Config, workdir: Path, timeout_s: float) -> None:
