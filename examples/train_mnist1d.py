@@ -275,8 +275,8 @@ def link_seconds(nbytes: float, rate_bps: float) -> float:
 @dataclass(frozen=True)
 class Projection:
     """A run's time had its nodes been joined by a link of ``rate_bps``: the time measured
-    here plus the link time of the bytes, with no overlap (an upper bound for qcomm, whose
-    gossip round overlaps the next step)."""
+    here plus the link time of the bytes, as if nothing overlapped them (qcomm's gossip round
+    can overlap the next step; a synchronous allreduce cannot overlap this demo's step)."""
 
     rate_bps: float
     link_step_s: float   # what the link adds per step: step bytes / rate

@@ -93,7 +93,7 @@ def test_measured_verdict_and_rates():
         demo.parse_rate("100 Mbit/s")
 
 
-def test_emulated_link_needs_root(monkeypatch, capsys):
+def test_emulated_link_needs_root(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert any("root" in p for p in demo.emulation_problems())
     with pytest.raises(SystemExit, match="cannot run here: it needs root"):
@@ -110,7 +110,7 @@ def test_demo_end_to_end_projection_matches_measurements():
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), "--epochs", "1", "--num-samples", "2000", "--hidden",
          "256", "--optimizers", "sgd", "--timeout-s", "240"],
-        env=env, capture_output=True, text=True, timeout=300, check=False)
+        env=env, capture_output=True, text=True, timeout=280, check=False)
     out = proc.stdout
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "warning: ranks imported qcomm" not in out  # the ranks run this checkout's qcomm
@@ -133,13 +133,17 @@ def test_demo_end_to_end_projection_matches_measurements():
         rate = demo.parse_rate(label.replace(" ", "").replace("/s", "").lower()) if label else rate
         step_bytes, measured_ms = per_step[m]
         assert float(link_ms) == pytest.approx(1e3 * 8 * step_bytes / rate, abs=0.051)
-        assert float(step_ms) == pytest.approx(measured_ms + float(link_ms), abs=0.11)
+        # Three printed roundings of 0.05 ms each at most.
+        assert float(step_ms) == pytest.approx(measured_ms + float(link_ms), abs=0.151)
         # The run: its measured seconds plus its bytes over the rate.
         assert float(run_s) == pytest.approx(
-            train_s[m] + 8 * step_bytes * steps / rate, abs=0.1 + 8 * 0.5 * steps / rate)
+            train_s[m] + 8 * step_bytes * steps / rate, abs=0.101 + 8 * 0.5 * steps / rate)
         projected[(rate, m)] = float(run_s)
     verdict = out[out.index("\nVerdict, from the numbers above:\n"):].strip().splitlines()[1:]
-    assert out.rstrip().endswith(verdict[-1])  # the verdict ends the output
+    # The verdict ends the output: a line on loopback, one per rate, one on the crossover rate
+    # and accuracy, and nothing after it.
+    assert len(verdict) == 2 + len(demo.PROJECTED_RATES)
+    assert all(v.startswith("  ") for v in verdict), verdict
     for rate in demo.PROJECTED_RATES:
         (line,) = [v for v in verdict if v.strip().startswith(f"At {demo.format_rate(rate)},")]
         first = min(("ASSGD", "synchronous fp32 SGD"), key=lambda m: projected[(rate, m)])
