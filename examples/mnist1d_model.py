@@ -27,17 +27,24 @@ def make_mnist1d(num_samples: int = 5000, seed: int = 42) -> dict[str, torch.Ten
 
 
 class ConvNet(nn.Module):
-    """Three strided Conv1d layers and a linear head, like the MNIST-1D paper's CNN (~5k
-    parameters). Input float32 [B, 1, 40], output logits [B, 10]."""
+    """Three strided Conv1d layers and a head, like the MNIST-1D paper's CNN. Input float32
+    [B, 1, 40], output logits [B, 10].
 
-    def __init__(self, channels: int = 25) -> None:
+    ``hidden=0`` is the paper's linear head (5,210 parameters in all); ``hidden=H`` puts one
+    ReLU layer of H units in the head. That adds parameters (the bytes data-parallel training
+    sends every step) at little compute, so a demo can weigh the two as a bigger model would.
+    """
+
+    def __init__(self, channels: int = 25, hidden: int = 0) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv1d(1, channels, 5, stride=2, padding=1), nn.ReLU(),     # 40 -> 19
             nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),  # 19 -> 10
             nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),  # 10 -> 5
         )
-        self.head = nn.Linear(channels * 5, 10)
+        self.head: nn.Module = (
+            nn.Linear(channels * 5, 10) if hidden == 0 else
+            nn.Sequential(nn.Linear(channels * 5, hidden), nn.ReLU(), nn.Linear(hidden, 10)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x).flatten(1))
