@@ -104,15 +104,16 @@ def qcomm_variant(name: str) -> dict[str, Any] | None:
 
 # The peers' own knobs in their names, as qcomm's: localsgd-p<period>,
 # torchft-[streaming-]diloco[-h<sync_every>][-o<outer lr x 10>][-m<outer momentum x 10>],
-# ddp-powersgd-r<rank>; and qcomm's hook: qcomm-hook[-b<bits>][-ag|-rs][-n|-st] (the rail's
-# all-gather or two-stage reduce-scatter, plain: "auto"; -n nearest, -st stochastic rounding,
-# plain: the hook's default, nearest). The plain names run the defaults of Config.
+# ddp-powersgd-r<rank>; and qcomm's hook: qcomm-hook[-b<bits>][-ag|-rs][-n|-st][-c<MB>][-d<MB>]
+# (the rail's all-gather or two-stage reduce-scatter, plain: "auto"; -n nearest, -st stochastic
+# rounding, plain: the hook's default, nearest; -c the hook's bucket_mb, the pieces a DDP bucket
+# is cut into and pipelined as; -d DDP's bucket_cap_mb). The plain names run Config's defaults.
 _PEER = re.compile(r"(?P<base>localsgd)-p(?P<p>\d+)"
                    r"|(?P<dbase>torchft-diloco|torchft-streaming-diloco)"
                    r"(?:-h(?P<h>\d+))?(?:-o(?P<o>\d+))?(?:-m(?P<m>\d))?"
                    r"|(?P<pbase>ddp-powersgd)-r(?P<r>\d+)"
                    r"|(?P<hbase>qcomm-hook)(?:-b(?P<hb>[1248]))?(?:-(?P<hr>ag|rs))?"
-                   r"(?:-(?P<hn>n|st))?")
+                   r"(?:-(?P<hn>n|st))?(?:-c(?P<hc>\d+))?(?:-d(?P<hd>\d+))?")
 _HOOK_RAILS = {"ag": "all_gather", "rs": "reduce_scatter"}
 
 
@@ -133,6 +134,10 @@ def peer_variant(name: str) -> tuple[str, dict[str, Any]] | None:
             out["hook_rail"] = _HOOK_RAILS[m["hr"]]
         if m["hn"]:
             out["hook_rounding"] = "nearest" if m["hn"] == "n" else "stochastic"
+        if m["hc"]:
+            out["hook_bucket_mb"] = float(m["hc"])
+        if m["hd"]:
+            out["hook_ddp_bucket_mb"] = float(m["hd"])
         return (m["hbase"], out) if out else None
     if m["h"]:
         out["diloco_sync_every"] = int(m["h"])
@@ -597,11 +602,12 @@ def _qcomm_hook(module, cfg: Config) -> Built:
 
     import qcomm.hooks as hooks
 
-    model = DDP(module)
-    rounding = {} if cfg.hook_rounding is None else {"rounding": cfg.hook_rounding}
+    ddp_kw = {} if cfg.hook_ddp_bucket_mb is None else {"bucket_cap_mb": cfg.hook_ddp_bucket_mb}
+    model = DDP(module, **ddp_kw)
+    given = {"rounding": cfg.hook_rounding, "bucket_mb": cfg.hook_bucket_mb}
     state = hooks.HierarchicalQuantState(procs_per_node=cfg.layout.procs, bits=cfg.hook_bits,
                                          seed=cfg.seed, rail_collective=cfg.hook_rail,
-                                         **rounding)
+                                         **{k: v for k, v in given.items() if v is not None})
     model.register_comm_hook(state, hooks.hierarchical_quantized_hook)
 
     def stats() -> dict[str, int]:
@@ -612,7 +618,8 @@ def _qcomm_hook(module, cfg: Config) -> Built:
 
     return Built(model, module, inner_optimizer(model.parameters(), cfg), comm_stats=stats,
                  notes={"bits": cfg.hook_bits, "rail": state.rail_collective,
-                        "rounding": state.rounding})
+                        "rounding": state.rounding, "bucket_mb": state.bucket_mb,
+                        "ddp_bucket_cap_mb": cfg.hook_ddp_bucket_mb})
 
 
 BUILDERS: dict[str, Callable[[Any, Config], Built]] = {

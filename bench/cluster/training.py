@@ -55,6 +55,8 @@ class Config:
     hook_bits: int = 4
     hook_rail: str = "auto"
     hook_rounding: str | None = None
+    hook_bucket_mb: float | None = None
+    hook_ddp_bucket_mb: float | None = None
     diloco_sync_every: int = 16
     diloco_outer_lr: float = 0.7
     diloco_outer_momentum: float = 0.9

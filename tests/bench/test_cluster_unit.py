@@ -562,6 +562,8 @@ def test_variants_resolve_to_registry_entries():
     ("qcomm-hook-rs-n", ("qcomm-hook", {"hook_rail": "reduce_scatter",
                                         "hook_rounding": "nearest"})),
     ("qcomm-hook-st", ("qcomm-hook", {"hook_rounding": "stochastic"})),
+    ("qcomm-hook-b2-c1-d4", ("qcomm-hook", {"hook_bits": 2, "hook_bucket_mb": 1.0,
+                                            "hook_ddp_bucket_mb": 4.0})),
     ("qcomm-hook", None), ("torchft-diloco", None), ("qcomm-hook-rs2", None),
 ])
 def test_peer_variant_names_set_config_fields(name, want):

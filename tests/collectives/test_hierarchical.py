@@ -23,16 +23,21 @@ ranks of |x| element-wise, L ranks per node, N nodes):
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives import PeerError
 from qcomm.collectives.buckets import MIB, plan_buckets, unpack
 from qcomm.collectives.hierarchical import HierarchicalAllreduce, shard_numel
 from qcomm.collectives.primitives import all_gather_flat
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.compress import QuantSpec, packed_nbytes
+from qcomm.testing.multiprocess import run_world
 from tests.collectives.test_intra import (
     ASYNC_OK,
     BLOCK,
@@ -422,3 +427,49 @@ def test_reduce_scatter_bytes_per_node_stay_flat_in_the_node_count(nodes):
     rs = expected_bytes(plan, 1, nodes, spec, 4, "reduce_scatter")["inter"]
     assert rs / ag == pytest.approx(2 / nodes, rel=1e-3)
     assert rs <= 2 * packed_nbytes(numel, spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# a node that dies in the middle of the reduce-scatter form: the others name it, change no
+# residual, and do not hang
+
+DEAD_TIMEOUT_S = 3.0
+DEAD_MARGIN_S = 2.0  # scheduling slack on a loaded 2-core machine
+
+
+def _dead_node_body(rank: int, world_size: int) -> dict | None:
+    """4 nodes x 1: two calls succeed, then node 3 exits before the third call."""
+    topo = Topology(1)
+    ar = HierarchicalAllreduce(topo, spec=QuantSpec(4, BLOCK), rail_collective="reduce_scatter",
+                               timeout_s=DEAD_TIMEOUT_S)
+    for call in (1, 2):
+        ar.mean_(make_tensors(rank, call), key="k")
+    if rank == world_size - 1:
+        os._exit(3)  # killed: no clean-up, the kernel closes its sockets
+    before = {k: ar.error_feedback.residual(k).clone() for k in ar.error_feedback.keys()}  # noqa: SIM118
+    ts = make_tensors(rank, 3)
+    t0 = time.monotonic()
+    try:
+        ar.mean_(ts, key="k")
+    except PeerError as e:
+        after = {k: ar.error_feedback.residual(k) for k in ar.error_feedback.keys()}  # noqa: SIM118
+        return {"type": type(e).__name__, "peers": e.peers, "msg": str(e),
+                "elapsed": time.monotonic() - t0,
+                "residuals_kept": before.keys() == after.keys() and all(
+                    torch.equal(before[k], after[k]) for k in before),
+                "tensors_kept": all(torch.equal(a, b)
+                                    for a, b in zip(ts, make_tensors(rank, 3), strict=True))}
+    return None
+
+
+@pytest.mark.timeout(150)
+def test_a_dead_node_in_the_reduce_scatter_is_named_and_no_residual_moves():
+    world = 4
+    res = run_world(_dead_node_body, world, timeout_s=120, allow_exit={world - 1})
+    for r in res[:-1]:
+        assert r is not None, "the call went through without the dead node"
+        assert r["type"] in ("PeerLostError", "PeerTimeoutError"), r
+        assert world - 1 in r["peers"], r
+        assert r["elapsed"] <= DEAD_TIMEOUT_S + DEAD_MARGIN_S, r
+        assert r["residuals_kept"], "a residual moved for a mean nobody applied"
+        assert r["tensors_kept"], "the tensors were written by a failed mean"
