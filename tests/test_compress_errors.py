@@ -172,52 +172,63 @@ def test_triton_backend_on_cpu_needs_interpreter(monkeypatch: pytest.MonkeyPatch
 # dequantize / dequant_accumulate arguments
 
 
-def test_bad_dequantize_args() -> None:
-    p = quantize(torch.randn(10), SPEC)
-    with pytest.raises(TypeError, match="packed"):
-        dequantize(p.payload)
-    with pytest.raises(TypeError, match="dtype"):
-        dequantize(p, dtype=torch.float64)
-    with pytest.raises(ValueError, match="out"):
-        dequantize(p, out=torch.zeros(11))
-    with pytest.raises(ValueError, match="out"):
-        dequantize(p, out=torch.zeros(20)[::2])
-    with pytest.raises(TypeError, match="out"):
-        dequantize(p, out=torch.zeros(10, dtype=torch.float64))
-    with pytest.raises(ValueError, match="payload"):
-        Packed.from_payload(p.payload[:-1], 10, SPEC)
-    with pytest.raises(TypeError, match="payload"):
-        Packed.from_payload(p.payload.to(torch.int8), 10, SPEC)
+# Each case: a call on a valid Packed ``p`` of 10 elements -> (exception, message).
+BAD_DEQUANTIZE = {
+    "a raw payload": (lambda p: dequantize(p.payload), TypeError, "packed"),
+    "a float64 result": (lambda p: dequantize(p, dtype=torch.float64), TypeError, "dtype"),
+    "out of the wrong size": (lambda p: dequantize(p, out=torch.zeros(11)), ValueError, "out"),
+    "out not contiguous": (lambda p: dequantize(p, out=torch.zeros(20)[::2]), ValueError, "out"),
+    "out of another dtype": (lambda p: dequantize(p, out=torch.zeros(10, dtype=torch.float64)),
+                             TypeError, "out"),
+    "a short payload": (lambda p: Packed.from_payload(p.payload[:-1], 10, SPEC), ValueError,
+                        "payload"),
+    "a payload not of bytes": (lambda p: Packed.from_payload(p.payload.to(torch.int8), 10, SPEC),
+                               TypeError, "payload"),
+}
 
 
-def test_bad_dequant_accumulate_args() -> None:
-    n = 10
-    nbytes = packed_nbytes(n, SPEC)
-    good = torch.zeros(2, nbytes, dtype=torch.uint8)
-    out = torch.zeros(n)
-    with pytest.raises(ValueError, match="payloads"):
-        dequant_accumulate(torch.zeros(2, nbytes + 1, dtype=torch.uint8), out, SPEC)
-    with pytest.raises(TypeError, match="payloads"):
-        dequant_accumulate(good.to(torch.int16), out, SPEC)
-    with pytest.raises(ValueError, match="payloads"):
-        dequant_accumulate(good.unsqueeze(0), out, SPEC)
-    with pytest.raises(TypeError, match="payloads"):
-        dequant_accumulate(good.tolist(), out, SPEC)
-    with pytest.raises(ValueError, match="payloads"):
-        dequant_accumulate(torch.zeros(nbytes, 2, dtype=torch.uint8).t(), out, SPEC)
-    with pytest.raises(ValueError, match="payloads"):
-        dequant_accumulate(good.to("meta"), out, SPEC)
-    with pytest.raises(TypeError, match="out"):
-        dequant_accumulate(good, out.to(torch.float16), SPEC)
-    with pytest.raises(ValueError, match="out"):
-        dequant_accumulate(good, torch.zeros(2 * n)[::2], SPEC)
-    for w in ([1.0], [1.0, 2.0, 3.0], torch.ones(3)):
-        with pytest.raises(ValueError, match="weights"):
-            dequant_accumulate(good, out, SPEC, weights=w)
-    for w in ([1.0, float("nan")], [float("inf"), 1.0], torch.tensor([1.0, -float("inf")])):
-        with pytest.raises(ValueError, match="weights"):
-            dequant_accumulate(good, out, SPEC, weights=w)
-    assert torch.equal(out, torch.zeros(n))  # nothing was touched by the failed calls
+@pytest.mark.parametrize("case", list(BAD_DEQUANTIZE))
+def test_bad_dequantize_args(case: str) -> None:
+    call, exc, match = BAD_DEQUANTIZE[case]
+    with pytest.raises(exc, match=match):
+        call(quantize(torch.randn(10), SPEC))
+
+
+_N = 10
+_NBYTES = packed_nbytes(_N, SPEC)
+_GOOD = torch.zeros(2, _NBYTES, dtype=torch.uint8)
+# Each case: (payloads, out, weights) -> (exception, message); None takes the good one.
+BAD_ACCUMULATE = {
+    "payloads of the wrong width": (torch.zeros(2, _NBYTES + 1, dtype=torch.uint8), None, None,
+                                    ValueError, "payloads"),
+    "payloads not of bytes": (_GOOD.to(torch.int16), None, None, TypeError, "payloads"),
+    "payloads of three dims": (_GOOD.unsqueeze(0), None, None, ValueError, "payloads"),
+    "payloads as a list": (_GOOD.tolist(), None, None, TypeError, "payloads"),
+    "payloads not contiguous": (torch.zeros(_NBYTES, 2, dtype=torch.uint8).t(), None, None,
+                                ValueError, "payloads"),
+    "payloads on meta": (_GOOD.to("meta"), None, None, ValueError, "payloads"),
+    "out in float16": (None, torch.zeros(_N, dtype=torch.float16), None, TypeError, "out"),
+    "out not contiguous": (None, torch.zeros(2 * _N)[::2], None, ValueError, "out"),
+    "one weight for two": (None, None, [1.0], ValueError, "weights"),
+    "three weights for two": (None, None, [1.0, 2.0, 3.0], ValueError, "weights"),
+    "a tensor of three weights": (None, None, torch.ones(3), ValueError, "weights"),
+    "a nan weight": (None, None, [1.0, float("nan")], ValueError, "weights"),
+    "an inf weight": (None, None, [float("inf"), 1.0], ValueError, "weights"),
+    "a -inf weight tensor": (None, None, torch.tensor([1.0, -float("inf")]), ValueError,
+                             "weights"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ACCUMULATE))
+def test_bad_dequant_accumulate_args_raise_and_touch_nothing(case: str) -> None:
+    payloads, out, weights, exc, match = BAD_ACCUMULATE[case]
+    acc = torch.zeros(_N)
+    kwargs = {} if weights is None else {"weights": weights}
+    with pytest.raises(exc, match=match):
+        dequant_accumulate(_GOOD.clone() if payloads is None else payloads,
+                           acc if out is None else out, SPEC, **kwargs)
+    if out is None:
+        assert torch.equal(acc, torch.zeros(_N))  # the failed call wrote nothing
 
 
 # ---------------------------------------------------------------------------------------------

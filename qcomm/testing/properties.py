@@ -186,79 +186,136 @@ def check_unbiased(
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     v32 = v.reshape(-1).to(torch.float32)
-    n = v32.numel()
     v64 = _flat64(v32, "v")
     if not bool(torch.isfinite(v64).all()):
         raise AssertionError("v must be finite for check_unbiased")
+    seeds = range(first_seed, first_seed + num_seeds)
+    s = _draw_stochastic(quantize, dequantize, step, v32, v64, seeds, eps, level_slack)
+    active = s.delta > 0
+    m = int(active.sum())
+    if m == 0:
+        return
+    extra = level_slack * eps * s.delta
+    slack = eps * (v64.abs() + s.max_abs_d) + extra + FP32_SUBNORMAL_ABS
+    width = s.delta + 2 * slack  # R
+    bias = (s.delta * (2.0**-24 + eps) + eps * (2 * v64.abs() + s.delta) + extra
+            + FP32_SUBNORMAL_ABS)  # b
+    a_each = alpha / 3  # the three tests share alpha (union bound)
+    _test_element_means(s, v64, width, bias, active, m, a_each)
+    _test_pooled_mean(s, width, bias, active, m, a_each)
+    if check_variance:
+        _test_second_moments(s, v64, width, active, m, a_each)
+
+
+@dataclass
+class _Draws:
+    """Per-element sums over the seeds of a stochastic codec's decoded errors ``d - v``."""
+
+    num_seeds: int
+    delta: torch.Tensor       # the step, the same at every seed
+    total: torch.Tensor       # sum of (d - v)
+    total_sq: torch.Tensor    # sum of (d - v)**2
+    max_abs_d: torch.Tensor   # max |d|, for the float slack of the support
+
+
+def _draw_stochastic(
+    quantize: Callable[[torch.Tensor, int], Payload],
+    dequantize: Callable[[Payload], torch.Tensor],
+    step: Callable[[Payload], torch.Tensor],
+    v32: torch.Tensor,
+    v64: torch.Tensor,
+    seeds: range,
+    eps: float,
+    level_slack: float,
+) -> _Draws:
+    """Quantize ``v32`` once per seed, checking every draw deterministically (a step that does
+    not depend on the seed, the support, exact zero steps), and sum the errors."""
+    n = v32.numel()
     total = torch.zeros(n, dtype=torch.float64)
     total_sq = torch.zeros(n, dtype=torch.float64)
-    delta: torch.Tensor | None = None
     max_abs_d = torch.zeros(n, dtype=torch.float64)
-    for k in range(num_seeds):
-        seed = first_seed + k
+    delta: torch.Tensor | None = None
+    for seed in seeds:
         payload = quantize(v32, seed)
         d = _flat64(dequantize(payload), "dequantize(payload)", n)
         dk = _flat64(step(payload), "step(payload)", n)
         if delta is None:
             delta = dk
-        elif not torch.equal(dk, delta):
-            i = int((dk != delta).nonzero()[0])
-            raise AssertionError(f"step depends on the seed: element {i} has step "
-                                 f"{float(delta[i])!r} at seed {first_seed} and "
-                                 f"{float(dk[i])!r} at seed {seed}")
+        else:
+            _check_same_step(delta, dk, seeds.start, seed)
         diff = d - v64
-        # Support: both levels around v lie within Delta (+ float slack) of v.
-        slack = eps * (v64.abs() + d.abs()) + level_slack * eps * dk + FP32_SUBNORMAL_ABS
-        _fail_first(~(diff.abs() <= dk + slack),
-                    f"support: |D(Q(v)) - v| <= step + slack (seed {seed})",
-                    v=v64, decoded=d, step=dk)
-        _fail_first((dk == 0) & (diff != 0), f"step 0 must decode exactly (seed {seed})",
-                    v=v64, decoded=d)
+        _check_draw(v64, d, dk, diff, seed, eps, level_slack)
         total += diff
         total_sq += diff * diff
         max_abs_d = torch.maximum(max_abs_d, d.abs())
-    assert delta is not None
-    active = delta > 0
-    m = int(active.sum())
-    if m == 0:
-        return
-    big_n = float(num_seeds)
-    extra = level_slack * eps * delta
-    slack = eps * (v64.abs() + max_abs_d) + extra + FP32_SUBNORMAL_ABS
-    width = delta + 2 * slack  # R
-    bias = (delta * (2.0**-24 + eps) + eps * (2 * v64.abs() + delta) + extra
-            + FP32_SUBNORMAL_ABS)  # b
-    mean_err = total / big_n
-    a_each = alpha / 3
+    assert delta is not None  # num_seeds >= 2
+    return _Draws(len(seeds), delta, total, total_sq, max_abs_d)
 
-    # 1. per-element z-test, Hoeffding-calibrated, Bonferroni over the m elements
+
+def _check_same_step(delta: torch.Tensor, dk: torch.Tensor, first_seed: int, seed: int) -> None:
+    """The statistics below take one Delta per element: the step must not depend on the seed."""
+    if not torch.equal(dk, delta):
+        i = int((dk != delta).nonzero()[0])
+        raise AssertionError(f"step depends on the seed: element {i} has step "
+                             f"{float(delta[i])!r} at seed {first_seed} and "
+                             f"{float(dk[i])!r} at seed {seed}")
+
+
+def _check_draw(v64: torch.Tensor, d: torch.Tensor, dk: torch.Tensor, diff: torch.Tensor,
+                seed: int, eps: float, level_slack: float) -> None:
+    """One draw: both levels around v lie within Delta (+ float slack) of v, and a zero step
+    decodes exactly."""
+    slack = eps * (v64.abs() + d.abs()) + level_slack * eps * dk + FP32_SUBNORMAL_ABS
+    _fail_first(~(diff.abs() <= dk + slack),
+                f"support: |D(Q(v)) - v| <= step + slack (seed {seed})",
+                v=v64, decoded=d, step=dk)
+    _fail_first((dk == 0) & (diff != 0), f"step 0 must decode exactly (seed {seed})",
+                v=v64, decoded=d)
+
+
+def _test_element_means(s: _Draws, v64: torch.Tensor, width: torch.Tensor, bias: torch.Tensor,
+                        active: torch.Tensor, m: int, a_each: float) -> None:
+    """Test 1 of :func:`check_unbiased`: per-element z-test, Hoeffding-calibrated, Bonferroni
+    over the m elements."""
+    big_n = float(s.num_seeds)
+    mean_err = s.total / big_n
     c = math.sqrt(2 * math.log(2 * m / a_each))
     z = (mean_err.abs() - bias).clamp_min(0) / (width / (2 * math.sqrt(big_n)))
     _fail_first(active & (z > c),
                 f"unbiased: |mean_N(D(Q(v))) - v| within z <= {c:.3f} standard errors "
-                f"(N={num_seeds}, false-failure probability <= {a_each:.3g})",
-                v=v64, mean_decoded=v64 + mean_err, step=delta, z=z)
+                f"(N={s.num_seeds}, false-failure probability <= {a_each:.3g})",
+                v=v64, mean_decoded=v64 + mean_err, step=s.delta, z=z)
 
-    # 2. pooled mean of the normalized errors
+
+def _test_pooled_mean(s: _Draws, width: torch.Tensor, bias: torch.Tensor, active: torch.Tensor,
+                      m: int, a_each: float) -> None:
+    """Test 2 of :func:`check_unbiased`: the mean of the normalized errors over all N m
+    samples, for a systematic bias too small to see per element."""
+    big_n = float(s.num_seeds)
+    mean_err = s.total / big_n
     pooled = float((mean_err[active] / width[active]).mean())
     pooled_bias = float((bias[active] / width[active]).mean())
     t = math.sqrt(math.log(2 / a_each) / (2 * big_n * m))
     if abs(pooled) > t + pooled_bias:
         raise AssertionError(
-            f"unbiased (pooled over {m} elements x {num_seeds} seeds): mean of "
+            f"unbiased (pooled over {m} elements x {s.num_seeds} seeds): mean of "
             f"(D(Q(v)) - v) / step = {pooled:.3e}, allowed +-{t + pooled_bias:.3e} "
             f"(false-failure probability <= {a_each:.3g})"
         )
 
-    # 3. per-coordinate second moment (QSGD Lemma 3.1)
-    if check_variance:
-        mse = total_sq / big_n
-        r2 = width * width
-        allowed = r2 / 4 + r2 * math.sqrt(math.log(m / a_each) / (2 * big_n))
-        _fail_first(active & (mse > allowed),
-                    f"variance: mean_N((D(Q(v)) - v)**2) <= step**2/4 + Hoeffding margin "
-                    f"(N={num_seeds}, false-failure probability <= {a_each:.3g})",
-                    v=v64, step=delta, mse=mse, allowed=allowed)
+
+def _test_second_moments(s: _Draws, v64: torch.Tensor, width: torch.Tensor,
+                         active: torch.Tensor, m: int, a_each: float) -> None:
+    """Test 3 of :func:`check_unbiased`: the per-coordinate second moment (QSGD Lemma 3.1),
+    one-sided Hoeffding with Bonferroni over the m elements."""
+    big_n = float(s.num_seeds)
+    mse = s.total_sq / big_n
+    r2 = width * width
+    allowed = r2 / 4 + r2 * math.sqrt(math.log(m / a_each) / (2 * big_n))
+    _fail_first(active & (mse > allowed),
+                f"variance: mean_N((D(Q(v)) - v)**2) <= step**2/4 + Hoeffding margin "
+                f"(N={s.num_seeds}, false-failure probability <= {a_each:.3g})",
+                v=v64, step=s.delta, mse=mse, allowed=allowed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,25 +377,38 @@ def check_error_feedback_conservation(
         e_old64 = _flat64(e, "e_old", n)
         payload, e_new = quantize_ef(x, e.clone(), seed)
         d = _flat64(dequantize(payload), f"dequantize(payload_{t})", n)
-        e_new64 = _flat64(e_new, f"e_new (step {t})", n)
-        target = x64 + e_old64  # float64 sum of two float32 values: error <= 2**-53 |target|
-        r = eps * (target.abs() + e_new64.abs()) + FP32_SUBNORMAL_ABS
-        gap = (d + e_new64 - target).abs()
-        f64 = 4 * _F64_EPS * (d.abs() + e_new64.abs() + x64.abs() + e_old64.abs())
-        _fail_first(~(gap <= r + f64),
-                    f"error feedback, step {t}: |D(payload) + e_new - (x + e_old)| "
-                    f"<= eps*(|x + e_old| + |e_new|) + 2**-149",
-                    x=x64, e_old=e_old64, decoded=d, e_new=e_new64, gap=gap, bound=r + f64)
+        r = _check_ef_step(t, x64, e_old64, d, _flat64(e_new, f"e_new (step {t})", n), eps)
         sum_d += d
         sum_x += x64
         sum_r += r
         sum_abs += d.abs() + x64.abs()
         e = e_new.reshape(-1).to(torch.float32)
-    e_t = _flat64(e, "e_T", n)
+    _check_ef_run(len(seq), sum_d, sum_x, sum_r, sum_abs, e0, _flat64(e, "e_T", n))
+
+
+def _check_ef_step(t: int, x64: torch.Tensor, e_old64: torch.Tensor, d: torch.Tensor,
+                   e_new64: torch.Tensor, eps: float) -> torch.Tensor:
+    """Step ``t`` of :func:`check_error_feedback_conservation`:
+    ``|d + e_new - (x + e_old)| <= r_t`` (plus the check's own float64 error); returns r_t."""
+    target = x64 + e_old64  # float64 sum of two float32 values: error <= 2**-53 |target|
+    r = eps * (target.abs() + e_new64.abs()) + FP32_SUBNORMAL_ABS
+    gap = (d + e_new64 - target).abs()
+    f64 = 4 * _F64_EPS * (d.abs() + e_new64.abs() + x64.abs() + e_old64.abs())
+    _fail_first(~(gap <= r + f64),
+                f"error feedback, step {t}: |D(payload) + e_new - (x + e_old)| "
+                f"<= eps*(|x + e_old| + |e_new|) + 2**-149",
+                x=x64, e_old=e_old64, decoded=d, e_new=e_new64, gap=gap, bound=r + f64)
+    return r
+
+
+def _check_ef_run(steps: int, sum_d: torch.Tensor, sum_x: torch.Tensor, sum_r: torch.Tensor,
+                  sum_abs: torch.Tensor, e0: torch.Tensor, e_t: torch.Tensor) -> None:
+    """The whole run of :func:`check_error_feedback_conservation`: the residuals telescope,
+    ``|sum_t d_t + e_T - e_0 - sum_t x_t| <= sum_t r_t`` plus the float64 error of the sums."""
     total_gap = (sum_d + e_t - e0 - sum_x).abs()
-    f64_total = (2 * len(seq) + 4) * _F64_EPS * (sum_abs + e_t.abs())
+    f64_total = (2 * steps + 4) * _F64_EPS * (sum_abs + e_t.abs())
     _fail_first(~(total_gap <= sum_r + f64_total),
-                f"error feedback over {len(seq)} steps: |sum D(payload_t) + e_T - e_0 - sum x_t| "
+                f"error feedback over {steps} steps: |sum D(payload_t) + e_T - e_0 - sum x_t| "
                 f"<= sum_t eps*(|x_t + e_t-1| + |e_t|) + float64 error",
                 sum_decoded=sum_d, e_T=e_t, e_0=e0, sum_x=sum_x, gap=total_gap,
                 bound=sum_r + f64_total)

@@ -7,6 +7,7 @@ import pytest
 
 from bench.cluster import compare as C
 from bench.cluster import methods as M
+from bench.cluster import torchft_methods as TF
 from bench.cluster import training as T
 from bench.cluster import workloads as W
 
@@ -27,15 +28,22 @@ def test_shapes_are_the_mnist1d_workloads_default_model():
 # registry
 
 
-def test_registry_has_the_methods_in_order():
-    assert list(M.METHODS) == ["ddp", "ddp-fp16", "ddp-powersgd", "localsgd", "torchft-diloco",
-                               "torchft-streaming-diloco", "qcomm-hook", "qcomm-hier-4",
-                               "assgd-8", "assgd-4", "assgd-2", "assgd-1", "assgd-4-ddp"]
-    assert {m.family for m in M.METHODS.values()} == set(M.FAMILIES)
-    assert all(m.needs is None for m in M.METHODS.values() if m.family == "torch")
-    assert all(m.needs for m in M.METHODS.values() if m.family != "torch")
-    assert M.METHODS["torchft-diloco"].needs == "torchft"
-    assert M.METHODS["qcomm-hier-4"].needs == "qcomm.sgd:HierarchicalOptimizer"
+def test_all_selects_every_family_and_each_method_once():
+    """``--methods all`` runs what the three family selections run together, nothing twice."""
+    everything = M.parse_methods("all")
+    by_family = [n for f in M.FAMILIES for n in M.parse_methods(f)]
+    assert len(set(everything)) == len(everything)
+    assert sorted(everything) == sorted(by_family)
+    assert M.parse_methods("") == everything
+
+
+@pytest.mark.parametrize("name", list(M.METHODS))
+def test_only_torch_methods_run_without_a_requirement(name):
+    # availability() looks up `needs`; a torch method needing something could be skipped
+    # on a machine that has torch, a qcomm or torchft method without one could never be.
+    info = M.METHODS[name]
+    assert info.family in M.FAMILIES
+    assert (info.needs is None) == (info.family == "torch")
 
 
 def test_every_torch_method_has_a_builder():
@@ -45,7 +53,6 @@ def test_every_torch_method_has_a_builder():
 
 
 @pytest.mark.parametrize(("spec", "want"), [
-    ("all", list(M.METHODS)),
     ("torch", ["ddp", "ddp-fp16", "ddp-powersgd", "localsgd"]),
     ("torchft", ["torchft-diloco", "torchft-streaming-diloco"]),
     ("qcomm", ["qcomm-hook", "qcomm-hier-4", "assgd-8", "assgd-4", "assgd-2", "assgd-1",
@@ -126,15 +133,23 @@ def test_ring_allreduce_inter_bytes(nodes, procs, want):
     assert M.ring_allreduce_inter_bytes(1000, T.Layout(nodes, procs)) == pytest.approx(1000 * want)
 
 
-def test_expected_bytes_per_method():
+def test_ddp_sends_a_ring_allreduce_of_the_fp32_model():
+    assert M.expected_inter_bytes("ddp", SHAPES, T.Layout(2, 2)) == pytest.approx(1.5 * 4 * NUMEL)
+
+
+@pytest.mark.parametrize(("method", "kwargs", "of_ddp"), [
+    ("ddp-fp16", {}, 1 / 2),                       # half the bytes per element
+    ("localsgd", {"localsgd_period": 8}, 1 / 8),   # one model average per period
+])
+def test_expected_bytes_relative_to_ddp(method, kwargs, of_ddp):
     lay = T.Layout(2, 2)
     full = M.expected_inter_bytes("ddp", SHAPES, lay)
-    assert full == pytest.approx(1.5 * 4 * NUMEL)
-    assert M.expected_inter_bytes("ddp-fp16", SHAPES, lay) == pytest.approx(full / 2)
-    assert M.expected_inter_bytes("localsgd", SHAPES, lay, localsgd_period=8) == \
-        pytest.approx(full / 8)
-    assert M.expected_inter_bytes("assgd-4", SHAPES, lay) is None
-    assert M.expected_inter_bytes("qcomm-hook", SHAPES, lay) is None
+    assert M.expected_inter_bytes(method, SHAPES, lay, **kwargs) == pytest.approx(full * of_ddp)
+
+
+@pytest.mark.parametrize("method", ["assgd-4", "qcomm-hook"])
+def test_qcomm_methods_have_no_formula_they_count_their_own_bytes(method):
+    assert M.expected_inter_bytes(method, SHAPES, T.Layout(2, 2)) is None
 
 
 @pytest.mark.parametrize(("first", "steps", "period", "want"), [
@@ -195,9 +210,16 @@ def test_diloco_bytes_per_step():
     assert got == pytest.approx(3 * 2 * 4 * NUMEL / 48)
 
 
+def _default_fragments(count: int) -> list[int]:
+    """Parameters per fragment of the mnist1d default model as streaming DiLoCo cuts it (what
+    a run records in its notes for the formula)."""
+    info = W.WORKLOADS["mnist1d"]
+    model = W.make_mlp(info.width, info.depth)
+    return [sum(p.numel() for p in f.parameters()) for f in TF.split_fragments(model, count)]
+
+
 def test_streaming_diloco_counts_each_fragment_it_sends():
-    frags = [20_992, 262_656, 262_656, 5_130]  # the default MLP, one Linear per fragment
-    assert sum(frags) == NUMEL
+    frags = _default_fragments(4)  # one Linear per fragment: 20_992, 262_656, 262_656, 5_130
     lay = T.Layout(2, 1)
     # period 4, delay 1: syncs j = 1..12 start in steps 5..52 -> fragments 1,2,3,0,1,2,3,0,...
     got = M.expected_inter_bytes("torchft-streaming-diloco", SHAPES, lay, diloco_sync_every=16,
@@ -206,7 +228,7 @@ def test_streaming_diloco_counts_each_fragment_it_sends():
     # a window of steps 5..10 holds syncs 1 and 2: fragments 1 and 2
     got = M.expected_inter_bytes("torchft-streaming-diloco", SHAPES, lay, diloco_sync_every=16,
                                  fragment_numel=frags, fragment_delay=1, window=(5, 6))
-    assert got == pytest.approx((262_656 + 262_656) * 4 / 6)
+    assert got == pytest.approx((frags[1] + frags[2]) * 4 / 6)
     # without a window: every fragment once per 16 steps
     got = M.expected_inter_bytes("torchft-streaming-diloco", SHAPES, lay, diloco_sync_every=16,
                                  fragment_numel=frags, fragment_delay=1)
@@ -356,7 +378,7 @@ def test_summarize_reads_the_workload_and_its_metric():
 def test_summarize_torchft_run_uses_its_fragments():
     res = _result("torchft-streaming-diloco", nodes=2, procs=1, steps=48)
     res["config"].update(warmup=5, diloco_sync_every=16)
-    res["notes"] = {"sync_every": 16, "fragment_numel": [20_992, 262_656, 262_656, 5_130],
+    res["notes"] = {"sync_every": 16, "fragment_numel": _default_fragments(4),
                     "fragment_sync_delay": 1}
     row = C.summarize_run(res, target=0.7)
     assert row["bytes_reference"] == "formula"
@@ -410,10 +432,13 @@ def test_aggregate_keeps_failed_repetitions_visible():
     assert only_failed["status"] == "failed (exit 124)" and only_failed["repeats_ok"] == 0
 
 
-def test_table_shows_repeats_and_spread():
+def test_table_shows_medians_with_their_spread():
     row = {**C.aggregate([_rep(0.3, 30.0), _rep(0.1, 10.0), _rep(0.2, 20.0)])}
     text = C.table([row])
     assert "20.0 [10.0-30.0]" in text and "200.0 [100.0-300.0]" in text
+
+
+def test_table_counts_the_repetitions_that_ran():
     row = C.aggregate([_rep(0.1, 5.0), {"method": "ddp", "workload": "mnist1d", "layout": "2x2",
                                         "rate": "1gbit", "status": "failed (exit 1)"}])
     assert " 1/2 " in C.table([row])
@@ -424,7 +449,7 @@ def _row(method, ttt, final, iface, metric="test_acc", goal="max"):
             "inter_bytes_iface": iface, "metric": metric, "goal": goal}
 
 
-def test_check_targets_met_and_missed():
+def test_check_targets_met():
     rows = [_row("ddp", 50.0, 0.80, 3e6), _row("ddp-fp16", 25.0, 0.80, 1.5e6),
             _row("assgd-4", 10.0, 0.795, 3e5)]
     res = {c["name"]: c for c in C.check_targets(rows)}
@@ -434,6 +459,8 @@ def test_check_targets_met_and_missed():
     assert res["final accuracy vs ddp (points)"]["ok"] is True
     assert res["inter-node bytes/step vs ddp"]["ok"] is True
 
+
+def test_check_targets_missed():
     rows = [_row("ddp", 40.0, 0.80, 3e6), _row("assgd-4", 10.0, 0.78, 5e5),
             _row("localsgd", 8.0, 0.80, 4e5)]
     res = {c["name"]: c for c in C.check_targets(rows)}
@@ -540,13 +567,22 @@ def test_qcomm_variant_names(name, want):
     assert (name in M.METHODS) == (want is not None or name == "ddp")
 
 
-def test_variants_resolve_to_registry_entries():
+def test_an_assgd_variant_is_a_registry_entry_describing_its_options():
     assgd = M.METHODS["assgd-2-h8f4"]
     assert assgd.family == "qcomm" and assgd.bits == 2 and assgd.workloads == ("mnist1d",)
     assert "sync_every=8" in assgd.description and "fragments=4" in assgd.description
+
+
+def test_a_hierarchical_variant_runs_on_every_workload_and_needs_the_optimizer():
     hier = M.METHODS["qcomm-hier-4-h8f4-ddp"]
     assert hier.workloads is None and hier.needs == "qcomm.sgd:HierarchicalOptimizer"
+
+
+def test_variants_are_selectable_by_name():
     assert M.parse_methods("assgd-4-h8f4,ddp") == ["assgd-4-h8f4", "ddp"]
+
+
+def test_a_name_that_is_no_variant_is_not_in_the_registry():
     with pytest.raises(KeyError):
         M.METHODS["assgd-16"]
 

@@ -25,43 +25,71 @@ def _load_bench():
     return importlib.import_module("bench.kernels")
 
 
-def test_quick_run_writes_complete_json(tmp_path: Path) -> None:
-    out = tmp_path / "kernels.json"
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One ``--quick`` run on CPU, shared by the tests below: its process and its JSON."""
+    tmp = tmp_path_factory.mktemp("kernels")
+    out = tmp / "kernels.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "QCOMM_BACKEND": "reference"}
     # Small and 1 thread: other test processes share this machine's cores.
     cmd = [sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--threads", "1",
            "--repeat", "1", "--warmup", "0", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "# environment" in proc.stdout and "torch:" in proc.stdout
-    assert "copy GB/s" in proc.stdout  # the table
+    return {"stdout": proc.stdout, "data": json.loads(out.read_text())}
 
-    data = json.loads(out.read_text())
+
+def test_quick_run_prints_its_environment_and_the_table(quick: dict) -> None:
+    assert "# environment" in quick["stdout"] and "torch:" in quick["stdout"]
+    assert "copy GB/s" in quick["stdout"]  # the table
+
+
+def test_quick_run_json_is_complete_with_the_quick_config(quick: dict) -> None:
+    data = quick["data"]
     assert data["complete"] is True and data["exit_code"] == 0
     cfg = data["config"]
     assert cfg["sizes"] == [64 << 10] and cfg["bits"] == [1, 2, 4, 8]
     assert cfg["impls"] == ["qcomm", "kernel", "reference", "eager"]
     assert set(data["env"]) >= {"torch", "triton", "cpu_count", "device", "env"}
-    assert [c["numel"] for c in data["copy"]] == cfg["sizes"]
+
+
+def test_quick_run_times_a_copy_of_each_size(quick: dict) -> None:
+    data = quick["data"]
+    assert [c["numel"] for c in data["copy"]] == data["config"]["sizes"]
     assert all(c["gbps"] > 0 for c in data["copy"])
 
-    rows = data["rows"]
+
+def test_quick_run_has_one_row_per_op_bits_size_and_impl(quick: dict) -> None:
+    cfg, rows = quick["data"]["config"], quick["data"]["rows"]
     want = {(op, b, n, impl) for op in cfg["ops"] for b in cfg["bits"] for n in cfg["sizes"]
             for impl in cfg["impls"]}
     assert {(r["op"], r["bits"], r["numel"], r["impl"]) for r in rows} == want
     assert len(rows) == len(want)
     for r in rows:
         assert set(r) >= ROW_FIELDS, r
-        if r["impl"] == "reference":  # the CPU backend is the reference: not run twice
-            assert r["status"] == "skipped"
+
+
+def test_quick_run_skips_the_reference_row_on_the_reference_backend(quick: dict) -> None:
+    # The CPU backend is the reference: not run twice.
+    assert {r["status"] for r in quick["data"]["rows"] if r["impl"] == "reference"} == {"skipped"}
+
+
+def test_quick_run_rows_are_verified_and_their_rates_follow_from_their_times(quick: dict) -> None:
+    for r in quick["data"]["rows"]:
+        if r["impl"] == "reference":
             continue
         assert r["status"] == "ok" and r["verified"] is True, r
         assert r["gbps"] == pytest.approx(r["bytes"] / r["median_s"] / 1e9)
         assert r["ratio_copy"] == pytest.approx(r["gbps"] / r["copy_gbps"])
         assert r["vs_eager"] is not None and r["vs_compiled"] is None
-    nbytes = {(r["op"], r["bits"]): r["bytes"] for r in rows}
+
+
+def test_quick_run_counts_the_bytes_each_op_moves(quick: dict) -> None:
+    nbytes = {(r["op"], r["bits"]): r["bytes"] for r in quick["data"]["rows"]}
     n = 64 << 10
+    # quantize: fp32 in, residual in and out, 4-bit codes, one fp32 scale per 128
     assert nbytes[("quantize", 4)] == 12 * n + n // 2 + 4 * (n // 128)
+    # accumulate: 4 payloads of 8-bit codes and scales in, fp32 accumulator in and out
     assert nbytes[("accumulate", 8)] == 4 * (n + 4 * (n // 128)) + 8 * n
 
 
@@ -97,33 +125,49 @@ def test_broken_kernel_and_failed_compile_are_reported(tmp_path: Path, monkeypat
     assert "no compiler here" in rows["compiled"]["error"]
 
 
-def test_baseline_rows_are_timed_and_checked(tmp_path: Path, capsys) -> None:
+def _run_baseline(bench, tmp_path: Path, source: str) -> tuple[int, dict]:
+    """bench/kernels.py with --baseline a reference module of ``source``: exit code and rows
+    by impl."""
+    path = tmp_path / "old_reference.py"
+    path.write_text(source)
+    out = tmp_path / "k.json"
+    rc = bench.main(["--device", "cpu", "--sizes", "4K", "--bits", "4", "--ops", "quantize",
+                     "--impls", "kernel,baseline", "--baseline", str(path), "--repeat", "1",
+                     "--warmup", "0", "--json", str(out)])
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+    return rc, rows
+
+
+def test_baseline_rows_are_timed_beside_the_kernel(tmp_path: Path, capsys) -> None:
     """--baseline PATH times another version of the reference side by side (x baseline = its
-    time / a row's time), and holds it to the current reference's bytes like the kernel row."""
+    time / a row's time)."""
     bench = _load_bench()
-    good = tmp_path / "old_reference.py"
-    good.write_text((REPO / "qcomm" / "kernels" / "reference.py").read_text())
-    broken = tmp_path / "broken_reference.py"
-    broken.write_text(good.read_text() + "\n\n_orig = quantize_into\n\n"
-                      "def quantize_into(x, spec, payload, *args):\n"
-                      "    _orig(x, spec, payload, *args)\n"
-                      "    payload[0] ^= 1\n")
-    for path, rc_want in ((good, 0), (broken, 1)):
-        out = tmp_path / f"{path.stem}.json"
-        rc = bench.main(["--device", "cpu", "--sizes", "4K", "--bits", "4", "--ops", "quantize",
-                         "--impls", "kernel,baseline", "--baseline", str(path), "--repeat", "1",
-                         "--warmup", "0", "--json", str(out)])
-        assert "x baseline" in capsys.readouterr().out
-        assert rc == rc_want
-        rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
-        if rc_want == 0:
-            assert rows["baseline"]["status"] == "ok" and rows["baseline"]["verified"]
-            assert rows["kernel"]["vs_baseline"] == pytest.approx(
-                rows["baseline"]["median_s"] / rows["kernel"]["median_s"])
-        else:
-            assert "payload differs" in rows["baseline"]["error"]
-    with pytest.raises(SystemExit):  # the row without the file
-        bench.parse_args(["--impls", "baseline"])
+    reference = (REPO / "qcomm" / "kernels" / "reference.py").read_text()
+    rc, rows = _run_baseline(bench, tmp_path, reference)
+    assert "x baseline" in capsys.readouterr().out
+    assert rc == 0
+    assert rows["baseline"]["status"] == "ok" and rows["baseline"]["verified"]
+    assert rows["kernel"]["vs_baseline"] == pytest.approx(
+        rows["baseline"]["median_s"] / rows["kernel"]["median_s"])
+
+
+def test_a_baseline_with_wrong_bytes_is_an_error(tmp_path: Path, capsys) -> None:
+    """The baseline is held to the current reference's bytes like the kernel row."""
+    bench = _load_bench()
+    broken = ((REPO / "qcomm" / "kernels" / "reference.py").read_text()
+              + "\n\n_orig = quantize_into\n\n"
+              "def quantize_into(x, spec, payload, *args):\n"
+              "    _orig(x, spec, payload, *args)\n"
+              "    payload[0] ^= 1\n")
+    rc, rows = _run_baseline(bench, tmp_path, broken)
+    assert "x baseline" in capsys.readouterr().out
+    assert rc == 1
+    assert "payload differs" in rows["baseline"]["error"]
+
+
+def test_the_baseline_row_needs_its_file() -> None:
+    with pytest.raises(SystemExit):
+        _load_bench().parse_args(["--impls", "baseline"])
 
 
 def test_targets_pass_and_fail() -> None:
@@ -138,7 +182,10 @@ def test_targets_pass_and_fail() -> None:
     assert [t["passed"] for t in good] == [True, True]
     bad = bench.check_targets([row("kernel", 0.8, 2.0)])
     assert [t["passed"] for t in bad] == [False, False]
-    assert bench.check_targets([])[0]["passed"] is False  # nothing at >= 64M: not a pass
+
+
+def test_targets_without_a_large_row_do_not_pass() -> None:
+    assert _load_bench().check_targets([])[0]["passed"] is False  # nothing at >= 64M
 
 
 @pytest.mark.parametrize("text,value", [("64K", 65536), ("1M", 1 << 20), ("3000", 3000)])
