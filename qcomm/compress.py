@@ -132,6 +132,17 @@ class Packed:
         return split_payload(self.payload, self.numel, self.spec)[1]
 
     @classmethod
+    def _unchecked(cls, payload: torch.Tensor, numel: int, spec: QuantSpec, shape: torch.Size,
+                   dtype: torch.dtype) -> Packed:
+        """A Packed whose fields the caller has already checked (the codec's own output):
+        without :meth:`__post_init__`'s checks, which would re-prove them on every call."""
+        packed = object.__new__(cls)
+        for name, value in (("payload", payload), ("numel", numel), ("spec", spec),
+                            ("shape", shape), ("dtype", dtype)):
+            object.__setattr__(packed, name, value)
+        return packed
+
+    @classmethod
     def from_payload(cls, payload: torch.Tensor, numel: int, spec: QuantSpec,
                      shape: Sequence[int] | None = None,
                      dtype: torch.dtype = torch.float32) -> Packed:
@@ -273,32 +284,68 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, error: torch.Tensor | None = N
         error_out = _check_buffer(error_out, "error_out", x)
         if error is not None and _overlap(error, error_out):
             raise ValueError("error_out must not overlap error; pass only error for in place")
-    n = x.numel()
-    nbytes = packed_nbytes(n, spec)
-    if out is None:
-        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    else:
-        out = _check_payload_tensor(out, "out", n, spec, ndim=1)
-        if out.device != x.device:
-            raise ValueError(f"out must be on {x.device} (like x), got {out.device}")
-    seed = _resolve_seed(seed, spec)
+    out = _check_out(out, x, spec)
+    return _quantize_checked(x, spec, error, error_out, _resolve_seed(seed, spec), out)
 
+
+def _check_out(out: torch.Tensor | None, x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """:func:`quantize`'s ``out``, checked against ``x`` (a new payload when None)."""
+    if out is None:
+        return torch.empty(packed_nbytes(x.numel(), spec), dtype=torch.uint8, device=x.device)
+    out = _check_payload_tensor(out, "out", x.numel(), spec, ndim=1)
+    if out.device != x.device:
+        raise ValueError(f"out must be on {x.device} (like x), got {out.device}")
+    return out
+
+
+def _quantize_checked(x: torch.Tensor, spec: QuantSpec, error: torch.Tensor | None,
+                      error_out: torch.Tensor | None, seed: int, out: torch.Tensor) -> Packed:
+    """:func:`quantize` once its arguments passed its checks (or the caller's equivalent ones):
+    the kernel, the finiteness check (one host read), the residual."""
+    n = x.numel()
     flat = x.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     residual_out = error_out
     if error is not None and error_out is None:
         residual_out = torch.empty_like(error)  # scratch: error stays intact until we know
-    backend_for(x.device).quantize_into(
-        flat, spec, out,
-        error.view(-1) if error is not None else None,
-        residual_out.view(-1) if residual_out is not None else None,
-        seed,
-    )
+    _quantize_into(flat, spec, out, seed,
+                   error.view(-1) if error is not None else None,
+                   residual_out.view(-1) if residual_out is not None else None)
     _raise_if_nonfinite(split_payload(out, n, spec)[1], "x", "(plus error) has")
     if error is not None and error_out is None:
         error.copy_(residual_out)
-    return Packed(out, n, spec, x.shape, x.dtype)
+    return Packed._unchecked(out, n, spec, x.shape, x.dtype)
+
+
+def _quantize_into(x: torch.Tensor, spec: QuantSpec, out: torch.Tensor, seed: int,
+                   error: torch.Tensor | None = None,
+                   error_out: torch.Tensor | None = None) -> None:
+    """``out <- Q(x + error)``, residual into ``error_out``: the kernel alone, no check at all.
+
+    For callers that checked their arguments once for many calls (the gossip's rounds) and
+    for :func:`quantize` after its checks. The caller guarantees what :func:`quantize`
+    checks: ``spec`` valid; ``x`` float32/float16/bfloat16 ``[n]``, contiguous; ``out`` uint8
+    ``[packed_nbytes(n, spec)]``, contiguous; ``error`` / ``error_out`` float32 ``[n]``,
+    contiguous, not overlapping; all on one device; ``seed`` in [0, 2**64).
+
+    Blocks of ``x + error`` holding NaN or Inf get a NaN scale in ``out`` and nothing is
+    raised: the caller must look at the scales before using ``out`` (``error_out`` is then
+    unspecified).
+    """
+    backend_for(x.device).quantize_into(x, spec, out, error, error_out, seed)
+
+
+def _dequant_accumulate_into(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpec,
+                             weights: torch.Tensor | None = None) -> None:
+    """``out += sum_k weights[k] * D(payloads[k])``: the kernel alone, no check at all.
+
+    The caller guarantees what :func:`dequant_accumulate` checks, and that the sum cannot
+    overflow: ``payloads`` uint8 ``[K, packed_nbytes(n, spec)]``, contiguous, every scale
+    finite and the bound of :func:`_accumulate_bound` within float32's range; ``out`` float32
+    ``[n]``, contiguous; ``weights`` None or K finite floats, float32 ``[K]`` on out's device.
+    """
+    backend_for(out.device).dequant_accumulate_into(payloads, spec, out, weights)
 
 
 def dequantize(packed: Packed, *, out: torch.Tensor | None = None,
@@ -379,13 +426,12 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
     bound = _accumulate_bound(scales, w, spec)  # one host sync, as the finite check alone
     if not math.isfinite(bound):
         _raise_if_nonfinite(scales, "payloads", "carry")
-    kernels = backend_for(out.device)
     # (the float32 sums and products may round up by (k + 3) ulps over the float64 bound)
     if bound * (1 + (k + 3) * 2.0**-24) <= _FLT32_MAX:
-        kernels.dequant_accumulate_into(payloads, spec, out.view(-1), w)
+        _dequant_accumulate_into(payloads, out.view(-1), spec, w)
         return out
     trial = out.reshape(-1).clone()  # might overflow: compute aside, write only if finite
-    kernels.dequant_accumulate_into(payloads, spec, trial, w)
+    _dequant_accumulate_into(payloads, trial, spec, w)
     bad = ~torch.isfinite(trial)
     if bool(bad.any()):
         blocks = torch.unique(bad.nonzero().flatten() // spec.block_size).tolist()
@@ -460,7 +506,11 @@ class ErrorFeedback:
         spare = self._spares.get(key)
         if spare is None:
             spare = torch.empty_like(res)
-        packed = quantize(x, spec, error=res, error_out=spare, seed=seed, out=out)
+        # The residual and the spare are this object's own (float32, x's numel and device,
+        # contiguous, apart): quantize's checks of x, error and error_out would re-prove them.
+        spec = check_spec(spec)
+        out = _check_out(out, x, spec)
+        packed = _quantize_checked(x, spec, res, spare, _resolve_seed(seed, spec), out)
         if commit:
             self._residuals[key], self._spares[key] = spare, res
             self._pending.discard(key)
