@@ -68,18 +68,13 @@ from qcomm.collectives.errors import CorruptPayloadError, PeerTimeoutError
 from qcomm.collectives.memory import MemoryGroup
 from qcomm.collectives.primitives import all_reduce, group_size
 from qcomm.collectives.stats import CommStats
-from qcomm.compress import (
-    WIRE_FORMAT_VERSION,
-    QuantSpec,
-    dequant_accumulate,
-    packed_nbytes,
-    quantize,
-)
+from qcomm.compress import WIRE_FORMAT_VERSION, QuantSpec, packed_nbytes
 from qcomm.seeds import gossip_message_seed
 from qcomm.validation import (
     check_seed,
 )
 
+from .codec import check_state_buffers
 from .gamma import default_gamma
 from .graphs import neighbours
 from .integrity import SEAL_NBYTES, bad_messages, seal_
@@ -98,6 +93,9 @@ class _Round:
     payloads: torch.Tensor  # uint8 [K + 1, nbytes + SEAL_NBYTES]
     handle: RoundHandle | None  # None: already received (restored from a state_dict)
     verified: bool = False
+    # Our own message's scales are known finite and at most MAX_SCALE (found when it was
+    # encoded), so it decodes unchecked; False for a round restored from a state_dict.
+    own_bounded: bool = False
 
 
 def _check_group(group_ranks: object, group: dist.ProcessGroup | None) -> tuple[list[int], int]:
@@ -126,12 +124,22 @@ def _check_group(group_ranks: object, group: dist.ProcessGroup | None) -> tuple[
     return ranks, dist.get_rank(group)
 
 
-def _saved_round(payloads: torch.Tensor, message_nbytes: int) -> torch.Tensor:
-    """A saved round's messages, uint8 ``[K, message_nbytes]`` (sealed as received)."""
-    if payloads.dim() != 2 or payloads.shape[-1] != message_nbytes:
+def _saved_round(payloads: object, rows: int, message_nbytes: int,
+                 device: torch.device | None) -> torch.Tensor:
+    """A saved round's messages, uint8 ``[rows, message_nbytes]`` (ours, then the
+    neighbours', sealed as received), on ``device`` when given. Rounds decode them without
+    checking their layout again, so it is checked here."""
+    if not isinstance(payloads, torch.Tensor) or payloads.dtype != torch.uint8:
+        raise TypeError(f"state['in_flight'] must hold uint8 tensors, got "
+                        f"{getattr(payloads, 'dtype', type(payloads).__name__)}")
+    if tuple(payloads.shape) != (rows, message_nbytes):
         raise ValueError(f"a saved round holds messages of shape {tuple(payloads.shape)}; "
-                         f"this gossip sends [K, {message_nbytes}]")
-    return payloads
+                         f"this gossip sends [K, {message_nbytes}] with K = {rows} (its own "
+                         f"and one per neighbour)")
+    if device is not None and payloads.device != device:
+        raise ValueError(f"state['in_flight'] must be on {device} (like the buffers), got "
+                         f"{payloads.device}")
+    return payloads.contiguous()
 
 
 class CompressedGossip(GossipMember):
@@ -225,6 +233,7 @@ class CompressedGossip(GossipMember):
         self._momentum: torch.Tensor | None = None
         self._anchor: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
+        self._weights_here: torch.Tensor | None = None  # _weights on the buffers' device
         self._in_flight: deque[_Round] = deque()
         self._closed = False
 
@@ -309,12 +318,13 @@ class CompressedGossip(GossipMember):
         payloads = torch.empty(len(self.peers) + 1, self.message_nbytes, dtype=torch.uint8,
                                device=x.device)
         mine = payloads[0, :self.nbytes]
-        quantize(self._scratch, self.spec, seed=gossip_message_seed(self.seed, t, self.member),
-                 out=mine)
+        # Raises NonFiniteError on a NaN/Inf in x before anything is sent or changed.
+        bounded = self._codec.encode(self._scratch, mine,
+                                     gossip_message_seed(self.seed, t, self.member))
         seal_(payloads[0], t, self.member)
-        dequant_accumulate(mine, own, self.spec)
+        self._codec.accumulate(mine, own, checked=not bounded)
         handle = self.transport.exchange(t, payloads[0], payloads[1:])
-        self._in_flight.append(_Round(t, payloads, handle))
+        self._in_flight.append(_Round(t, payloads, handle, own_bounded=bounded))
         self.rounds_started += 1
 
     def finish(self, x: torch.Tensor) -> list[int]:
@@ -386,11 +396,16 @@ class CompressedGossip(GossipMember):
         return checked
 
     def _apply(self, r: _Round) -> None:
-        self._receive(r)
+        self._receive(r)  # the neighbours' scales: finite, at most MAX_SCALE
+        w = self._weights_here
+        if w is None:  # moved to the buffers' device once, not every round
+            w = self._weights_here = self._weights.to(self._mix_acc.device)
         frag = self.fragment(r.round % self.fragments)
         body = r.payloads[:, :self.nbytes].contiguous()
-        dequant_accumulate(body[0], self._hat_pub[frag], self.spec)
-        dequant_accumulate(body, self._mix_acc[frag], self.spec, self._weights)
+        # Our own scales were bounded when encoded; a restored round's are looked at once.
+        checked = not (r.own_bounded or self._codec.bounded(body[0]))
+        self._codec.accumulate(body[0], self._hat_pub[frag], checked=checked)
+        self._codec.accumulate(body, self._mix_acc[frag], w, checked=checked)
         self.rounds_applied = r.round + 1
 
     def flush(self) -> None:
@@ -448,19 +463,30 @@ class CompressedGossip(GossipMember):
                              f"this version decodes format {WIRE_FORMAT_VERSION}")
         if self._in_flight and any(r.handle is not None for r in self._in_flight):
             raise RuntimeError("load_state_dict with rounds of this instance in flight")
+        # Rounds decode into these buffers and from these messages without checking them
+        # again: checked here, all before anything is loaded.
+        saved = check_state_buffers(
+            state, dict.fromkeys(("hat_own", "hat_pub", "mix_acc", "momentum", "anchor"),
+                                 self.numel),
+            together=[("hat_own", "hat_pub", "mix_acc"), ("momentum", "anchor")])
+        device = None if saved["hat_own"] is None else saved["hat_own"].device
+        if state["in_flight"] and device is None:
+            raise ValueError("state['in_flight'] holds rounds but state['hat_own'] is None "
+                             "(no round was started)")
+        in_flight = [(int(r), _saved_round(p, len(self.peers) + 1, self.message_nbytes, device))
+                     for r, p in state["in_flight"]]
         copy = lambda t: None if t is None else t.detach().clone()
         self.gamma = float(state["gamma"])
         self.seed = check_seed(state["seed"])
         self.rounds_started = int(state["rounds_started"])
         self.rounds_applied = int(state["rounds_applied"])
-        self._hat_own, self._hat_pub = copy(state["hat_own"]), copy(state["hat_pub"])
-        self._mix_acc = copy(state["mix_acc"])
-        self._momentum = copy(state.get("momentum"))
-        self._anchor = copy(state.get("anchor"))
+        self._hat_own, self._hat_pub = copy(saved["hat_own"]), copy(saved["hat_pub"])
+        self._mix_acc = copy(saved["mix_acc"])
+        self._momentum = copy(saved["momentum"])
+        self._anchor = copy(saved["anchor"])
         self._scratch = None
-        self._in_flight = deque(
-            _Round(int(r), _saved_round(copy(p), self.message_nbytes), None)
-            for r, p in state["in_flight"])
+        self._weights_here = None
+        self._in_flight = deque(_Round(r, copy(p), None) for r, p in in_flight)
 
     def close(self) -> None:
         """Forget rounds in flight and release the transport. Never blocks, also after a

@@ -23,13 +23,16 @@ against a gossip round of the same size).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from qcomm.compress import QuantSpec
 from qcomm.kernels.wire_format import split_payload
 from qcomm.seeds import seal_key
 
-__all__ = ["MAX_SCALE", "SEAL_NBYTES", "bad_messages", "seal_", "sealed"]
+__all__ = ["MAX_SCALE", "SEAL_NBYTES", "bad_messages", "judge", "message_facts", "seal_",
+           "sealed"]
 
 SEAL_NBYTES = 8
 MAX_SCALE = 2.0 ** 64  # far above any parameter difference, far below float32's 2**128
@@ -72,9 +75,43 @@ def sealed(message: torch.Tensor, round: int, sender: int) -> bool:
     return bool((stored.view(torch.int64) == want).all())
 
 
+def message_facts(messages: torch.Tensor, numel: int, spec: QuantSpec) -> torch.Tensor:
+    """What verifying messages (uint8 ``[K, nbytes + 8]``) needs to know of them, computed where
+    they are and read by nobody yet: int64 ``[4, K]``, rows (weighted word sum of the payload,
+    stored seal, all scales finite, all scales at most :data:`MAX_SCALE`). :func:`judge` turns
+    its values into verdicts; reading them is the one host read of a verification."""
+    body = messages[:, :-SEAL_NBYTES]
+    # A fresh copy: the seals sit at 4-byte aligned offsets, an int64 view needs 8.
+    stored = messages[:, -SEAL_NBYTES:].clone(memory_format=torch.contiguous_format)
+    stored = stored.view(torch.int64).reshape(-1)
+    scales = split_payload(body, numel, spec)[1]
+    finite = torch.isfinite(scales).all(dim=1)
+    small = (scales.abs() <= MAX_SCALE).all(dim=1)
+    return torch.stack([_sums(body), stored, finite.to(torch.int64), small.to(torch.int64)])
+
+
+def judge(facts: list[list[int]], rounds: Sequence[int],
+          senders: Sequence[int]) -> list[tuple[int, str]]:
+    """Verdicts on messages from their :func:`message_facts` (as Python ints: ``.tolist()``),
+    message k expected to be round ``rounds[k]`` of ``senders[k]``: ``(k, reason)`` for each
+    that fails (reasons as in :func:`bad_messages`)."""
+    sums, stored, finite, small = facts
+    out = []
+    for k in range(len(sums)):
+        # Python's ^ on ints in int64's range is int64's XOR (two's complement), as on device.
+        if sums[k] ^ seal_key(rounds[k], senders[k]) != stored[k]:
+            out.append((k, "checksum"))
+        elif not finite[k]:
+            out.append((k, "non-finite scale"))
+        elif not small[k]:
+            out.append((k, "scale above 2**64"))
+    return out
+
+
 def bad_messages(messages: torch.Tensor, round: int, senders: list[int], numel: int,
                  spec: QuantSpec) -> list[tuple[int, str]]:
-    """Verify received messages (uint8 ``[K, nbytes + 8]``, row k from ``senders[k]``).
+    """Verify received messages (uint8 ``[K, nbytes + 8]``, row k from ``senders[k]``), all of
+    round ``round``, with one host read (on an accelerator, one host sync) whatever K.
 
     Returns:
         ``(row, reason)`` for every message that fails: ``"checksum"`` (corrupted, truncated,
@@ -83,22 +120,5 @@ def bad_messages(messages: torch.Tensor, round: int, senders: list[int], numel: 
     """
     if messages.shape[0] == 0:
         return []
-    body = messages[:, :-SEAL_NBYTES]
-    keys = torch.tensor([seal_key(round, s) for s in senders], dtype=torch.int64,
-                        device=messages.device)
-    # A fresh copy: the seals sit at 4-byte aligned offsets, an int64 view needs 8.
-    stored = messages[:, -SEAL_NBYTES:].clone(memory_format=torch.contiguous_format)
-    stored = stored.view(torch.int64).reshape(-1)
-    ok_sum = ((_sums(body) ^ keys) == stored).tolist()
-    scales = split_payload(body, numel, spec)[1]
-    finite = torch.isfinite(scales).all(dim=1).tolist()
-    small = (scales.abs() <= MAX_SCALE).all(dim=1).tolist()
-    out = []
-    for k in range(messages.shape[0]):
-        if not ok_sum[k]:
-            out.append((k, "checksum"))
-        elif not finite[k]:
-            out.append((k, "non-finite scale"))
-        elif not small[k]:
-            out.append((k, "scale above 2**64"))
-    return out
+    facts = message_facts(messages, numel, spec).tolist()
+    return judge(facts, [round] * len(senders), senders)

@@ -20,6 +20,7 @@ from qcomm.validation import (
     check_timeout,
 )
 
+from .codec import GossipCodec
 from .gamma import default_gamma
 from .graphs import check_graph
 from .mixing import check_mixing
@@ -49,6 +50,7 @@ class GossipMember:
         self.seed = check_seed(seed)
         self.fragments = check_fragments(fragments, self.numel, "numel")
         self.fragment_numel = self.numel // self.fragments
+        self._codec = GossipCodec(self.spec, self.fragment_numel)  # its checks, once
         self.outer_momentum = check_outer_momentum(outer_momentum)
         self.outer_lr = check_outer_lr(outer_lr)
         self._outer = self.outer_momentum != 0 or self.outer_lr != 1
