@@ -63,13 +63,7 @@ import torch
 from qcomm.collectives.errors import CorruptPayloadError, PeerError, PeerTimeoutError
 from qcomm.collectives.memory import MemoryGroup
 from qcomm.collectives.stats import CommStats
-from qcomm.compress import (
-    WIRE_FORMAT_VERSION,
-    QuantSpec,
-    dequant_accumulate,
-    packed_nbytes,
-    quantize,
-)
+from qcomm.compress import WIRE_FORMAT_VERSION, QuantSpec, packed_nbytes
 from qcomm.seeds import gossip_message_seed, seal_key
 from qcomm.validation import (
     check_choice,
@@ -78,8 +72,9 @@ from qcomm.validation import (
 )
 
 from .choco import _check_group
+from .codec import check_state_buffers
 from .graphs import neighbours
-from .integrity import SEAL_NBYTES, bad_messages, seal_, sealed
+from .integrity import SEAL_NBYTES, bad_messages, judge, message_facts, seal_, sealed
 from .member import GossipMember
 from .mixing import mixing_matrix
 from .streams import GlooStreams, MemoryStreams, MessageStreams
@@ -175,7 +170,10 @@ class WaitFreeGossip(GossipMember):
         self._copies: torch.Tensor | None = None  # [degree, numel]
         self._momentum: torch.Tensor | None = None
         self._anchor: torch.Tensor | None = None
-        self._own_delay: deque[tuple[int, torch.Tensor]] = deque()  # sent, not in own_pub
+        # Sent, not in own_pub yet: (round, message, its scales known finite and at most
+        # MAX_SCALE, so it decodes unchecked; False for one restored from a state_dict).
+        self._own_delay: deque[tuple[int, torch.Tensor, bool]] = deque()
+        self._scratch: torch.Tensor | None = None  # float32 [fragment_numel]: x - hat_own
         # Taken from the streams and not yet verified (inbox) or not yet applied (pending,
         # verified, with their rounds); a failed verification leaves the message in the inbox.
         self._inbox: list[deque[torch.Tensor]] = [deque() for _ in self.peers]
@@ -273,14 +271,45 @@ class WaitFreeGossip(GossipMember):
     def _stored_seal(self, m: torch.Tensor) -> int:
         return int.from_bytes(m[self.nbytes:].cpu().numpy().tobytes(), "little", signed=True)
 
+    def _verify_inboxes(self) -> dict[int, list[str | None]]:
+        """Verdicts on every message waiting in a live, greeted inbox, each taken to be its
+        sender's next round in order (what it is, unless a marker comes first), with one host
+        read per device for all of them: per stream, None for each message that passes, else
+        the reason it fails."""
+        facts: dict[torch.device, list[torch.Tensor]] = {}
+        where: dict[torch.device, list[tuple[int, int, int]]] = {}  # (stream, round, sender)
+        for k, box in enumerate(self._inbox):
+            if not (box and self._live[k] and self._greeted[k]):
+                continue
+            expected = self.received[k] + len(self._pending[k])
+            for i, m in enumerate(box):
+                facts.setdefault(m.device, []).append(
+                    message_facts(m.view(1, -1), self.fragment_numel, self.spec))
+                where.setdefault(m.device, []).append((k, expected + i, self.peers[k]))
+        verdicts: dict[int, list[str | None]] = {}
+        for device, rows in facts.items():
+            streams, rounds, senders = zip(*where[device], strict=True)
+            bad = dict(judge(torch.cat(rows, dim=1).tolist(), rounds, senders))
+            for j, k in enumerate(streams):
+                verdicts.setdefault(k, []).append(bad.get(j))
+        return verdicts
+
     def _sort_inbox(self, failures: list[tuple[int, PeerError]]) -> None:
         """Verify the inboxes' messages in order: rounds go to ``_pending``, markers are
         counted, a hello sets up the copy. Raises CorruptPayloadError at the first that fails
         (it stays in the inbox); a hello whose vectors do not come adds to ``failures``."""
+        verdicts = self._verify_inboxes()
         for k, box in enumerate(self._inbox):
             peer = self.peers[k]
+            batch, taken = verdicts.get(k, []), 0  # the verdicts hold while rounds pass
             while box and self._live[k]:
                 m = box[0]
+                if taken < len(batch) and batch[taken] is None:
+                    self._pending[k].append((self.received[k] + len(self._pending[k]), m))
+                    box.popleft()
+                    taken += 1
+                    continue
+                batch = []  # a failure or a marker: one by one from here (rounds may shift)
                 if not self._greeted[k]:
                     if not self._is_control(m, HELLO_ROUND, peer):
                         raise CorruptPayloadError(
@@ -323,8 +352,8 @@ class WaitFreeGossip(GossipMember):
             for r, m in msgs:
                 by_fragment.setdefault(r % self.fragments, []).append(m[:self.nbytes])
             for f, bodies in by_fragment.items():
-                dequant_accumulate(torch.stack(bodies), self._copies[k, self.fragment(f)],
-                                   self.spec)
+                # verified: finite scales at most MAX_SCALE, so decoded unchecked (.codec)
+                self._codec.accumulate(torch.stack(bodies), self._copies[k, self.fragment(f)])
             self.received[k] += len(msgs)
             self._pending[k] = []
 
@@ -353,20 +382,25 @@ class WaitFreeGossip(GossipMember):
         frag = self.fragment(t % self.fragments)
         own = self._hat_own[frag]
         message = torch.empty(self.message_nbytes, dtype=torch.uint8, device=x.device)
-        diff = torch.sub(x[frag], own)
-        quantize(diff, self.spec, seed=gossip_message_seed(self.seed, t, self.member),
-                 out=message[:self.nbytes])
+        if self._scratch is None or self._scratch.device != x.device:
+            self._scratch = torch.empty(self.fragment_numel, dtype=torch.float32,
+                                        device=x.device)
+        diff = torch.sub(x[frag], own, out=self._scratch)
+        # Raises NonFiniteError on a NaN/Inf in x before anything is sent or changed.
+        bounded = self._codec.encode(diff, message[:self.nbytes],
+                                     gossip_message_seed(self.seed, t, self.member))
         seal_(message, t, self.member)
         failures = streams.send(message)
         if failures and self.on_peer_loss == "raise":
             raise failures[0][1]  # nothing changed
         self.steps += 1
-        dequant_accumulate(message[:self.nbytes], own, self.spec)
-        self._own_delay.append((t, message))
+        self._codec.accumulate(message[:self.nbytes], own, checked=not bounded)
+        self._own_delay.append((t, message, bounded))
         while len(self._own_delay) > self.staleness:
-            r, m = self._own_delay.popleft()
-            dequant_accumulate(m[:self.nbytes], self._own_pub[self.fragment(r % self.fragments)],
-                               self.spec)
+            r, m, bounded = self._own_delay.popleft()
+            body = m[:self.nbytes]
+            self._codec.accumulate(body, self._own_pub[self.fragment(r % self.fragments)],
+                                   checked=not (bounded or self._codec.bounded(body)))
         self.rounds_started += 1
         # A new neighbour's hello carries hat_own with this round in it.
         self._handle(failures)
@@ -738,7 +772,7 @@ class WaitFreeGossip(GossipMember):
                 "lost": sorted(self.lost), "losses": list(self.losses),
                 "hat_own": self._hat_own, "own_pub": self._own_pub, "copies": copies,
                 "momentum": self._momentum, "anchor": self._anchor,
-                "own_delay": [(r, m) for r, m in self._own_delay]}
+                "own_delay": [(r, m) for r, m, _ in self._own_delay]}
 
     def _survivors_slots(self, state: dict) -> list[int] | None:
         """When ``state`` was saved in a run that lost members and this group holds exactly
@@ -756,6 +790,31 @@ class WaitFreeGossip(GossipMember):
                              f"{state['lost']}), this gossip has {mine}")
         return [live.index(m) if m in live else -1 for m in range(size)]
 
+    def _saved_buffers(self, state: dict) -> tuple[dict[str, torch.Tensor | None],
+                                                    list[tuple[int, torch.Tensor]]]:
+        """The saved buffers and own messages not yet in ``own_pub``, checked (dtype, shape,
+        device): rounds decode into and from them without checking them again."""
+        n = self.numel
+        saved = check_state_buffers(
+            state, {"hat_own": n, "own_pub": n, "copies": (len(state["peers"]), n),
+                    "momentum": n, "anchor": n},
+            together=[("hat_own", "own_pub", "copies"), ("momentum", "anchor")])
+        device = None if saved["hat_own"] is None else saved["hat_own"].device
+        own_delay = []
+        for r, m in state["own_delay"]:
+            if device is None:
+                raise ValueError("state['own_delay'] holds messages but state['hat_own'] is "
+                                 "None (no round was started)")
+            if not isinstance(m, torch.Tensor) or m.dtype != torch.uint8 \
+                    or tuple(m.shape) != (self.message_nbytes,) or m.device != device:
+                raise ValueError(
+                    f"state['own_delay'] must hold uint8 messages of shape "
+                    f"[{self.message_nbytes}] on {device}, got "
+                    f"{getattr(m, 'dtype', type(m).__name__)} "
+                    f"{list(getattr(m, 'shape', []))} on {getattr(m, 'device', None)}")
+            own_delay.append((int(r), m))
+        return saved, own_delay
+
     def load_state_dict(self, state: dict) -> None:
         """Load :meth:`state_dict` output before the first round. The configuration must
         match, or the state was saved after members were lost and this group is its survivors
@@ -770,6 +829,7 @@ class WaitFreeGossip(GossipMember):
                 != self._streams.peers:
             raise ValueError(f"state's neighbours {state['peers']} != the given streams' "
                              f"{self._streams.peers}")
+        saved, own_delay = self._saved_buffers(state)
         if slots is not None:
             cfg = state["config"]
             self._slots = slots
@@ -790,10 +850,11 @@ class WaitFreeGossip(GossipMember):
         self._mix_weights = None
         self.lost = {int(m) for m in state["lost"]}
         self.losses = [dict(e) for e in state["losses"]]
-        self._hat_own, self._own_pub = copy(state["hat_own"]), copy(state["own_pub"])
-        self._copies = copy(state["copies"])
-        self._momentum, self._anchor = copy(state["momentum"]), copy(state["anchor"])
-        self._own_delay = deque((int(r), copy(m)) for r, m in state["own_delay"])
+        self._hat_own, self._own_pub = copy(saved["hat_own"]), copy(saved["own_pub"])
+        self._copies = copy(saved["copies"])
+        self._momentum, self._anchor = copy(saved["momentum"]), copy(saved["anchor"])
+        self._own_delay = deque((r, copy(m), False) for r, m in own_delay)
+        self._scratch = None
         # A drain preceded the save on every member: nothing was in flight. Markers restart
         # with the streams.
         self._inbox = [deque() for _ in self.peers]
