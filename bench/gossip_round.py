@@ -8,8 +8,9 @@ timed, and the host reads (values copied from a tensor into Python) per round an
 ``members`` gossip members on a ring, in one process
 (:class:`~qcomm.collectives.gossip.simulate.GossipSimulator` for the bounded-staleness mode,
 :class:`~qcomm.collectives.gossip.simulate.WaitFreeSimulator` for the wait-free one) run
-``rounds`` rounds; the figure is the median wall time of one round of all the members, divided
-by ``members``, over ``repeat`` loops. A host read on an accelerator waits for the device (a
+``rounds`` rounds; the figure is the median time (wall, or the process's CPU time with
+``--clock cpu``) of one round of all the members, divided by ``members``, over ``repeat``
+loops. A host read on an accelerator waits for the device (a
 host sync); on CPU it is cheap, but the count says what the same loop would cost there.
 Reads are counted as ``aten._local_scalar_dense`` calls (``item``, ``bool``, ``float``,
 ``int`` of a tensor) plus ``Tensor.tolist`` calls, during ``rounds`` rounds after a warm-up.
@@ -89,7 +90,7 @@ class _Reads:
 
 
 def run(mode: str, members: int, numel: int, bits: int, rounds: int, repeat: int,
-        count_reads: bool) -> dict:
+        count_reads: bool, clock: str = "wall") -> dict:
     """Median seconds per member-round (or host reads per member-round)."""
     import torch
 
@@ -103,12 +104,13 @@ def run(mode: str, members: int, numel: int, bits: int, rounds: int, repeat: int
             for _ in range(rounds):
                 step(xs)
         return {"mode": mode, "numel": numel, "reads_per_round": reads.count / rounds / members}
+    now = time.perf_counter if clock == "wall" else time.process_time
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(rounds):
             step(xs)
-        times.append((time.perf_counter() - t0) / rounds / members)
+        times.append((now() - t0) / rounds / members)
     return {"mode": mode, "numel": numel, "round_s": statistics.median(times), "times_s": times}
 
 
@@ -129,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                          "wait-free (default both).")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's own choice).")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: elapsed time; cpu: this process's CPU time, less disturbed by "
+                         "other processes on a busy machine (use with --threads 1).")
     ap.add_argument("--count-reads", action="store_true",
                     help="count host reads per round and member instead of timing.")
     ap.add_argument("--qcomm", default=None,
@@ -153,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         for numel in sizes:
             r = run(mode, args.members, numel, args.bits, args.rounds, args.repeat,
-                    args.count_reads)
+                    args.count_reads, args.clock)
             if args.count_reads:
                 print(f"{mode:9s} numel {numel:>8d}: {r['reads_per_round']:.2f} host reads "
                       f"per round and member")
