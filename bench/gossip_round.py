@@ -6,8 +6,8 @@ timed, and the host reads (values copied from a tensor into Python) per round an
     python bench/gossip_round.py --qcomm OTHER_CHECKOUT   # the same loop on another version
 
 ``members`` gossip members on a ring, in one process
-(:class:`~qcomm.collectives.gossip.simulate.GossipSimulator` for the bounded-staleness mode,
-:class:`~qcomm.collectives.gossip.simulate.WaitFreeSimulator` for the wait-free one) run
+(:class:`~qcomm.collectives.memory.GossipSimulator` for the bounded-staleness mode,
+:class:`~qcomm.collectives.memory.WaitFreeSimulator` for the wait-free one) run
 ``rounds`` rounds; the figure is the median time (wall, or the process's CPU time with
 ``--clock cpu``) of one round of all the members, divided by ``members``, over ``repeat``
 loops. A host read on an accelerator waits for the device (a
@@ -41,7 +41,7 @@ def _import_path(qcomm_root: str | None) -> None:
 
 def _simulator(mode: str, members: int, numel: int, bits: int) -> Any:
     """The step function of a simulator (one round of every member)."""
-    from qcomm.collectives.gossip.simulate import GossipSimulator, WaitFreeSimulator
+    from qcomm.collectives.memory import GossipSimulator, WaitFreeSimulator
     from qcomm.compress import QuantSpec
 
     spec = QuantSpec(bits, 128, "stochastic")

@@ -1,7 +1,7 @@
 """How gossip scales from 8 to 64 nodes, against all-reduce: a simulation in one process.
 
 For each node count N and graph, every member starts at an independent random vector and the
-in-process simulator (:class:`~qcomm.collectives.gossip.GossipSimulator`, bounded-staleness
+in-process simulator (:class:`~qcomm.collectives.memory.GossipSimulator`, bounded-staleness
 CHOCO gossip in lock step, the same code path as over Gloo) runs rounds until the consensus
 distance has shrunk to ``--tol`` (1e-3) of its start, at most ``--max-rounds``. 4-bit
 stochastic codes in blocks of 128, the default gamma, staleness 1, uniform weights. Beside the
@@ -28,7 +28,7 @@ rings dominate: the ring of 32 needs 1437 rounds, 35 s of the default run; the r
 (41 s of CPU, ``torch`` on one thread) on a shared 2-core machine with a benchmark running
 beside it; without the ring of 32 (``--nodes 8,16,64``) it takes about a third of that.
 
-Wait-free gossip (:class:`~qcomm.collectives.gossip.WaitFreeSimulator`, every member at one
+Wait-free gossip (:class:`~qcomm.collectives.memory.WaitFreeSimulator`, every member at one
 pace, messages visible one tick after they are sent, staleness 1) is left out of the default
 run: at N = 8 and 16 it costs about 7 s more (5.7 s for its ring of 16) and gives the very
 rounds and bytes of the lock-step rows (99 / 20 at N = 8, 381 / 29 at N = 16, ring /
@@ -52,9 +52,9 @@ if __package__ in (None, ""):
 
 import torch
 
-from qcomm.collectives.gossip import GossipSimulator, WaitFreeSimulator
 from qcomm.collectives.gossip.graphs import GRAPHS, check_graph, neighbours
 from qcomm.collectives.gossip.mixing import mixing_matrix, spectral_gap
+from qcomm.collectives.memory import GossipSimulator, WaitFreeSimulator
 from qcomm.compress import NonFiniteError, QuantSpec, packed_nbytes
 
 SPEC = QuantSpec(4, 128, "stochastic")

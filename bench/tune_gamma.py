@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from qcomm.collectives.gossip import GossipSimulator
+from qcomm.collectives.memory import GossipSimulator
 from qcomm.compress import NonFiniteError, QuantSpec
 
 GRAPHS = (("ring", 4), ("ring", 8), ("exponential", 8))

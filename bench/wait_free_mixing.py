@@ -35,8 +35,8 @@ import sys
 
 import torch
 
-from qcomm.collectives.gossip import WaitFreeSimulator
 from qcomm.collectives.gossip.wait_free import WaitFreeGossip
+from qcomm.collectives.memory import WaitFreeSimulator
 from qcomm.compress import QuantSpec
 
 RULES = ("lagged", "fresh", "new-only", "matched")

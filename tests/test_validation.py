@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from qcomm.collectives.gossip import GossipSimulator, default_gamma, neighbours
+from qcomm.collectives.gossip import default_gamma, neighbours
 from qcomm.collectives.hierarchical import HierarchicalAllreduce
 from qcomm.collectives.intra import IntraNodeAllreduce
-from qcomm.collectives.memory import MemoryWorld
+from qcomm.collectives.memory import GossipSimulator, MemoryWorld
 from qcomm.collectives.topology import Topology
 from qcomm.compress import QuantSpec, quantize
 from qcomm.engine import CommOptions

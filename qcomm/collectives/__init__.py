@@ -1,4 +1,5 @@
-"""Collectives over torch.distributed process groups (Gloo for CPU tensors, NCCL for CUDA).
+"""Collectives over groups of ranks: torch.distributed process groups (Gloo for CPU tensors,
+NCCL for CUDA) or the in-memory world's, behind one interface (:mod:`.group`).
 
 - :class:`Topology`: who is on which node; intra-node groups and inter-node rails.
 - :class:`IntraNodeAllreduce`: synchronous bucketed mean inside a node (full precision or codec).

@@ -1,14 +1,14 @@
-"""The steps every collective of this package is built from, and the one place that calls
-``torch.distributed``'s collectives (the gossip's point-to-point messages are
-:mod:`.gossip.transport`'s and :mod:`.gossip.streams`'; other modules only ask torch.distributed
-about the job: rank, world size, groups).
+"""The steps every collective of this package is built from.
 
-Each function takes a ``group``: a ``torch.distributed`` process group (or None for the default
-group), or a :class:`~qcomm.collectives.memory.MemoryGroup` (ranks as threads of one process, for
-tests and simulations); the dispatch between the two happens here and nowhere else.
+Each function takes a ``group``: a :class:`~qcomm.collectives.group.CommGroup`, a
+``torch.distributed`` process group, or None (the default group); :func:`resolve_group` makes
+it a ``CommGroup`` and everything here goes through that interface, so the same code runs over
+torch.distributed (:mod:`.torch_group`) and in memory (:mod:`.memory`).
 
 * wrappers: :func:`all_reduce`, :func:`all_gather_flat`, :func:`all_to_all_single`, and
-  :func:`all_reduce_mean_future` (DDP's own averaging, for the hook's warm-up);
+  :func:`all_reduce_mean_future` (DDP's own averaging, for the hook's warm-up), each posting
+  on the group and waiting with a deadline; a backend's failure becomes a
+  :class:`~qcomm.collectives.errors.PeerError` naming the peers and the link;
 * pipeline steps used by the bucketed means (:mod:`.intra`, :mod:`.hierarchical`):
   :func:`start_reduce_scatter`, :func:`start_all_gather`, :func:`quantize_or_poison`,
   :func:`decode_mean`, with :func:`acc_dtype` (message seeds: :func:`qcomm.seeds.derive`).
@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from qcomm.collectives.errors import (
     PeerError,
@@ -28,20 +27,15 @@ from qcomm.collectives.errors import (
     PeerTimeoutError,
     backend_detail,
 )
-from qcomm.collectives.memory import MemoryGroup
+from qcomm.collectives.group import CommGroup, Work
 from qcomm.collectives.stats import CommStats
+from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import ErrorFeedback, NonFiniteError, QuantSpec, dequant_accumulate
 
 __all__ = ["acc_dtype", "all_gather_flat", "all_reduce", "all_reduce_mean_future",
            "all_to_all_single", "as_peer_error",
-           "decode_mean", "group_size", "other_ranks", "quantize_or_poison",
+           "decode_mean", "group_size", "other_ranks", "quantize_or_poison", "resolve_group",
            "start_all_gather", "start_reduce_scatter", "wait_work", "wait_works"]
-
-# torch 2.13 renames the flat collectives (same signatures) and warns on the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-_DIST_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,20 +44,12 @@ _DIST_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Red
 
 def group_size(group: Any) -> int:
     """Number of members of ``group``."""
-    if isinstance(group, MemoryGroup):
-        return group.size
-    return dist.get_world_size(group)
+    return resolve_group(group).size
 
 
 def other_ranks(group: Any) -> list[int]:
     """Global ranks of the other members of ``group`` (the peers an error names)."""
-    if isinstance(group, MemoryGroup):
-        return [r for i, r in enumerate(group.ranks) if i != group.rank]
-    me = dist.get_rank()
-    if group is None:
-        return [r for r in range(dist.get_world_size()) if r != me]
-    ranks = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
-    return [r for r in ranks if r != me]
+    return resolve_group(group).other_ranks()
 
 
 def as_peer_error(e: RuntimeError, operation: str, timeout_s: float | None,
@@ -111,64 +97,68 @@ def wait_works(works: list[Any], timeout_s: float | None, operation: str, group:
         wait_work(w, deadline, timeout_s, operation, peers, link)
 
 
-def _post(fn: Any, operation: str, group: Any, link: str | None) -> Any:
+def _post(fn: Any, operation: str, group: CommGroup, link: str | None) -> Any:
     """Call ``fn()`` (which posts a non-blocking collective); a backend error while posting
     (a connection already broken) becomes a :class:`PeerLostError`."""
     try:
         return fn()
+    except PeerError:
+        raise  # already names what failed (a synchronous group's timeout)
     except RuntimeError as e:
-        raise as_peer_error(e, operation, None, other_ranks(group), link) from e
+        raise as_peer_error(e, operation, None, group.other_ranks(), link) from e
+
+
+def _finish(work: Work, async_op: bool) -> Work | None:
+    """``work`` when the caller waits for it itself, else None once it completed."""
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
-# wrappers: one call for process groups and in-memory groups
+# wrappers: one call for every kind of group
 
 
 def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum", *,
                timeout_s: float | None = None, link: str | None = None,
                operation: str = "all_reduce") -> None:
     """Reduce ``tensor`` in place over ``group`` (``op``: ``"sum"``, ``"max"`` or ``"min"``),
-    blocking, for at most ``timeout_s`` seconds (None: the process group's own timeout).
+    blocking, for at most ``timeout_s`` seconds (None: the group's own timeout).
 
     Raises:
         PeerTimeoutError, PeerLostError: naming the group's other ranks and ``link``.
     """
-    if isinstance(group, MemoryGroup):
-        group.all_reduce(tensor, op)
-        return
-    work = _post(lambda: dist.all_reduce(tensor, op=_DIST_OPS[op], group=group, async_op=True),
-                 operation, group, link)
-    wait_works([work], timeout_s, operation, group, link)
+    g = resolve_group(group)
+    work = _post(lambda: g.all_reduce(tensor, op), operation, g, link)
+    wait_works([work], timeout_s, operation, g, link)
 
 
 def all_reduce_mean_future(tensor: torch.Tensor, group: Any) -> torch.futures.Future:
     """DDP's own averaging: ``tensor`` divided by the group's size, then summed over ``group``
-    (a torch.distributed process group) asynchronously. Returns a future completing with the
-    averaged ``tensor``."""
-    tensor.div_(dist.get_world_size(group))
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    asynchronously. Returns a future completing with the averaged ``tensor``."""
+    g = resolve_group(group)
+    tensor.div_(g.size)
+    return g.all_reduce_future(tensor)
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, *,
                     async_op: bool = False, link: str | None = None,
-                    operation: str = "all_gather") -> Any:
+                    operation: str = "all_gather") -> Work | None:
     """``out`` (flat, ``size * inp.numel()``) = every member's ``inp`` by group rank. Returns the
     work when ``async_op``."""
-    if isinstance(group, MemoryGroup):
-        return group.all_gather(out, inp)
-    return _post(lambda: _all_gather_flat(out, inp, group=group, async_op=async_op),
-                 operation, group, link)
+    g = resolve_group(group)
+    return _post(lambda: _finish(g.all_gather_flat(out, inp), async_op), operation, g, link)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group: Any, *,
                       async_op: bool = False, link: str | None = None,
-                      operation: str = "all_to_all") -> Any:
-    """Equal-split all-to-all: chunk k of ``out`` = chunk ``my rank`` of member k's ``inp``."""
-    if isinstance(group, MemoryGroup):
-        return group.all_to_all_single(out, inp)
-    return _post(lambda: dist.all_to_all_single(out, inp, group=group, async_op=async_op),
-                 operation, group, link)
+                      operation: str = "all_to_all") -> Work | None:
+    """Equal-split all-to-all: chunk k of ``out`` = chunk ``my rank`` of member k's ``inp``.
+    Returns the work when ``async_op``."""
+    g = resolve_group(group)
+    return _post(lambda: _finish(g.all_to_all_single(out, inp), async_op), operation, g,
+                 link)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,12 +170,6 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _native_reduce_scatter(group: Any, device: torch.device) -> bool:
-    if isinstance(group, MemoryGroup):
-        return False
-    return device.type == "cuda" and "cuda:nccl" in dist.get_backend_config(group)
-
-
 def start_reduce_scatter(buf: torch.Tensor, group: Any, size: int, stats: CommStats,
                          level: str) -> tuple[Any, Any]:
     """Start summing ``buf`` (flat ``[size * c]``, wire dtype) over ``group``: rank i gets the
@@ -194,16 +178,17 @@ def start_reduce_scatter(buf: torch.Tensor, group: Any, size: int, stats: CommSt
     c = buf.numel() // size
     stats.record(level, (size - 1) * c * buf.element_size(), size - 1)
     acc = acc_dtype(buf.dtype)
-    if _native_reduce_scatter(group, buf.device):
+    g = resolve_group(group)
+    if g.native_reduce_scatter(buf.device):
         out = torch.empty(c, dtype=buf.dtype, device=buf.device)
-        work = _post(lambda: _reduce_scatter_flat(out, buf, op=dist.ReduceOp.SUM, group=group,
-                                                  async_op=True),
-                     f"{level}-node reduce-scatter", group, level)
+        work = _post(lambda: g.reduce_scatter_flat(out, buf), f"{level}-node reduce-scatter",
+                     g, level)
         return work, lambda: out.to(acc)
-    # Gloo: its reduce-scatter would all-reduce the whole buffer; all-to-all moves (size-1)/size
-    # of it, and the sum of the received chunks (by source rank, in acc dtype) is done here.
+    # Otherwise (Gloo: its reduce-scatter would all-reduce the whole buffer) all-to-all moves
+    # (size-1)/size of it, and the received chunks are summed here, by source rank, in acc
+    # dtype.
     recv = torch.empty_like(buf)
-    work = all_to_all_single(recv, buf, group, async_op=True, link=level,
+    work = all_to_all_single(recv, buf, g, async_op=True, link=level,
                              operation=f"{level}-node reduce-scatter")
     return work, lambda: recv.view(size, c).sum(dim=0, dtype=acc)
 

@@ -14,10 +14,12 @@ Rules for the numbers (``Topology()`` with no arguments under torchrun does the 
   environment (checked against ``LOCAL_RANK``), else 1: every process is its own node, the
   conservative choice (everything between processes is treated as a slow link).
 
-Process groups: the constructor makes no collective, no blocking call and no ``.cuda()``. The
-first access to :attr:`Topology.intra_group` or :attr:`Topology.rail_group` creates ALL groups
-(every node's intra group, then every rail), because ``new_group`` is collective over the default
-group: every rank must reach that first access at the same point of the program. Groups are
+Groups come from the topology's world (:class:`~qcomm.collectives.group.World`):
+torch.distributed's process groups unless ``world=`` names another (the in-memory world). The
+constructor makes no collective, no blocking call and no ``.cuda()``. The first access to
+:attr:`Topology.intra_group` or :attr:`Topology.rail_group` creates ALL groups (every node's
+intra group, then every rail), because ``new_group`` is collective over the default group:
+every rank must reach that first access at the same point of the program. Process groups are
 created with ``backend=None``, i.e. with the default group's backend configuration, so the device
 and backend follow the tensors: after ``init_process_group("cpu:gloo,cuda:nccl")`` CPU tensors go
 through Gloo and CUDA tensors through NCCL; after ``init_process_group("gloo")`` both go through
@@ -26,29 +28,17 @@ Gloo (CUDA tensors staged through host memory).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-
 import torch
-import torch.distributed as dist
 
-from qcomm.collectives.memory import MemoryWorld
+from qcomm.collectives.group import World
 from qcomm.collectives.primitives import all_gather_flat
-from qcomm.validation import check_instance, check_int, fail
+from qcomm.collectives.torch_group import TorchWorld, env_int
+from qcomm.validation import check_instance, check_int
 
 __all__ = ["Topology"]
 
-
-def _env_int(env: Mapping[str, str], var: str, minimum: int) -> int | None:
-    """An environment variable as an int >= ``minimum``; None when unset or empty."""
-    raw = env.get(var)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        fail(f"environment variable {var}", f"an int >= {minimum}", raw)
-    return check_int(f"environment variable {var}", value, low=minimum)
+# The world of a Topology built without one: the job torch.distributed runs.
+TORCH_WORLD = TorchWorld()
 
 
 class Topology:
@@ -59,9 +49,10 @@ class Topology:
             ``LOCAL_WORLD_SIZE`` (torchrun), else 1. See the module docstring for the rules.
         rank: this process's global rank; default torch.distributed's, else ``RANK``.
         world_size: number of processes; default torch.distributed's, else ``WORLD_SIZE``.
-        world: an in-process :class:`~qcomm.collectives.memory.MemoryWorld` whose groups stand
-            in for process groups (ranks as threads; tests and simulations). Then ``rank`` and
-            ``world_size`` must be given, and torch.distributed is not used.
+        world: where the groups come from (:class:`~qcomm.collectives.group.World`); None:
+            torch.distributed (its process groups). An in-memory world
+            (:mod:`qcomm.collectives.memory`) runs the job's ranks as threads of one process;
+            it needs ``rank`` and ``world_size`` given.
 
     Attributes:
         rank, world_size, procs_per_node, num_nodes, node, local_rank: ints.
@@ -74,32 +65,22 @@ class Topology:
     """
 
     def __init__(self, procs_per_node: int | None = None, *, rank: int | None = None,
-                 world_size: int | None = None, world: MemoryWorld | None = None) -> None:
-        env = os.environ
-        if world is not None:
-            check_instance("world", world, MemoryWorld)
-            if rank is None or world_size is None:
-                raise ValueError("rank and world_size must be given with world=")
-            if world_size != world.world_size:
-                raise ValueError(f"world_size={world_size!r} differs from the in-memory world's "
-                                 f"{world.world_size}")
-        initialized = world is None and dist.is_available() and dist.is_initialized()
+                 world_size: int | None = None, world: World | None = None) -> None:
+        world = check_instance("world", world, World, allow_none=True,
+                               what="a qcomm.collectives.group.World")
+        rank, world_size = (world or TORCH_WORLD).job(rank, world_size)
         if world_size is None:
-            world_size = dist.get_world_size() if initialized else _env_int(env, "WORLD_SIZE", 1)
-            if world_size is None:
-                raise ValueError("world_size is unknown: pass world_size=, initialize "
-                                 "torch.distributed, or set WORLD_SIZE")
+            raise ValueError("world_size is unknown: pass world_size=, initialize "
+                             "torch.distributed, or set WORLD_SIZE")
         world_size = check_int("world_size", world_size, low=1)
         if rank is None:
-            rank = dist.get_rank() if initialized else _env_int(env, "RANK", 0)
-            if rank is None:
-                raise ValueError("rank is unknown: pass rank=, initialize torch.distributed, "
-                                 "or set RANK")
+            raise ValueError("rank is unknown: pass rank=, initialize torch.distributed, "
+                             "or set RANK")
         rank = check_int("rank", rank, low=0, high=world_size, high_open=True,
                          what=f"an int in [0, world_size={world_size})")
 
         if procs_per_node is None:
-            procs_per_node = self._procs_per_node_from_env(env, rank)
+            procs_per_node = self._procs_per_node_from_env(rank)
         procs_per_node = check_int("procs_per_node", procs_per_node, low=1)
         if world_size % procs_per_node:
             raise ValueError(
@@ -120,11 +101,11 @@ class Topology:
         self._groups: tuple[object, object] | None = None
 
     @staticmethod
-    def _procs_per_node_from_env(env: Mapping[str, str], rank: int) -> int:
-        local_world = _env_int(env, "LOCAL_WORLD_SIZE", 1)
+    def _procs_per_node_from_env(rank: int) -> int:
+        local_world = env_int("LOCAL_WORLD_SIZE", 1)
         if local_world is None:
             return 1
-        local_rank = _env_int(env, "LOCAL_RANK", 0)
+        local_rank = env_int("LOCAL_RANK", 0)
         if local_rank is not None:
             if local_rank >= local_world:
                 raise ValueError(f"environment variable LOCAL_RANK={local_rank} must be < "
@@ -162,58 +143,39 @@ class Topology:
     # -----------------------------------------------------------------------------------------
     # process groups
 
-    def check_world(self) -> None:
-        """Raise RuntimeError unless torch.distributed runs the world this topology describes.
+    @property
+    def world(self) -> World:
+        """Where the groups come from: the ``world=`` given, else torch.distributed's job."""
+        return self._world or TORCH_WORLD
 
-        A single-process topology (``world_size == 1``) needs no process group at all when
-        torch.distributed is not initialized; an in-memory topology needs none.
-        """
-        if self._world is not None:
-            return
-        if not (dist.is_available() and dist.is_initialized()):
-            if self.world_size == 1:
-                return
-            raise RuntimeError(
-                f"torch.distributed is not initialized, but this Topology has world_size="
-                f"{self.world_size}: call init_process_group first"
-            )
-        ws, rk = dist.get_world_size(), dist.get_rank()
-        if ws != self.world_size or rk != self.rank:
-            raise RuntimeError(
-                f"Topology was built for rank {self.rank} of world_size {self.world_size}, but "
-                f"torch.distributed runs rank {rk} of world_size {ws}"
-            )
+    def check_world(self) -> None:
+        """Raise RuntimeError unless the world runs the job this topology describes (for
+        torch.distributed: it is initialized with this rank and world size; a single-process
+        topology needs no process group at all)."""
+        self.world.check(self.rank, self.world_size)
 
     @property
     def world_group(self) -> object:
-        """The group of every rank: None (torch.distributed's default group) or the in-memory
-        world's."""
-        if self._world is not None:
-            return self._world.group(range(self.world_size), self.rank)
-        return None
+        """The group of every rank (None: torch.distributed's default group)."""
+        return self.world.whole(self.rank)
 
     def control_device(self) -> torch.device:
-        """Where small control tensors (votes, agreement rows) live: CPU when the default
-        group can move CPU tensors (Gloo, or "cpu:gloo,cuda:nccl"), else the current GPU."""
-        if self._world is not None or "cpu:" in dist.get_backend_config():
-            return torch.device("cpu")
-        return torch.device("cuda", torch.cuda.current_device())
+        """Where small control tensors (votes, agreement rows) live: CPU when the world's
+        groups move CPU tensors (Gloo, "cpu:gloo,cuda:nccl", in memory), else the current
+        GPU."""
+        return self.world.control_device()
 
     @property
-    def in_memory(self) -> bool:
-        """True when the groups are in-memory stand-ins (``world=`` was given)."""
-        return self._world is not None
-
-    @property
-    def intra_group(self) -> dist.ProcessGroup | None:
-        """Process group of my node's ranks; None when ``procs_per_node == 1``.
+    def intra_group(self) -> object:
+        """My node's group (a ``torch.distributed`` process group, or the world's own kind);
+        None when ``procs_per_node == 1``.
 
         The first access to this or :attr:`rail_group` creates every group (collective)."""
         return self._ensure_groups()[0]
 
     @property
-    def rail_group(self) -> dist.ProcessGroup | None:
-        """Process group of my rail (my local rank on every node); None when ``num_nodes == 1``.
+    def rail_group(self) -> object:
+        """My rail's group (my local rank on every node); None when ``num_nodes == 1``.
 
         The first access to this or :attr:`intra_group` creates every group (collective)."""
         return self._ensure_groups()[1]
@@ -225,27 +187,15 @@ class Topology:
         if self.world_size == 1:
             self._groups = (None, None)
             return self._groups
-        if self._world is not None:
-            self._groups = (
-                self._world.group(self.node_ranks, self.rank) if self.procs_per_node > 1
-                else None,
-                self._world.group(self.rail_ranks, self.rank) if self.num_nodes > 1 else None,
-            )
-            return self._groups
         self._check_same_layout_everywhere()
-        intra = rail = None
-        # Fixed order on every rank: node groups by node, then rails by local rank. Every rank
-        # calls new_group for every group, member or not (new_group is collective).
-        if self.procs_per_node > 1:
-            for node in range(self.num_nodes):
-                group = dist.new_group(self.ranks_of_node(node))
-                if node == self.node:
-                    intra = group
-        if self.num_nodes > 1:
-            for local_rank in range(self.procs_per_node):
-                group = dist.new_group(self.ranks_of_rail(local_rank))
-                if local_rank == self.local_rank:
-                    rail = group
+        # Fixed order on every rank: node groups by node, then rails by local rank.
+        nodes = [self.ranks_of_node(n) for n in range(self.num_nodes)] \
+            if self.procs_per_node > 1 else []
+        rails = [self.ranks_of_rail(lr) for lr in range(self.procs_per_node)] \
+            if self.num_nodes > 1 else []
+        groups = self.world.new_groups(nodes + rails, self.rank)
+        intra = groups[self.node] if nodes else None
+        rail = groups[len(nodes) + self.local_rank] if rails else None
         self._groups = (intra, rail)
         return self._groups
 
@@ -258,7 +208,7 @@ class Topology:
         mine = torch.tensor([self.procs_per_node, self.rank, self.world_size], dtype=torch.int64,
                             device=device)
         everyone = torch.empty(self.world_size * 3, dtype=torch.int64, device=device)
-        all_gather_flat(everyone, mine, None)
+        all_gather_flat(everyone, mine, self.world_group)
         rows = everyone.view(self.world_size, 3).tolist()
         ppn = [r[0] for r in rows]
         if len(set(ppn)) != 1 or any(r[2] != self.world_size for r in rows):
@@ -274,7 +224,7 @@ class Topology:
         # Process groups do not pickle; a copy recreates them (collectively) on first access.
         state = dict(self.__dict__)
         state["_groups"] = None
-        state["_world"] = None  # threads and locks do not travel
+        state["_world"] = None  # a copy runs under torch.distributed (threads do not travel)
         return state
 
     def __repr__(self) -> str:

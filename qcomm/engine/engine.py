@@ -19,9 +19,11 @@ round still carries its values (the layout is fixed), but the round's correction
 back into it.
 
 Process groups are created lazily, at the first distributed step (collective: every rank must
-reach it at the same point), never in a constructor. A :class:`~qcomm.collectives.topology.
-Topology` built over a :class:`~qcomm.collectives.memory.MemoryWorld` makes the whole engine run
-with ranks as threads of one process, the same bytes as over Gloo (tests, simulations).
+reach it at the same point), never in a constructor. The groups come from the topology's
+world (:class:`~qcomm.collectives.group.World`): torch.distributed's by default; a
+:class:`~qcomm.collectives.topology.Topology` built over the in-memory world
+(:mod:`qcomm.collectives.memory`) runs the whole engine with ranks as threads of one process,
+the same code and the same bytes as over Gloo (tests, simulations).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
+from qcomm.collectives.torch_group import TorchWorld
 from qcomm.engine.agreement import check_agreement, fingerprint
 from qcomm.engine.gradients import (
     NonFiniteGradientError,
@@ -93,8 +96,8 @@ class AveragingEngine:
             replaces the group list are seen); each parameter is taken once, in group order.
         options: the communication options.
         topology: the job's layout; None builds one from torch.distributed and torchrun's
-            environment at the first distributed step. Pass one built over a
-            :class:`~qcomm.collectives.memory.MemoryWorld` to run in-process.
+            environment at the first distributed step. Pass one built over an in-memory
+            world (:mod:`qcomm.collectives.memory`) to run in-process.
 
     The constructor communicates nothing and creates no process group.
     """
@@ -130,8 +133,8 @@ class AveragingEngine:
     # where are we
 
     def _world_size_now(self) -> int | None:
-        """The job's world size as known without a collective; None without a process group
-        (and without an in-memory topology)."""
+        """The job's world size as known without a collective; None without a topology and
+        without a process group."""
         if self._topology_arg is not None:
             return self._topology_arg.world_size
         if dist.is_available() and dist.is_initialized():
@@ -140,8 +143,8 @@ class AveragingEngine:
 
     @property
     def distributed(self) -> bool:
-        """True when this rank has peers (a process group of several ranks, or an in-memory
-        topology of several)."""
+        """True when this rank has peers (a topology, or else a process group, of several
+        ranks)."""
         world = self._world_size_now()
         if world is None:
             self._warn_env_without_group()
@@ -259,7 +262,8 @@ class AveragingEngine:
 
         Raises:
             ValueError: with ``intra_bits`` (DDP averages in full precision: choose one).
-            TypeError: on an in-memory topology (DDP needs a process group).
+            TypeError: on a topology whose world is not torch.distributed's (DDP needs a
+                process group).
         """
         if self.options.intra_bits is not None:
             raise ValueError("data_parallel() averages gradients in full precision with DDP; "
@@ -268,9 +272,10 @@ class AveragingEngine:
             return model
         if self._ready:
             raise RuntimeError("data_parallel() must be called before the first step")
-        if self._topology_arg is not None and self._topology_arg.in_memory:
-            raise TypeError("data_parallel() needs torch.distributed process groups, not an "
-                            "in-memory topology")
+        world = self._topology_arg.world if self._topology_arg is not None else None
+        if world is not None and not isinstance(world, TorchWorld):
+            raise TypeError(f"data_parallel() needs torch.distributed process groups, not the "
+                            f"groups of {world!r}")
         layout = self._topology_arg or Topology(self.options.procs_per_node)
         if layout.procs_per_node == 1:
             if layout.rank == 0:

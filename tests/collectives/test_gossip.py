@@ -23,11 +23,11 @@ import torch.distributed as dist
 from qcomm.collectives import PeerError
 from qcomm.collectives.gossip import (
     CompressedGossip,
-    GossipSimulator,
     consensus_distance,
     neighbours,
 )
 from qcomm.collectives.gossip.integrity import SEAL_NBYTES
+from qcomm.collectives.memory import GossipSimulator
 from qcomm.compress import QuantSpec, packed_nbytes
 from qcomm.testing.multiprocess import run_world
 

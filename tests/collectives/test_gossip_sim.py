@@ -1,6 +1,6 @@
 """CompressedGossip in the in-process simulator: convergence matrix, invariants, inputs, resume.
 
-The simulator runs the same CompressedGossip code as over Gloo with an in-memory transport;
+The simulator runs the same CompressedGossip code as over Gloo on a stepped in-memory world;
 tests/collectives/test_gossip.py checks that both give the same bits.
 """
 
@@ -12,10 +12,11 @@ import math
 import pytest
 import torch
 
-from qcomm.collectives.gossip import CompressedGossip, GossipSimulator, default_gamma
+from qcomm.collectives.gossip import CompressedGossip, default_gamma
 from qcomm.collectives.gossip.graphs import neighbours
 from qcomm.collectives.gossip.integrity import SEAL_NBYTES
-from qcomm.collectives.gossip.transport import MemoryHub, MemoryTransport
+from qcomm.collectives.memory import GossipSimulator, MemoryWorld
+from qcomm.collectives.memory.transport import MemoryTransport
 from qcomm.compress import QuantSpec, packed_nbytes
 
 NUMEL = 512
@@ -159,8 +160,9 @@ def test_flush_applies_everything_and_keeps_antisymmetry() -> None:
 
 
 def _member(**kw) -> CompressedGossip:
-    return CompressedGossip([0, 1, 2], None, NUMEL,
-                            _transport=MemoryTransport(MemoryHub(3), 0, [1, 2]), **kw)
+    """Member 0 of three on a stepped in-memory world (nothing is sent at construction)."""
+    world = MemoryWorld(3, clock=lambda: 0.0)
+    return CompressedGossip([0, 1, 2], world.group([0, 1, 2], 0), NUMEL, **kw)
 
 
 @pytest.mark.parametrize(("kw", "exc", "match"), [
@@ -179,11 +181,12 @@ def test_bad_arguments(kw: dict, exc: type, match: str) -> None:
 
 
 def test_bad_numel_and_x() -> None:
+    world = MemoryWorld(3, clock=lambda: 0.0)
     with pytest.raises(ValueError, match="numel"):
-        CompressedGossip([0, 1], None, 0, _transport=MemoryTransport(MemoryHub(2), 0, [1]))
-    with pytest.raises(ValueError, match="peers"):  # transport inconsistent with the graph
-        CompressedGossip([0, 1, 2], None, NUMEL,
-                         _transport=MemoryTransport(MemoryHub(3), 0, [1]))
+        CompressedGossip([0, 1], world.group([0, 1], 0), 0)
+    # group_ranks that are not the group's members, in order
+    with pytest.raises(ValueError, match=r"global ranks of the group in group order, \[0, 1, 2\]"):
+        CompressedGossip([0, 2, 1], world.group([0, 1, 2], 0), NUMEL)
     g = _member(gamma=0.5, staleness=1)
     with pytest.raises(TypeError, match="float32"):
         g.step(torch.zeros(NUMEL, dtype=torch.float64))

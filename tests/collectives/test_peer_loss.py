@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from qcomm.collectives.errors import PeerLostError, PeerTimeoutError
-from qcomm.collectives.gossip import WaitFreeGossip, WaitFreeSimulator
-from qcomm.collectives.memory import MemoryWorld
+from qcomm.collectives.gossip import WaitFreeGossip
+from qcomm.collectives.memory import MemoryWorld, WaitFreeSimulator
 from qcomm.compress import QuantSpec
 
 NUMEL = 1024

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from qcomm.collectives.errors import CorruptPayloadError, PeerTimeoutError
-from qcomm.collectives.gossip import WaitFreeGossip, WaitFreeSimulator
-from qcomm.collectives.gossip.streams import Mailboxes, MemoryStreams
-from qcomm.collectives.memory import MemoryWorld
+from qcomm.collectives.gossip import WaitFreeGossip
+from qcomm.collectives.memory import MemoryWorld, WaitFreeSimulator
 from qcomm.compress import QuantSpec
 
 NUMEL = 1024
@@ -243,10 +242,9 @@ def test_state_without_a_drain_is_refused() -> None:
     ("staleness", -1, "staleness"), ("gamma", 1.5, "gamma"),
 ])
 def test_bad_arguments_name_themselves(name: str, value: object, match: str) -> None:
-    boxes = Mailboxes(2)
-    streams = MemoryStreams(boxes, 0, [1], max_backlog=4, timeout_s=1.0)
+    group = MemoryWorld(2, clock=lambda: 0.0).group([0, 1], 0)
     with pytest.raises(ValueError, match=match):
-        WaitFreeGossip([0, 1], None, NUMEL, _streams=streams, **{name: value})
+        WaitFreeGossip([0, 1], group, NUMEL, **{name: value})
 
 
 @pytest.mark.parametrize(("x", "error", "match"), [

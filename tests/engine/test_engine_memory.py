@@ -269,3 +269,15 @@ def test_without_logging_configured_the_layout_goes_to_stderr(capsys, monkeypatc
     assert "qcomm: 2 nodes x 1 rank; " in capsys.readouterr().err
     report.log_layout(Topology(1, rank=1, world_size=2), CommOptions(), False, 10, 0.3)
     assert capsys.readouterr().err == ""  # rank 0 only
+
+
+def test_data_parallel_needs_process_groups_not_the_in_memory_world() -> None:
+    # DDP takes a torch.distributed process group: an in-memory topology is refused before any
+    # group is created (one thread here: a collective would wait for rank 1).
+    world = MemoryWorld(4, timeout_s=5)
+    model = mlp(0)
+    opt = _adamw(model, _layout(world, 0, 2), intra_bits=None)
+    with pytest.raises(TypeError, match=r"needs torch.distributed process groups, not the "
+                                        r"groups of MemoryWorld\(4\)"):
+        opt.data_parallel(model)
+    assert opt.engine.topology is None  # nothing was set up

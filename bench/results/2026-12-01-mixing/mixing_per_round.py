@@ -1,5 +1,5 @@
 """How much one gossip round of a fragment mixes, per graph, gamma and code: the in-process
-simulator (qcomm.collectives.gossip.GossipSimulator, the code path of the cluster runs).
+simulator (qcomm.collectives.memory.GossipSimulator, the code path of the cluster runs).
 
 Pure consensus (no local updates): every member starts at an independent N(0, 1) vector, the
 members gossip as ASSGD does between nodes (staleness 1, ``--fragments`` fragments, one
@@ -26,9 +26,9 @@ if __package__ in (None, ""):
 
 import torch
 
-from qcomm.collectives.gossip import GossipSimulator
 from qcomm.collectives.gossip.graphs import neighbours
 from qcomm.collectives.gossip.mixing import mixing_matrix
+from qcomm.collectives.memory import GossipSimulator
 from qcomm.compress import QuantSpec
 
 

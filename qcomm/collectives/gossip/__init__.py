@@ -1,26 +1,25 @@
 """Compressed asynchronous gossip between nodes (CHOCO-SGD), in two modes.
 
 Split as in SGP: :mod:`.graphs` (who talks to whom), :mod:`.mixing` (weights), :mod:`.transport`
-(one payload per round: Gloo point-to-point or in-process), :mod:`.streams` (ordered message
-streams per neighbour), :mod:`.choco` (bounded staleness: every node at its slowest neighbour's
-pace, deterministic), :mod:`.wait_free` (no node waits for a neighbour's round),
-:mod:`.simulate` (n members in one process, for tests and tuning).
+(one payload per round over Gloo point-to-point), :mod:`.streams` (ordered message streams per
+neighbour), :mod:`.choco` (bounded staleness: every node at its slowest neighbour's pace,
+deterministic), :mod:`.wait_free` (no node waits for a neighbour's round). A member's group
+makes its transport or streams (:class:`~qcomm.collectives.group.CommGroup`); n members in one
+process, for tests and tuning, are the in-memory world's simulators
+(:mod:`qcomm.collectives.memory.simulate`).
 """
 
 
 from .choco import CompressedGossip, consensus_distance, default_gamma
 from .graphs import GRAPHS, adjacency, neighbours
 from .mixing import MIXINGS, mixing_matrix, spectral_gap
-from .simulate import GossipSimulator, WaitFreeSimulator
 from .wait_free import WaitFreeGossip
 
 __all__ = [
     "GRAPHS",
     "MIXINGS",
     "CompressedGossip",
-    "GossipSimulator",
     "WaitFreeGossip",
-    "WaitFreeSimulator",
     "adjacency",
     "consensus_distance",
     "default_gamma",

@@ -39,13 +39,13 @@ of the mixing term, and with it the preservation of the average. docs/design.md 
 argument in full.
 
 Default gamma (:func:`default_gamma`): about half the largest gamma that converged when
-measured with the in-process simulator (:mod:`.simulate`, the same code path as over Gloo) on a
-ring of 4, an exponential graph of 8 and a ring of 8, so that a graph or data a little harsher
-than those still converges. It shrinks with staleness (a stale correction overshoots sooner)
-and is smallest at 1 bit, where the sign code, not the step, limits the rate. Gamma is
-validated to (0, 1] only: larger values within it are not refused, since divergence depends
-on the graph and the data (the measurement is evidence, not proof). The table and how to
-re-measure it (``bench/tune_gamma.py``): docs/gossip_tuning.md.
+measured with the in-process simulator (:mod:`qcomm.collectives.memory.simulate`, the same
+code path as over Gloo) on a ring of 4, an exponential graph of 8 and a ring of 8, so that a
+graph or data a little harsher than those still converges. It shrinks with staleness (a stale
+correction overshoots sooner) and is smallest at 1 bit, where the sign code, not the step,
+limits the rate. Gamma is validated to (0, 1] only: larger values within it are not refused,
+since divergence depends on the graph and the data (the measurement is evidence, not proof).
+The table and how to re-measure it (``bench/tune_gamma.py``): docs/gossip_tuning.md.
 
 Progress while the caller computes: non-blocking ``isend``/``irecv`` posted from the caller's
 thread, which Gloo's own I/O threads carry out, and no communication thread of ours. A thread
@@ -65,9 +65,10 @@ import torch
 import torch.distributed as dist
 
 from qcomm.collectives.errors import CorruptPayloadError, PeerTimeoutError
-from qcomm.collectives.memory import MemoryGroup
+from qcomm.collectives.group import CommGroup
 from qcomm.collectives.primitives import all_reduce, group_size
 from qcomm.collectives.stats import CommStats
+from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import WIRE_FORMAT_VERSION, QuantSpec, packed_nbytes
 from qcomm.seeds import gossip_message_seed
 from qcomm.validation import (
@@ -80,7 +81,7 @@ from .graphs import neighbours
 from .integrity import SEAL_NBYTES, bad_messages, seal_
 from .member import GossipMember
 from .mixing import mixing_matrix
-from .transport import GlooTransport, MemoryTransport, RoundHandle, Transport
+from .transport import RoundHandle
 
 __all__ = ["CompressedGossip", "PeerTimeoutError", "consensus_distance", "default_gamma"]
 
@@ -98,8 +99,13 @@ class _Round:
     own_bounded: bool = False
 
 
-def _check_group(group_ranks: object, group: dist.ProcessGroup | None) -> tuple[list[int], int]:
-    """Validate ``group_ranks`` against ``group``; return (ranks, my member index)."""
+def _check_group(group_ranks: object, group: CommGroup) -> tuple[list[int], int]:
+    """Validate ``group_ranks`` against ``group``'s members; return (ranks, my member index).
+
+    Raises:
+        ValueError: not the group's global ranks in group order. RuntimeError: the group is
+            torch.distributed's and it is not initialized.
+    """
     if not isinstance(group_ranks, (list, tuple)) or not group_ranks or not all(
             isinstance(r, int) and not isinstance(r, bool) for r in group_ranks):
         raise ValueError(f"group_ranks must be a non-empty list of global ranks, got "
@@ -107,21 +113,11 @@ def _check_group(group_ranks: object, group: dist.ProcessGroup | None) -> tuple[
     ranks = list(group_ranks)
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"group_ranks must not repeat a rank, got {ranks}")
-    if isinstance(group, MemoryGroup):
-        if ranks != group.ranks:
-            raise ValueError(f"group_ranks must list the in-memory group's ranks in order, "
-                             f"{group.ranks}; got {ranks}")
-        return ranks, group.rank
-    if not dist.is_initialized():
-        raise RuntimeError("CompressedGossip needs torch.distributed to be initialized")
-    size = dist.get_world_size(group)
-    actual = [dist.get_global_rank(group, k) for k in range(size)] if group is not None \
-        else list(range(size))
+    actual = group.ranks
     if ranks != actual:
-        which = "the default group" if group is None else "group"
-        raise ValueError(f"group_ranks must list the global ranks of {which} in group order, "
-                         f"{actual}; got {ranks}")
-    return ranks, dist.get_rank(group)
+        raise ValueError(f"group_ranks must list the global ranks of the group in group "
+                         f"order, {actual}; got {ranks}")
+    return ranks, group.rank
 
 
 def _saved_round(payloads: object, rows: int, message_nbytes: int,
@@ -147,9 +143,10 @@ class CompressedGossip(GossipMember):
 
     Args:
         group_ranks: global ranks of the gossiping members (a rail), in node order.
-        group: their process group; None = the default group (then ``group_ranks`` must be all
-            ranks, in order); or a :class:`~qcomm.collectives.memory.MemoryGroup` (members as
-            threads of one process: the transport is then in-memory).
+        group: their group, which makes the transport: a
+            :class:`~qcomm.collectives.group.CommGroup` (an in-memory world's, say), a
+            torch.distributed process group, or None = the default group (then
+            ``group_ranks`` must be all ranks, in order).
         numel: number of floats each member gossips (its shard), >= 1.
         graph: ``"ring"`` (default), ``"exponential"`` or ``"complete"`` (:mod:`.graphs`).
         mixing: ``"uniform"`` or ``"metropolis"`` (:mod:`.mixing`; equal on these graphs).
@@ -175,16 +172,14 @@ class CompressedGossip(GossipMember):
     x's device. The constructor runs no collective and no blocking call.
     """
 
-    def __init__(self, group_ranks: list[int], group: dist.ProcessGroup | None, numel: int, *,
+    def __init__(self, group_ranks: list[int], group: CommGroup | dist.ProcessGroup | None,
+                 numel: int, *,
                  graph: str = "ring", mixing: str = "uniform",
                  spec: QuantSpec = QuantSpec(4, 128, "stochastic"),  # noqa: B008 (frozen)
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
-                 outer_momentum: float = 0.0, outer_lr: float = 1.0, round_period: int = 1,
-                 _transport: Transport | None = None) -> None:
-        # _transport: an in-process Transport (the simulator's); then group_ranks is
-        # list(range(n)) and group is None and unused. Not public: the simulator and the
-        # in-memory world are the public ways to run members in one process.
+                 outer_momentum: float = 0.0, outer_lr: float = 1.0,
+                 round_period: int = 1) -> None:
         # hyperparameters (checked with the limits every layer shares, then fixed)
         self._set_hyperparameters(
             numel, graph=graph, mixing=mixing, spec=spec, gamma=gamma, staleness=staleness,
@@ -192,16 +187,8 @@ class CompressedGossip(GossipMember):
             outer_momentum=outer_momentum, outer_lr=outer_lr, round_period=round_period,
             stats=stats)
 
-        if _transport is not None:
-            if group is not None:
-                raise ValueError("group must be None when a transport is given")
-            if list(group_ranks) != list(range(_transport.size)):
-                raise ValueError(f"group_ranks must be list(range({_transport.size})) with an "
-                                 f"in-process transport, got {group_ranks!r}")
-            self.group_ranks, self.member = list(group_ranks), _transport.member
-        else:
-            self.group_ranks, self.member = _check_group(group_ranks, group)
-        self.group = group
+        self.group = resolve_group(group)
+        self.group_ranks, self.member = _check_group(group_ranks, self.group)
         n = len(self.group_ranks)
         self.size = n
         self.peers = neighbours(self.graph, self.member, n)
@@ -209,18 +196,9 @@ class CompressedGossip(GossipMember):
         # Row 0 is our own payload, then the neighbours in `peers` order.
         self._weights = torch.stack([w[self.member, self.member]] +
                                     [w[self.member, p] for p in self.peers])
-        if _transport is None and isinstance(group, MemoryGroup):
-            _transport = MemoryTransport(group.hub, self.member, self.peers, self.stats,
-                                         level="inter",
-                                         peer_ranks=[self.group_ranks[p] for p in self.peers])
-        elif _transport is None:
-            _transport = GlooTransport(self.group_ranks, group, self.member, self.peers,
-                                       self.stats, level="inter")
-        elif _transport.peers != self.peers:
-            raise ValueError(f"the transport's peers {_transport.peers} != the graph's "
-                             f"{self.peers}")
-        self.transport = _transport
-        self.transport_level = getattr(_transport, "level", "inter")
+        self.transport_level = "inter"  # gossip runs between nodes
+        self.transport = self.group.transport(self.peers, stats=self.stats,
+                                              level=self.transport_level)
         self.nbytes = packed_nbytes(self.fragment_numel, spec)
         self.message_nbytes = self.nbytes + SEAL_NBYTES  # what crosses the link per message
 
@@ -496,13 +474,13 @@ class CompressedGossip(GossipMember):
         self._closed = True
 
 
-def consensus_distance(x: torch.Tensor, group: dist.ProcessGroup | None, *,
+def consensus_distance(x: torch.Tensor, group: CommGroup | dist.ProcessGroup | None, *,
                        timeout_s: float | None = None) -> float:
     """``sqrt(mean_i ||x_i - mean_j x_j||^2)`` over the members of ``group``; collective.
 
     Args:
         x: this member's float tensor (any shape; same numel on every member).
-        group: the process group (None: the default group).
+        group: the members' group (a process group, None: the default group).
         timeout_s: how long each of the two all-reduces waits (None: the group's own timeout).
 
     Computed in float64 (two all-reduces) so that distances far below ``|x|`` are still exact

@@ -1,11 +1,11 @@
 """The default consensus step size of the gossip, by code width and staleness.
 
 About half the largest gamma that converged when measured with the in-process simulator
-(:mod:`.simulate`, the same code path as over Gloo) on a ring of 4, an exponential graph of 8
-and a ring of 8, so that a graph or data a little harsher than those still converges. It
-shrinks with staleness (a stale correction overshoots sooner) and is smallest at 1 bit, where
-the sign code, not the step, limits the rate. The table and how to re-measure it
-(``bench/tune_gamma.py``): docs/gossip_tuning.md.
+(:mod:`qcomm.collectives.memory.simulate`, the same code path as over Gloo) on a ring of 4, an
+exponential graph of 8 and a ring of 8, so that a graph or data a little harsher than those
+still converges. It shrinks with staleness (a stale correction overshoots sooner) and is
+smallest at 1 bit, where the sign code, not the step, limits the rate. The table and how to
+re-measure it (``bench/tune_gamma.py``): docs/gossip_tuning.md.
 """
 
 from __future__ import annotations

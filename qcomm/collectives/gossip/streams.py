@@ -23,16 +23,17 @@ stream carries whole vectors (:meth:`MessageStreams.send_vector` /
 :meth:`MessageStreams.recv_vector`), in their own order: a new neighbour's starting copy, the
 survivors' exact average.
 
-Two implementations:
+A group makes its members' streams (:meth:`~qcomm.collectives.group.CommGroup.streams`):
 
-* :class:`GlooStreams`: ``torch.distributed`` point-to-point on a Gloo group. Gloo transfers a
+* :class:`GlooStreams`, here: ``torch.distributed`` point-to-point on a Gloo group. Gloo transfers a
   message only into a posted receive, and its point-to-point works report completion only from
   ``wait()`` (``is_completed()`` stays False until then, and a ``wait`` that times out closes the
   connection), so each neighbour has a receiver thread that keeps ``depth`` receives posted and
   waits on the oldest, and a sender thread that keeps ``depth`` sends in flight. Both block in
   Gloo's C++ code with the GIL released: they cost no CPU while they wait.
-* :class:`MemoryStreams`: members in one process (threads of an in-memory world, or the
-  step-by-step simulator, which may hold a message back to emulate a slow link).
+* the in-memory world's (:mod:`qcomm.collectives.memory.streams`): members in one process
+  (threads, or driven step by step by a simulator, which may hold a message back to emulate
+  a slow link).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import torch.distributed as dist
 from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError, backend_detail
 from qcomm.collectives.stats import CommStats
 
-__all__ = ["GlooStreams", "Mailboxes", "MemoryStreams", "MessageStreams"]
+__all__ = ["GlooStreams", "MessageStreams", "record"]
 
 TAG_MODULUS = 1 << 20
 # Receives (and sends) each neighbour keeps posted ahead. Gloo moves a message only into a
@@ -151,244 +152,10 @@ class MessageStreams(ABC):
         leave and for the neighbours' own goodbyes."""
 
 
-def _record(level: str, stats: CommStats | None, message: torch.Tensor) -> None:
+def record(level: str, stats: CommStats | None, message: torch.Tensor) -> None:
+    """Count ``message`` (uint8) as sent under ``level``, when there is a counter."""
     if stats is not None:
         stats.record(level, message.numel())
-
-
-# ---------------------------------------------------------------------------------------------
-# in-process
-
-
-class Mailboxes:
-    """Per-(sender, receiver) queues of one in-process group's streams.
-
-    Args:
-        size: number of members.
-        clock: None (members are threads: a message is visible once posted), or a function
-            returning the current time of a simulation; then ``delay(src, dst)`` (in the
-            clock's units) holds each message back before it is visible.
-        delay: see ``clock``.
-    """
-
-    def __init__(self, size: int, *, clock: Callable[[], float] | None = None,
-                 delay: Callable[[int, int], float] | None = None) -> None:
-        self.size = size
-        self.simulated = clock is not None
-        self._clock = clock
-        self._delay = delay
-        self._queues: dict[tuple, deque] = {}
-        self._cond = threading.Condition()
-        self._aborted = False
-        self.killed: set[int] = set()
-
-    def _queue(self, src: int, dst: int, kind: str = "m") -> deque:
-        return self._queues.setdefault((src, dst, kind), deque())
-
-    def post(self, src: int, dst: int, message: torch.Tensor | None, kind: str = "m") -> None:
-        """Queue ``message`` (None: the stream ends) from ``src`` to ``dst``; ``kind`` "v"
-        for the vector queue. Nothing is queued from or to a killed member."""
-        at = 0.0
-        if self._clock is not None:
-            at = self._clock() + (self._delay(src, dst) if self._delay else 0.0)
-        with self._cond:
-            if src in self.killed or dst in self.killed:
-                return
-            self._queue(src, dst, kind).append((at, message))
-            self._cond.notify_all()
-
-    def kill(self, member: int) -> None:
-        """``member`` dies: what it sent and is queued stays (it was on the wire); then each
-        of its streams fails as a broken connection (:meth:`lost`)."""
-        with self._cond:
-            self.killed.add(member)
-            self._cond.notify_all()
-
-    def lost(self, src: int, dst: int, kind: str = "m") -> bool:
-        """Whether ``src`` was killed and nothing of it is left to take by ``dst``."""
-        with self._cond:
-            return src in self.killed and not self._queue(src, dst, kind)
-
-    def _visible(self, entry: tuple) -> bool:
-        return self._clock is None or entry[0] <= self._clock()
-
-    def take(self, src: int, dst: int, kind: str = "m", limit: int | None = None
-             ) -> list[torch.Tensor | None]:
-        """The visible messages from ``src`` to ``dst`` (at most ``limit``), in order
-        (removed)."""
-        out = []
-        with self._cond:
-            q = self._queue(src, dst, kind)
-            while q and self._visible(q[0]) and (limit is None or len(out) < limit):
-                out.append(q.popleft()[1])
-            if out:
-                self._cond.notify_all()
-        return out
-
-    def ready(self, src: int, dst: int, kind: str = "m") -> bool:
-        """Whether a message from ``src`` to ``dst`` is visible (or ``src`` is lost)."""
-        with self._cond:
-            q = self._queue(src, dst, kind)
-            return (bool(q) and self._visible(q[0])) or (src in self.killed and not q)
-
-    def pending(self, src: int, dst: int) -> int:
-        """Messages from ``src`` not yet taken by ``dst``."""
-        with self._cond:
-            return len(self._queue(src, dst))
-
-    def wait(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
-        """Wait until ``predicate()`` (called under the lock) holds; False on timeout, abort,
-        or at once in a simulation (nothing changes while one member waits)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while not predicate():
-                left = deadline - time.monotonic()
-                if self.simulated or self._aborted or left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
-
-    def abort(self) -> None:
-        """Wake every waiting member; their waits fail at once."""
-        with self._cond:
-            self._aborted = True
-            self._cond.notify_all()
-
-
-class MemoryStreams(MessageStreams):
-    """Streams over :class:`Mailboxes` (members in one process).
-
-    Silence is measured on the wall clock since the stream last delivered, as the Gloo receiver
-    thread measures it; in a simulation (mailboxes with a clock) there is none to detect. A
-    killed member's streams fail as broken connections once what it sent was taken.
-    """
-
-    def __init__(self, boxes: Mailboxes, member: int, peers: list[int], *,
-                 max_backlog: int, timeout_s: float, stats: CommStats | None = None,
-                 level: str = "inter", peer_ranks: list[int] | None = None) -> None:
-        self.boxes = boxes
-        self.member = member
-        self.size = boxes.size
-        self.peers = list(peers)
-        self.peer_ranks = list(peer_ranks) if peer_ranks is not None else list(peers)
-        self.level = level
-        self.max_backlog = max_backlog
-        self.timeout_s = timeout_s
-        self.stats = stats
-        self.simulated = boxes.simulated
-        self._heard = [time.monotonic()] * len(self.peers)  # when each stream last delivered
-        self._ended = [False] * len(self.peers)
-        self._failed: list[PeerError | None] = [None] * len(self.peers)
-        self._dropped: set[int] = set()
-
-    def _lost_error(self, k: int, what: str) -> PeerLostError:
-        return PeerLostError(f"gossip stream {what} rank {self.peer_ranks[k]} (member "
-                             f"{self.member})", [self.peer_ranks[k]], self.level,
-                             detail="the member was killed")
-
-    def _open(self, k: int) -> bool:
-        return not (self._ended[k] or self._failed[k] is not None or k in self._dropped)
-
-    def blocked(self) -> bool:
-        """Whether :meth:`send` would wait now (a neighbour holds ``max_backlog`` messages)."""
-        return any(self._open(k) and self.boxes.pending(self.member, p) >= self.max_backlog
-                   for k, p in enumerate(self.peers))
-
-    def send_to(self, k: int, message: torch.Tensor) -> PeerError | None:
-        p = self.peers[k]
-        if self._failed[k] is None and p in self.boxes.killed:
-            self._failed[k] = self._lost_error(k, "to")
-        if self._failed[k] is not None:
-            return self._failed[k]
-        room = lambda: self.boxes.pending(self.member, p) < self.max_backlog \
-            or p in self.boxes.killed
-        if not self.boxes.wait(room, self.timeout_s):
-            if self.simulated:
-                raise RuntimeError(
-                    f"member {self.member} would wait for member {p} to take its messages "
-                    f"(max_backlog={self.max_backlog}) in a simulation, where nothing moves "
-                    "while it waits")
-            self._failed[k] = PeerTimeoutError(
-                f"gossip stream to rank {self.peer_ranks[k]} (member {self.member}): "
-                f"max_backlog={self.max_backlog} messages not taken", self.timeout_s,
-                [self.peer_ranks[k]], self.level)
-            return self._failed[k]
-        if p in self.boxes.killed:
-            self._failed[k] = self._lost_error(k, "to")
-            return self._failed[k]
-        # Shared, as over Gloo: the sender does not touch a message it sent.
-        self.boxes.post(self.member, p, message)
-        _record(self.level, self.stats, message)
-        return None
-
-    def open(self, peer: int, peer_rank: int) -> int:
-        self.peers.append(peer)
-        self.peer_ranks.append(peer_rank)
-        self._heard.append(time.monotonic())
-        self._ended.append(False)
-        self._failed.append(None)
-        return len(self.peers) - 1
-
-    def drop(self, k: int) -> None:
-        self._dropped.add(k)
-
-    def take(self, k: int) -> tuple[list[torch.Tensor], PeerError | None]:
-        if k in self._dropped:
-            return [], None
-        got = self.boxes.take(self.peers[k], self.member) if not self._ended[k] else []
-        out = []
-        for m in got:
-            if m is None:
-                self._ended[k] = True
-                break
-            out.append(m)
-        now = time.monotonic()
-        if self._failed[k] is None and not self._ended[k] \
-                and self.boxes.lost(self.peers[k], self.member):
-            # after the last message it sent, the connection breaks
-            self._failed[k] = self._lost_error(k, "from")
-        elif got:
-            self._heard[k] = now
-        elif (self._failed[k] is None and not self._ended[k] and not self.simulated
-              and now - self._heard[k] > self.timeout_s):
-            self._failed[k] = PeerTimeoutError(
-                f"gossip stream from rank {self.peer_ranks[k]} (member {self.member})",
-                self.timeout_s, [self.peer_ranks[k]], self.level)
-        return out, self._failed[k]
-
-    def send_vector(self, k: int, vector: torch.Tensor) -> None:
-        if k not in self._dropped:
-            self.boxes.post(self.member, self.peers[k], vector, kind="v")
-            _record(self.level, self.stats, vector.view(-1).view(torch.uint8))
-
-    def recv_vector(self, k: int, out: torch.Tensor, timeout_s: float | None = None
-                    ) -> PeerError | None:
-        p = self.peers[k]
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        here = lambda: self.boxes.ready(p, self.member, "v")
-        if not self.boxes.wait(here, timeout_s):
-            return PeerTimeoutError(f"vector from rank {self.peer_ranks[k]} (member "
-                                    f"{self.member})", timeout_s,
-                                    [self.peer_ranks[k]], self.level)
-        got = self.boxes.take(p, self.member, "v", limit=1)
-        if not got:
-            return self._lost_error(k, "from")
-        out.copy_(got[0].view_as(out))
-        return None
-
-    def wait_any(self, timeout_s: float) -> None:
-        self.boxes.wait(lambda: any(self.boxes.ready(p, self.member)
-                                    for k, p in enumerate(self.peers)
-                                    if k not in self._dropped), timeout_s)
-
-    def ended(self, k: int) -> bool:
-        return self._ended[k]
-
-    def close(self, goodbye: torch.Tensor | None = None) -> None:
-        if goodbye is not None:
-            for k, p in enumerate(self.peers):
-                if k not in self._dropped:
-                    self.boxes.post(self.member, p, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,7 +367,7 @@ class GlooStreams(MessageStreams):
             link.outbox.append(message)
             link.unconfirmed += 1
             self.cond.notify_all()
-        _record(self.level, self.stats, message)
+        record(self.level, self.stats, message)
         return None
 
     def send_vector(self, k: int, vector: torch.Tensor) -> None:
@@ -610,7 +377,7 @@ class GlooStreams(MessageStreams):
                 return
             link.outbox.append((vector,))
             self.cond.notify_all()
-        _record(self.level, self.stats, vector.view(-1).view(torch.uint8))
+        record(self.level, self.stats, vector.view(-1).view(torch.uint8))
 
     def recv_vector(self, k: int, out: torch.Tensor, timeout_s: float | None = None
                     ) -> PeerError | None:

@@ -61,8 +61,8 @@ from typing import Any
 import torch
 
 from qcomm.collectives.errors import CorruptPayloadError, PeerError, PeerTimeoutError
-from qcomm.collectives.memory import MemoryGroup
 from qcomm.collectives.stats import CommStats
+from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import WIRE_FORMAT_VERSION, QuantSpec, packed_nbytes
 from qcomm.seeds import gossip_message_seed, seal_key
 from qcomm.validation import (
@@ -77,7 +77,7 @@ from .graphs import neighbours
 from .integrity import SEAL_NBYTES, bad_messages, judge, message_facts, seal_, sealed
 from .member import GossipMember
 from .mixing import mixing_matrix
-from .streams import GlooStreams, MemoryStreams, MessageStreams
+from .streams import MessageStreams
 
 __all__ = ["GOODBYE_ROUND", "HELLO_ROUND", "MARKER_ROUND", "ON_PEER_LOSS", "WaitFreeGossip"]
 
@@ -96,9 +96,9 @@ class WaitFreeGossip(GossipMember):
     """Compressed CHOCO gossip of one fp32 vector per member, wait-free (module docstring).
 
     Args:
-        group_ranks, group: the members' global ranks (node order) and their process group, a
-            :class:`~qcomm.collectives.memory.MemoryGroup` (members as threads), or None with
-            ``_streams`` (the simulator).
+        group_ranks, group: the members' global ranks (node order) and their group (a
+            :class:`~qcomm.collectives.group.CommGroup`, a process group, or None: the default
+            group), which makes the streams.
         numel: floats each member gossips (its shard), >= 1.
         graph, mixing, spec, seed, fragments, outer_momentum, outer_lr: as
             :class:`~.choco.CompressedGossip`.
@@ -123,8 +123,7 @@ class WaitFreeGossip(GossipMember):
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
                  outer_momentum: float = 0.0, outer_lr: float = 1.0, round_period: int = 1,
-                 max_backlog: int = 64, on_peer_loss: str = "raise",
-                 _streams: MessageStreams | None = None) -> None:
+                 max_backlog: int = 64, on_peer_loss: str = "raise") -> None:
         self._set_hyperparameters(
             numel, graph=graph, mixing=mixing, spec=spec, gamma=gamma, staleness=staleness,
             timeout_s=timeout_s, seed=seed, fragments=fragments,
@@ -132,11 +131,8 @@ class WaitFreeGossip(GossipMember):
             stats=stats)
         self.max_backlog = check_int("max_backlog", max_backlog, low=1)
         self.on_peer_loss = check_choice("on_peer_loss", on_peer_loss, ON_PEER_LOSS)
-        if _streams is not None:
-            self.group_ranks, self.member = list(range(_streams.size)), _streams.member
-        else:
-            self.group_ranks, self.member = _check_group(group_ranks, group)
-        self.group = group
+        self.group = resolve_group(group)
+        self.group_ranks, self.member = _check_group(group_ranks, self.group)
         self.size = len(self.group_ranks)
         # Members are numbered as in the run the gossip started in; a job restarted with the
         # survivors only (load_state_dict) keeps those numbers (its seeds, seals and graph),
@@ -145,13 +141,10 @@ class WaitFreeGossip(GossipMember):
         self._slots = list(range(self.size))
         self.peers = neighbours(self.graph, self.member, self.size)
         self.peer_ranks = [self.group_ranks[p] for p in self.peers]
-        if _streams is not None and _streams.peers != self.peers:
-            raise ValueError(f"the streams' peers {_streams.peers} != the graph's {self.peers}")
         self._edge_weight = self._graph_edge_weight()
         self.nbytes = packed_nbytes(self.fragment_numel, spec)
         self.message_nbytes = self.nbytes + SEAL_NBYTES
-        self._streams = _streams
-        self._streams_given = _streams is not None
+        self._streams: MessageStreams | None = None   # opened at the first use
         self.level = "inter"
 
         # the counters (the clock, steps, is the base class's)
@@ -203,17 +196,13 @@ class WaitFreeGossip(GossipMember):
         if self._streams is None:
             if self._closed:
                 raise RuntimeError("WaitFreeGossip is closed")
-            me, peers = self.stream_endpoints()
-            if isinstance(self.group, MemoryGroup):
-                self._streams = MemoryStreams(
-                    self.group.mailboxes, me, peers,
-                    max_backlog=self.max_backlog, timeout_s=self.timeout_s, stats=self.stats,
-                    peer_ranks=self.peer_ranks)
-            else:
-                self._streams = GlooStreams(
-                    self._group_ranks, self.group, me, peers,
-                    self.message_nbytes, max_backlog=self.max_backlog,
-                    timeout_s=self.timeout_s, is_goodbye=self._is_goodbye_from, stats=self.stats)
+            # The group's own index for this member: the survivors of a restarted run keep
+            # their old member numbers (_slots), the group numbers them afresh.
+            _, peers = self.stream_endpoints()
+            self._streams = self.group.streams(
+                peers, nbytes=self.message_nbytes, max_backlog=self.max_backlog,
+                timeout_s=self.timeout_s, is_goodbye=self._is_goodbye_from, stats=self.stats,
+                level=self.level)
         return self._streams
 
     def _graph_edge_weight(self) -> float:
@@ -724,8 +713,7 @@ class WaitFreeGossip(GossipMember):
         self._closed = True
         if self._streams is not None:
             self._streams.close(self._control_message(GOODBYE_ROUND))
-            if not self._streams_given:
-                self._streams = None
+            self._streams = None
 
     # -----------------------------------------------------------------------------------------
     # statistics and checkpoints
@@ -823,12 +811,8 @@ class WaitFreeGossip(GossipMember):
         if not isinstance(state, dict) or "config" not in state:
             raise ValueError("state must be a dict from WaitFreeGossip.state_dict()")
         slots = self._survivors_slots(state)
-        if self._streams is not None and not self._streams_given:
+        if self._streams is not None:
             raise RuntimeError("load_state_dict after the streams started")
-        if self._streams_given and [(slots or self._slots)[int(p)] for p in state["peers"]] \
-                != self._streams.peers:
-            raise ValueError(f"state's neighbours {state['peers']} != the given streams' "
-                             f"{self._streams.peers}")
         saved, own_delay = self._saved_buffers(state)
         if slots is not None:
             cfg = state["config"]

@@ -1,5 +1,6 @@
-"""In-process simulation of a gossip group: n :class:`~.choco.CompressedGossip` members over a
-:class:`~.transport.MemoryHub`, the same code path as over Gloo minus the sockets.
+"""In-process simulation of a gossip group: n gossip members on one stepped
+:class:`~.world.MemoryWorld`, driven in lock step from one thread; the same code path as over
+Gloo minus the sockets.
 
 Fast and deterministic: used to measure the default gamma and by the unit tests, which also
 check that real multi-process runs give the very same bits.
@@ -18,27 +19,32 @@ from collections.abc import Callable
 
 import torch
 
+from qcomm.collectives.gossip.choco import CompressedGossip
+from qcomm.collectives.gossip.graphs import check_graph
+from qcomm.collectives.gossip.wait_free import WaitFreeGossip
 from qcomm.collectives.stats import CommStats
 
-from .choco import CompressedGossip
-from .graphs import check_graph, neighbours
-from .transport import MemoryHub, MemoryTransport
+from .world import MemoryWorld
+
+__all__ = ["GossipSimulator", "WaitFreeSimulator"]
 
 
 class GossipSimulator:
-    """``n`` gossip members in one process; keyword arguments go to CompressedGossip (all but
-    ``stats``: each member gets its own CommStats, ``self.stats[i]``)."""
+    """``n`` gossip members (:class:`~qcomm.collectives.gossip.CompressedGossip`) on a stepped
+    in-memory world of ``n`` ranks (``self.world``, its clock the steps taken); keyword
+    arguments go to CompressedGossip (all but ``stats``: each member gets its own CommStats,
+    ``self.stats[i]``)."""
 
     def __init__(self, n: int, numel: int, *, graph: str = "ring", **kwargs) -> None:
         check_graph(graph)
         self.n = n
-        self.hub = MemoryHub(n)
+        self.steps = 0
+        self.world = MemoryWorld(n, clock=lambda: float(self.steps))
+        ranks = list(range(n))
         self.stats = [CommStats() for _ in range(n)]
         self.members = [
-            CompressedGossip(list(range(n)), None, numel, graph=graph, stats=self.stats[i],
-                             _transport=MemoryTransport(self.hub, i, neighbours(graph, i, n),
-                                                        self.stats[i]),
-                             **kwargs)
+            CompressedGossip(ranks, self.world.group(ranks, i), numel, graph=graph,
+                             stats=self.stats[i], **kwargs)
             for i in range(n)
         ]
 
@@ -49,10 +55,12 @@ class GossipSimulator:
             m.begin(x)
         for m, x in zip(self.members, xs, strict=True):
             m.finish(x)
+        self.steps += 1
 
     @staticmethod
     def consensus_distance(xs: list[torch.Tensor]) -> float:
-        """``sqrt(mean_i ||x_i - mean x||^2)`` in float64 (as :func:`.choco.consensus_distance`,
+        """``sqrt(mean_i ||x_i - mean x||^2)`` in float64 (as
+        :func:`~qcomm.collectives.gossip.consensus_distance`,
         same operation order, so the numbers match the distributed one)."""
         v = torch.stack([x.reshape(-1).to(torch.float64) for x in xs])
         mean = v.sum(dim=0) / len(xs)
@@ -60,10 +68,11 @@ class GossipSimulator:
 
 
 class WaitFreeSimulator:
-    """``n`` wait-free gossip members (:class:`~.wait_free.WaitFreeGossip`) in one process, on
-    a clock of ticks: member i takes one local step every ``periods[i]`` ticks (5 = five times
-    slower than a member with 1), and a message from i to j becomes visible ``delay(i, j)``
-    ticks after it was sent. Deterministic: the same arguments give the same bits.
+    """``n`` wait-free gossip members (:class:`~qcomm.collectives.gossip.WaitFreeGossip`) on a
+    stepped in-memory world whose clock counts ticks: member i takes one local step every
+    ``periods[i]`` ticks (5 = five times slower than a member with 1), and a message from i to
+    j becomes visible ``delay(i, j)`` ticks after it was sent. Deterministic: the same
+    arguments give the same bits.
 
     A member whose round would exceed ``max_backlog`` messages not yet taken by a neighbour
     stalls (takes no step) until that neighbour has taken one, as a real sender waits.
@@ -79,9 +88,6 @@ class WaitFreeSimulator:
     def __init__(self, n: int, numel: int, *, graph: str = "ring",
                  periods: list[int] | None = None, delay: int | Callable[[int, int], int] = 0,
                  max_backlog: int = 64, **kwargs) -> None:
-        from .streams import Mailboxes, MemoryStreams
-        from .wait_free import WaitFreeGossip
-
         check_graph(graph)
         self.n = n
         self.periods = list(periods) if periods is not None else [1] * n
@@ -90,14 +96,14 @@ class WaitFreeSimulator:
             raise ValueError(f"periods must be {n} ints >= 1, got {periods!r}")
         self.now = 0.0
         delay_fn = delay if callable(delay) else (lambda i, j: float(delay))
-        self.boxes = Mailboxes(n, clock=lambda: self.now, delay=delay_fn)
+        self.world = MemoryWorld(n, clock=lambda: self.now, delay=delay_fn)
+        ranks = list(range(n))
+        groups = [self.world.group(ranks, i) for i in range(n)]
+        self.boxes = groups[0].mailboxes  # the group's queues, shared by every member
         self.stats = [CommStats() for _ in range(n)]
-        self.streams = [MemoryStreams(self.boxes, i, neighbours(graph, i, n),
-                                      max_backlog=max_backlog, timeout_s=1e9,
-                                      stats=self.stats[i]) for i in range(n)]
         self.members = [
-            WaitFreeGossip(list(range(n)), None, numel, graph=graph, stats=self.stats[i],
-                           max_backlog=max_backlog, _streams=self.streams[i], **kwargs)
+            WaitFreeGossip(ranks, groups[i], numel, graph=graph, stats=self.stats[i],
+                           max_backlog=max_backlog, **kwargs)
             for i in range(n)
         ]
         self.stalled_ticks = [0] * n
@@ -110,7 +116,8 @@ class WaitFreeSimulator:
         self.boxes.kill(i)
 
     def _blocked(self, i: int) -> bool:
-        return self.members[i].round_due() and self.streams[i].blocked()
+        m = self.members[i]
+        return m.round_due() and m._streams_now().blocked()
 
     def tick(self, xs: list[torch.Tensor],
              update: Callable[[int, torch.Tensor, int], None] | None = None) -> None:
@@ -147,23 +154,15 @@ class WaitFreeSimulator:
         self.now = now
 
     def load_state_dicts(self, states: list[dict | None]) -> None:
-        """Load every member's :meth:`~.wait_free.WaitFreeGossip.state_dict` (None: a member
-        lost before the save, killed here too), with streams to the neighbours each saved. A
-        simulator of the survivors only loads the states of a larger one that lost members:
-        they go on under their old numbers."""
-        from .streams import MemoryStreams
-
+        """Load every member's :meth:`~qcomm.collectives.gossip.WaitFreeGossip.state_dict`
+        (None: a member lost before the save, killed here too); each member then opens streams
+        to the neighbours it saved. A simulator of the survivors only loads the states of a
+        larger one that lost members: they go on under their old numbers."""
         for i, (m, st) in enumerate(zip(self.members, states, strict=True)):
             if st is None:
                 self.kill(i)
                 continue
-            old = self.streams[i]
-            m._streams, m._streams_given = None, False
+            m._streams = None  # streams a tick opened: the loaded neighbours get new ones
             m.load_state_dict(st)
-            me, peers = m.stream_endpoints()
-            self.streams[i] = m._streams = MemoryStreams(
-                self.boxes, me, peers, max_backlog=old.max_backlog, timeout_s=old.timeout_s,
-                stats=self.stats[i])
-            m._streams_given = True
 
     consensus_distance = staticmethod(GossipSimulator.consensus_distance)
