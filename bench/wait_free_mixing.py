@@ -68,10 +68,10 @@ def _install(sim: WaitFreeSimulator, rule: str) -> None:
                 del sent[:-64]
             return out
 
-        def mix(x: torch.Tensor, f: int, m: WaitFreeGossip = m, seen: list = seen,
+        def mix(x: torch.Tensor, f: int, t: int, m: WaitFreeGossip = m, seen: list = seen,
                 mixed: list = mixed, sent: list = sent) -> None:
             frag = m.fragment(f)
-            w = m._weights.clone()
+            w = m._weights_at(t, x.device)[0].clone()  # 0 for a neighbour not mixed at t
             correction = torch.zeros(frag.stop - frag.start, dtype=torch.float64)
             for k in range(len(m.peers)):
                 if rule in ("new-only", "matched"):
