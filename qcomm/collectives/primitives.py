@@ -32,10 +32,24 @@ from qcomm.collectives.stats import CommStats
 from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import ErrorFeedback, NonFiniteError, QuantSpec, dequant_accumulate
 
-__all__ = ["acc_dtype", "all_gather_flat", "all_reduce", "all_reduce_mean_future",
-           "all_to_all_single", "as_peer_error",
-           "decode_mean", "group_size", "other_ranks", "quantize_or_poison", "resolve_group",
-           "start_all_gather", "start_reduce_scatter", "wait_work", "wait_works"]
+__all__ = [
+    "Posted",
+    "acc_dtype",
+    "all_gather_flat",
+    "all_reduce",
+    "all_reduce_mean_future",
+    "all_to_all_single",
+    "as_peer_error",
+    "decode_mean",
+    "group_size",
+    "other_ranks",
+    "quantize_or_poison",
+    "resolve_group",
+    "start_all_gather",
+    "start_reduce_scatter",
+    "wait_work",
+    "wait_works",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,13 +78,36 @@ def as_peer_error(e: RuntimeError, operation: str, timeout_s: float | None,
     return PeerLostError(operation, peers, link, detail=text)
 
 
+class Posted:
+    """A collective in flight and what an error about it must name: the step (e.g.
+    ``"inter-node all-gather"``), the group's other members and the link. The stages of a
+    multi-stage mean run on different groups, so the handle waiting on them cannot know this
+    itself; :func:`wait_work` reads it from here."""
+
+    __slots__ = ("link", "operation", "peers", "work")
+
+    def __init__(self, work: Work, operation: str, peers: list[int], link: str | None) -> None:
+        self.work, self.operation, self.peers, self.link = work, operation, peers, link
+
+    def wait(self) -> Any:
+        return self.work.wait()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 def wait_work(work: Any, deadline: float | None, timeout_s: float | None, operation: str,
               peers: list[int], link: str | None) -> None:
     """Wait for one backend work until ``deadline`` (``time.monotonic()``; None: no deadline).
+    A :class:`Posted` work names its own step, peers and link in the error (``operation``
+    then says what it was part of).
 
     Raises:
         PeerTimeoutError: past the deadline. PeerLostError: the backend failed the work.
     """
+    if isinstance(work, Posted):
+        operation = f"{operation} ({work.operation})" if operation else work.operation
+        peers, link, work = work.peers, work.link, work.work
     try:
         if deadline is None:
             work.wait()
@@ -108,10 +145,11 @@ def _post(fn: Any, operation: str, group: CommGroup, link: str | None) -> Any:
         raise as_peer_error(e, operation, None, group.other_ranks(), link) from e
 
 
-def _finish(work: Work, async_op: bool) -> Work | None:
-    """``work`` when the caller waits for it itself, else None once it completed."""
+def _finish(work: Work, async_op: bool, operation: str, group: CommGroup,
+            link: str | None) -> Posted | None:
+    """``work`` (labelled) when the caller waits for it itself, else None once it completed."""
     if async_op:
-        return work
+        return Posted(work, operation, group.other_ranks(), link)
     work.wait()
     return None
 
@@ -148,7 +186,8 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, *,
     """``out`` (flat, ``size * inp.numel()``) = every member's ``inp`` by group rank. Returns the
     work when ``async_op``."""
     g = resolve_group(group)
-    return _post(lambda: _finish(g.all_gather_flat(out, inp), async_op), operation, g, link)
+    return _post(lambda: _finish(g.all_gather_flat(out, inp), async_op, operation, g, link),
+                 operation, g, link)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group: Any, *,
@@ -157,8 +196,8 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group: Any, *,
     """Equal-split all-to-all: chunk k of ``out`` = chunk ``my rank`` of member k's ``inp``.
     Returns the work when ``async_op``."""
     g = resolve_group(group)
-    return _post(lambda: _finish(g.all_to_all_single(out, inp), async_op), operation, g,
-                 link)
+    return _post(lambda: _finish(g.all_to_all_single(out, inp), async_op, operation, g, link),
+                 operation, g, link)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,8 +220,9 @@ def start_reduce_scatter(buf: torch.Tensor, group: Any, size: int, stats: CommSt
     g = resolve_group(group)
     if g.native_reduce_scatter(buf.device):
         out = torch.empty(c, dtype=buf.dtype, device=buf.device)
-        work = _post(lambda: g.reduce_scatter_flat(out, buf), f"{level}-node reduce-scatter",
-                     g, level)
+        operation = f"{level}-node reduce-scatter"
+        work = _post(lambda: Posted(g.reduce_scatter_flat(out, buf), operation,
+                                    g.other_ranks(), level), operation, g, level)
         return work, lambda: out.to(acc)
     # Otherwise (Gloo: its reduce-scatter would all-reduce the whole buffer) all-to-all moves
     # (size-1)/size of it, and the received chunks are summed here, by source rank, in acc

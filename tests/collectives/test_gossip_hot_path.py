@@ -13,9 +13,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qcomm.collectives.errors import CorruptPayloadError
-from qcomm.collectives.memory import GossipSimulator, WaitFreeSimulator
 from qcomm.collectives.gossip.codec import GossipCodec
 from qcomm.collectives.gossip.integrity import SEAL_NBYTES, seal_
+from qcomm.collectives.memory import GossipSimulator, WaitFreeSimulator
 from qcomm.compress import NonFiniteError, QuantSpec, dequant_accumulate, quantize
 from qcomm.kernels.wire_format import split_payload
 
