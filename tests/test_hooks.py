@@ -136,7 +136,8 @@ def _failure_body(rank: int, world: int) -> object:
 def test_a_failed_bucket_fails_its_future() -> None:
     r = run_world(_failure_body, 2, timeout_s=120)[0]
     assert r["first"][0] == PeerTimeoutError.__name__
-    assert r["first"][1] == "hierarchical allreduce: no answer from ranks [1] within 1 s"
+    assert r["first"][1] == ("hierarchical allreduce (inter-node all-gather): no answer from "
+                             "ranks [1] over the inter-node link within 1 s")
     assert r["later"][0] == PeerTimeoutError.__name__ and r["later"][1] < 0.5
 
 

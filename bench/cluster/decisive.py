@@ -25,8 +25,8 @@ HERE = Path(__file__).resolve().parent
 # qcomm's recommended setting, and its wait-free variants where nodes may differ in pace.
 METHODS = (
     "ddp", "ddp-powersgd-r4", "localsgd-p32", "torchft-diloco-h32-o7-m5",
-    "torchft-streaming-diloco-h32-o7-m5", "assgd-4-h16f4-g50-m5-n-ddp",
-    "assgd-4-h16f4-g50-m5-n-ddp-cont",
+    "torchft-streaming-diloco-h32-o7-m5", "assgd-2-h16f4-g80-m9-o5-n-ddp",
+    "assgd-2-h16f4-g80-m9-o5-n-ddp-cont",
 )
 
 # What each scenario adds to the sweep's command line.

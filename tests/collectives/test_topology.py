@@ -23,26 +23,29 @@ def clean_env(monkeypatch):
 
 
 @pytest.mark.parametrize(("world", "ppn"), SHAPES)
-def test_layout_is_node_major_and_partitions_ranks(clean_env, world, ppn):
-    topos = [Topology(ppn, rank=r, world_size=world) for r in range(world)]
+def test_each_rank_sits_node_major_and_meets_its_rail_in_itself(clean_env, world, ppn):
     nodes = world // ppn
-    for r, t in enumerate(topos):
+    for r in range(world):
+        t = Topology(ppn, rank=r, world_size=world)
         assert (t.rank, t.world_size, t.procs_per_node, t.num_nodes) == (r, world, ppn, nodes)
         assert (t.node, t.local_rank) == (r // ppn, r % ppn)
         assert t.node_ranks == [t.node * ppn + i for i in range(ppn)]
         assert t.rail_ranks == [n * ppn + t.local_rank for n in range(nodes)]
         assert [t.rail_rank(n) for n in range(nodes)] == t.rail_ranks
-        # My node and my rail meet exactly in me.
         assert set(t.node_ranks) & set(t.rail_ranks) == {r}
-    # Nodes partition the ranks, and so do rails; every rank agrees on them.
+
+
+@pytest.mark.parametrize(("world", "ppn"), SHAPES)
+def test_nodes_and_rails_partition_the_ranks_alike_on_every_rank(clean_env, world, ppn):
+    topos = [Topology(ppn, rank=r, world_size=world) for r in range(world)]
     node_sets = {tuple(t.node_ranks) for t in topos}
     rail_sets = {tuple(t.rail_ranks) for t in topos}
     assert sorted(r for s in node_sets for r in s) == list(range(world))
     assert sorted(r for s in rail_sets for r in s) == list(range(world))
-    assert len(node_sets) == nodes and len(rail_sets) == ppn
-    t0 = topos[0]
-    assert [tuple(t0.ranks_of_node(n)) for n in range(nodes)] == sorted(node_sets)
-    assert [tuple(t0.ranks_of_rail(i)) for i in range(ppn)] == sorted(rail_sets)
+    assert len(node_sets) == world // ppn and len(rail_sets) == ppn
+    for t in topos:
+        assert [tuple(t.ranks_of_node(n)) for n in range(world // ppn)] == sorted(node_sets)
+        assert [tuple(t.ranks_of_rail(i)) for i in range(ppn)] == sorted(rail_sets)
 
 
 def test_single_process_needs_no_process_group(clean_env):

@@ -69,9 +69,15 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("how", ["flipped-byte", "huge-scale", "huge-scale-resealed",
-                                 "nan-scale-resealed", "truncated"])
-def test_bad_message_raises_named_error_and_changes_nothing(how: str) -> None:
+BAD_MESSAGES = ["flipped-byte", "huge-scale", "huge-scale-resealed", "nan-scale-resealed",
+                "truncated"]
+REASONS = {"flipped-byte": "checksum", "huge-scale": "checksum", "truncated": "checksum",
+           "huge-scale-resealed": "scale above 2**64", "nan-scale-resealed": "non-finite scale"}
+
+
+def _run_with_a_bad_message(how: str) -> list[dict]:
+    """2 nodes x 2 in memory; rank LIAR tampers with its round-3 message (``how``); every rank
+    reports the error it stopped on, at which step, and whether that step changed anything."""
     world = MemoryWorld(4, timeout_s=30)
     bad_round = 3
 
@@ -103,19 +109,39 @@ def test_bad_message_raises_named_error_and_changes_nothing(how: str) -> None:
                         "unchanged": _same(before, _snapshot(model, opt))}
         return {"error": None}
 
-    res = world.run(body)
-    victim, mate = res[VICTIM], res[MATE]
+    return world.run(body)
+
+
+@pytest.fixture(scope="module", params=BAD_MESSAGES)
+def bad_message_run(request) -> tuple[str, list[dict]]:
+    return request.param, _run_with_a_bad_message(request.param)
+
+
+def test_a_bad_message_is_a_corrupt_payload_error_naming_the_sender_and_why(bad_message_run):
+    how, res = bad_message_run
+    victim = res[VICTIM]
     # Round 3 is started after step 3's update and applied (verified first) at step 4.
     assert victim["error"] == "CorruptPayloadError" and victim["step"] == 4, victim
     assert victim["peers"] == [LIAR] and victim["link"] == "inter"
-    reason = {"flipped-byte": "checksum", "huge-scale": "checksum", "truncated": "checksum",
-              "huge-scale-resealed": "scale above 2**64",
-              "nan-scale-resealed": "non-finite scale"}[how]
-    assert f"({reason})" in victim["msg"] and "nothing of this round was applied" in victim["msg"]
+    assert f"({REASONS[how]})" in victim["msg"]
+    assert "nothing of this round was applied" in victim["msg"]
+
+
+def test_the_victims_node_mate_fails_the_same_step_on_the_node_link(bad_message_run):
+    _, res = bad_message_run
+    mate = res[MATE]
     assert mate["error"] == "PeerError" and mate["step"] == 4 and mate["peers"] == [VICTIM]
     assert mate["link"] == "intra" and "nothing of this step was applied" in mate["msg"]
-    assert victim["unchanged"] and mate["unchanged"]
-    # Node 1 never gets node 0's next round: it stops at its deadline, naming the silent ranks.
+
+
+def test_a_bad_message_changes_nothing_on_the_node_that_got_it(bad_message_run):
+    _, res = bad_message_run
+    assert res[VICTIM]["unchanged"] and res[MATE]["unchanged"]
+
+
+def test_the_other_node_stops_at_its_deadline_naming_the_silent_ranks(bad_message_run):
+    _, res = bad_message_run
+    # Node 1 never gets node 0's next round.
     for r in res[2:]:
         assert r["error"] == "PeerTimeoutError" and r["link"] == "inter", r
         assert r["peers"] == [0] or r["peers"] == [1]

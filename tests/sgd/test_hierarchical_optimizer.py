@@ -77,31 +77,44 @@ def test_bit_identical_to_the_wrapped_optimizer(name: str) -> None:
     assert wrapped.stats()["steps"] == STEPS
 
 
-def test_surface_is_the_wrapped_optimizers() -> None:
+def test_its_groups_state_and_defaults_are_the_wrapped_optimizers() -> None:
     model = _model()
     inner = torch.optim.AdamW(_groups(model), lr=0.01)
     opt = HierarchicalOptimizer(inner)
     assert isinstance(opt, torch.optim.Optimizer)
     assert opt.param_groups is inner.param_groups and opt.state is inner.state
     assert opt.defaults is inner.defaults
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5})
+    assert len(inner.param_groups) == 3
+
+
+def test_step_hooks_run_once_around_a_step() -> None:
+    model = _model()
+    opt = HierarchicalOptimizer(torch.optim.AdamW(_groups(model), lr=0.01))
     calls = []
     opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
     opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
     model(torch.randn(2, 7)).sum().backward()
     opt.step()
     assert calls == ["pre", "post"]
-    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 0.5})
-    assert len(inner.param_groups) == 3
-    with pytest.raises(TypeError, match="already a HierarchicalOptimizer"):
-        HierarchicalOptimizer(opt)
-    with pytest.raises(TypeError, match=r"must be a torch\.optim\.Optimizer"):
-        HierarchicalOptimizer(model.parameters())
-    with pytest.raises(TypeError, match="unknown communication option 'bitz'"):
-        HierarchicalOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bitz=4)
-    with pytest.raises(ValueError, match="bits must be one of"):
-        HierarchicalOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bits=3)
-    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64\), got \d+"):
-        HierarchicalOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), seed=2**70)
+
+
+@pytest.mark.parametrize(("make", "exc", "match"), [
+    (lambda m: HierarchicalOptimizer(
+        HierarchicalOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))),
+     TypeError, "already a HierarchicalOptimizer"),
+    (lambda m: HierarchicalOptimizer(m.parameters()), TypeError,
+     r"must be a torch\.optim\.Optimizer"),
+    (lambda m: HierarchicalOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), bitz=4), TypeError,
+     "unknown communication option 'bitz'"),
+    (lambda m: HierarchicalOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), bits=3), ValueError,
+     "bits must be one of"),
+    (lambda m: HierarchicalOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), seed=2**70),
+     ValueError, r"seed must be an int in \[0, 2\*\*64\), got \d+"),
+], ids=["wrapped-twice", "not-an-optimizer", "unknown-option", "bits", "seed"])
+def test_bad_construction_names_the_argument(make, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        make(_model())
 
 
 def test_closure_loss_and_state_dict_round_trip() -> None:
