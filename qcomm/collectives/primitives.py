@@ -80,14 +80,20 @@ def as_peer_error(e: RuntimeError, operation: str, timeout_s: float | None,
 
 class Posted:
     """A collective in flight and what an error about it must name: the step (e.g.
-    ``"inter-node all-gather"``), the group's other members and the link. The stages of a
+    ``"inter-node all-gather"``), the group it runs on and the link. The stages of a
     multi-stage mean run on different groups, so the handle waiting on them cannot know this
     itself; :func:`wait_work` reads it from here."""
 
-    __slots__ = ("link", "operation", "peers", "work")
+    __slots__ = ("group", "link", "operation", "work")
 
-    def __init__(self, work: Work, operation: str, peers: list[int], link: str | None) -> None:
-        self.work, self.operation, self.peers, self.link = work, operation, peers, link
+    def __init__(self, work: Work, operation: str, group: CommGroup, link: str | None) -> None:
+        self.work, self.operation, self.group, self.link = work, operation, group, link
+
+    @property
+    def peers(self) -> list[int]:
+        """The group's other members; asked only when an error names them (a process group
+        answers with one call per member, which a healthy step need not pay)."""
+        return self.group.other_ranks()
 
     def wait(self) -> Any:
         return self.work.wait()
@@ -105,9 +111,10 @@ def wait_work(work: Any, deadline: float | None, timeout_s: float | None, operat
     Raises:
         PeerTimeoutError: past the deadline. PeerLostError: the backend failed the work.
     """
-    if isinstance(work, Posted):
-        operation = f"{operation} ({work.operation})" if operation else work.operation
-        peers, link, work = work.peers, work.link, work.work
+    posted = work if isinstance(work, Posted) else None
+    if posted is not None:
+        operation = f"{operation} ({posted.operation})" if operation else posted.operation
+        link, work = posted.link, posted.work
     try:
         if deadline is None:
             work.wait()
@@ -117,12 +124,14 @@ def wait_work(work: Any, deadline: float | None, timeout_s: float | None, operat
         pause = 5e-5
         while not work.is_completed():
             if time.monotonic() > deadline:
-                raise PeerTimeoutError(operation, float(timeout_s), peers, link)
+                raise PeerTimeoutError(operation, float(timeout_s),
+                                       posted.peers if posted is not None else peers, link)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
         work.wait()  # re-raises a failure of the collective itself
     except RuntimeError as e:
-        raise as_peer_error(e, operation, timeout_s, peers, link) from e
+        raise as_peer_error(e, operation, timeout_s, posted.peers if posted is not None else peers,
+                            link) from e
 
 
 def wait_works(works: list[Any], timeout_s: float | None, operation: str, group: Any,
@@ -149,7 +158,7 @@ def _finish(work: Work, async_op: bool, operation: str, group: CommGroup,
             link: str | None) -> Posted | None:
     """``work`` (labelled) when the caller waits for it itself, else None once it completed."""
     if async_op:
-        return Posted(work, operation, group.other_ranks(), link)
+        return Posted(work, operation, group, link)
     work.wait()
     return None
 
@@ -221,8 +230,8 @@ def start_reduce_scatter(buf: torch.Tensor, group: Any, size: int, stats: CommSt
     if g.native_reduce_scatter(buf.device):
         out = torch.empty(c, dtype=buf.dtype, device=buf.device)
         operation = f"{level}-node reduce-scatter"
-        work = _post(lambda: Posted(g.reduce_scatter_flat(out, buf), operation,
-                                    g.other_ranks(), level), operation, g, level)
+        work = _post(lambda: Posted(g.reduce_scatter_flat(out, buf), operation, g, level),
+                     operation, g, level)
         return work, lambda: out.to(acc)
     # Otherwise (Gloo: its reduce-scatter would all-reduce the whole buffer) all-to-all moves
     # (size-1)/size of it, and the received chunks are summed here, by source rank, in acc
