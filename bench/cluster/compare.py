@@ -180,7 +180,7 @@ def kill_summary(result: dict[str, Any], target: float) -> dict[str, Any]:
         "time_to_target_s": time_to_target(counted, target, metric, goal),
         "steps_to_target": steps_to_target(counted, target, metric, goal),
         "final": result[f"final_{metric}"], "final_from": result.get("final_from"),
-        "best": best,
+        "best": best, "counted_curve": counted,
     }
 
 
@@ -294,6 +294,7 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if not ok:
         return {**reps[0], "repeats": len(reps), "repeats_ok": 0}
     row = dict(ok[0])
+    row.pop("counted_curve", None)  # per repetition below
     spread: dict[str, list[float] | None] = {}
     for key in SPREAD_FIELDS:
         vals = [r.get(key) for r in ok]
@@ -335,8 +336,10 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     row["repeats"] = len(reps)
     row["repeats_ok"] = len(ok)
     row["failed_repeats"] = [r["status"] for r in reps if r.get("status") != "ok"]
-    row["per_repeat"] = [{k: r.get(k) for k in (*SPREAD_FIELDS, "bytes_rel_diff", "status")}
-                         for r in reps]
+    # Each repetition's curve (the part that counts, for a method stopped by a lost node), so
+    # that verdicts.py can judge other targets and budgets on every repetition.
+    row["per_repeat"] = [{**{k: r.get(k) for k in (*SPREAD_FIELDS, "bytes_rel_diff", "status")},
+                          "curve": r.get("counted_curve", r.get("curve"))} for r in reps]
     if any(r.get("kill") for r in ok):
         row.update(aggregate_kill(ok))
         for r, out in zip(reps, row["per_repeat"], strict=True):

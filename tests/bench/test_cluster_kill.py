@@ -299,3 +299,14 @@ def test_cut_connections_ends_connected_sockets_and_spares_listeners(tmp_path):
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout.split()[-1]) == 2  # both ends of the pair; the listener spared
+
+
+def test_a_stopped_repetition_keeps_only_the_snapshots_before_the_loss_for_the_verdicts():
+    stopped = C.summarize_run(_killed([_rank(0), _rank(1), _rank(3)]), 0.7)
+    ranks = [_rank(r, "finished", steps=30, live=3) for r in (0, 1, 3)]
+    goes_on = C.summarize_run(_killed(ranks, method="assgd-4-cont"), 0.7)
+    row = C.aggregate([stopped])
+    assert [p["step"] for p in row["per_repeat"][0]["curve"]] == [0, 5, 10]  # kill at step 10
+    assert "counted_curve" not in row
+    row = C.aggregate([goes_on])
+    assert [p["step"] for p in row["per_repeat"][0]["curve"]] == [0, 5, 10, 15, 20]

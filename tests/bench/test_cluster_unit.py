@@ -411,6 +411,8 @@ def test_aggregate_takes_medians_and_the_spread():
     assert row["bytes_rel_diff"] == pytest.approx(0.03)  # the worst repetition
     assert row["curve"][0]["test_acc"] == 0.2  # the median repetition's curve
     assert len(row["per_repeat"]) == 3
+    # every repetition keeps its own curve, in run order, for verdicts on other targets
+    assert [r["curve"][0]["test_acc"] for r in row["per_repeat"]] == [0.3, 0.1, 0.2]
 
 
 def test_aggregate_counts_never_as_slowest():

@@ -1,0 +1,262 @@
+"""Verdicts that should hold on another machine of the same kind: for every cell of a sweep, each
+method's time to several targets (an easy one every method reaches, the usual one, one near the
+best final quality) and its quality at fixed wall-clock budgets, each as the median over the
+repetitions with its [min-max] spread; then, per column, who is first, by how much, whether the
+spreads are apart (else it is a tie) and how much margin the win has.
+
+    python bench/cluster/verdicts.py OUT/healthy/summary.json [--json OUT/verdicts.json]
+
+The quality judged is that of the model a user would keep if they stopped there: the snapshot
+the run evaluated last at or before that time (for gossip, the nodes' average, which is what
+``workload.py`` evaluates for every method alike). A repetition that never reaches a target
+counts as infinitely slow. Margin: a win whose first crossing of the target comes in the last
+tenth of a run (of the time its curve spans) has none; another machine can flip it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+INF = float("inf")
+# A crossing later than this fraction of the run leaves the win no margin.
+LAST_TENTH = 0.9
+
+
+@dataclass(frozen=True)
+class Goals:
+    """What a workload's verdicts ask: ``targets`` (qualities, easiest first) and ``budgets_s``
+    (wall-clock seconds since the timed window opened)."""
+
+    targets: tuple[float, ...]
+    budgets_s: tuple[float, ...]
+
+
+# MNIST-1D: 60% every method of the table reaches (PowerSGD ends near 69%), 65% the usual
+# target, 72% near the best final accuracy (74-77%). charlm: 2.00 every method reaches, 1.90
+# the usual target, 1.80 near DDP's final 1.73. Budgets span the healthy runs' lengths.
+GOALS: dict[str, Goals] = {
+    "mnist1d": Goals(targets=(0.60, 0.65, 0.72), budgets_s=(2.0, 4.0, 8.0)),
+    "charlm": Goals(targets=(2.00, 1.90, 1.80), budgets_s=(30.0, 60.0, 90.0)),
+}
+
+
+def reached(value: float, target: float, goal: str) -> bool:
+    """Whether ``value`` is at least as good as ``target`` (``goal`` "max" or "min")."""
+    return value >= target if goal == "max" else value <= target
+
+
+def crossing(curve: Sequence[dict[str, float]], target: float, metric: str,
+             goal: str) -> tuple[float, float] | None:
+    """(time_s, fraction of the run) of the first snapshot reaching ``target``; None if none
+    does. The fraction is that time over the time of the curve's last snapshot."""
+    if not curve:
+        return None
+    end = curve[-1]["time_s"]
+    for point in curve:
+        if reached(point[metric], target, goal):
+            t = point["time_s"]
+            return t, (t / end if end > 0 else 1.0)
+    return None
+
+
+def quality_at(curve: Sequence[dict[str, float]], budget_s: float, metric: str) -> float | None:
+    """The quality of the last snapshot taken at or before ``budget_s``; None when none was.
+    A run that ended earlier keeps its last (final) snapshot."""
+    kept = None
+    for point in curve:
+        if point["time_s"] > budget_s:
+            break
+        kept = point[metric]
+    return kept
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median over ``n`` repetitions with [min, max]; ``lower_better`` says which way wins.
+    Times that never happened are ``inf``; qualities never measured are left out."""
+
+    median: float
+    low: float
+    high: float
+    lower_better: bool
+    n: int = 1
+
+    @classmethod
+    def of(cls, values: Sequence[float], lower_better: bool) -> Spread | None:
+        if not values:
+            return None
+        return cls(statistics.median(values), min(values), max(values), lower_better,
+                   len(values))
+
+    def beats(self, other: Spread) -> bool:
+        """Every repetition of ``self`` better than every one of ``other`` (spreads apart)."""
+        return self.high < other.low if self.lower_better else self.low > other.high
+
+    def text(self, spec: str, scale: float = 1.0) -> str:
+        def f(v: float) -> str:
+            return "never" if v == INF else format(v * scale, spec)
+        if self.median == INF:
+            got = "" if self.low == INF else f" (fastest {f(self.low)})"
+            return "never" + got
+        if self.low == self.high:
+            return f(self.median)
+        return f"{f(self.median)} [{f(self.low)}-{f(self.high)}]"
+
+
+def repeat_curves(row: dict[str, Any]) -> list[list[dict[str, float]]]:
+    """The ok repetitions' curves of a cell row (the median one only for older summaries)."""
+    reps = [r for r in row.get("per_repeat") or [] if r.get("status", "ok") == "ok"]
+    curves = [r["curve"] for r in reps if r.get("curve") is not None]
+    return curves if curves and len(curves) == len(reps) else [row.get("curve") or []]
+
+
+def cell_figures(row: dict[str, Any], goals: Goals) -> dict[str, Any]:
+    """One method's figures in one cell: per target the time Spread and the latest crossing
+    fraction over the repetitions, per budget the quality Spread, the final quality Spread."""
+    metric, goal = row.get("metric", "test_acc"), row.get("goal", "max")
+    curves = repeat_curves(row)
+    times, fractions = {}, {}
+    for target in goals.targets:
+        cross = [crossing(c, target, metric, goal) for c in curves]
+        times[target] = Spread.of([INF if x is None else x[0] for x in cross], True)
+        got = [x[1] for x in cross if x is not None]
+        fractions[target] = max(got) if got else None
+    lower = goal == "min"
+    quality = {b: Spread.of([q for c in curves if (q := quality_at(c, b, metric)) is not None],
+                            lower) for b in goals.budgets_s}
+    finals = [r["final"] for r in row.get("per_repeat") or []
+              if r.get("status", "ok") == "ok" and r.get("final") is not None]
+    final = Spread.of(finals or ([row["final"]] if row.get("final") is not None else []), lower)
+    return {"method": row["method"], "metric": metric, "times": times, "fractions": fractions,
+            "quality": quality, "final": final, "repeats": len(curves)}
+
+
+def judge(spreads: dict[str, Spread | None], kind: str = "time") -> dict[str, Any]:
+    """Who is first among ``method -> Spread`` (None: no figure): ``winner``, ``ties`` (the
+    methods whose spread overlaps the winner's), ``runner`` (the next by median), ``ratio``
+    (times: the runner's median over the winner's; qualities: the difference of the medians,
+    positive) and ``apart`` (no ties, and every figure from at least two repetitions: one run
+    per method has no spread to judge by; ``spread_known`` says which)."""
+    have = {m: s for m, s in spreads.items() if s is not None and s.median != INF}
+    if not have:
+        return {"winner": None, "ties": [], "runner": None, "ratio": None, "apart": False,
+                "spread_known": False}
+    lower = next(iter(have.values())).lower_better
+    order = sorted(have, key=lambda m: have[m].median if lower else -have[m].median)
+    win = order[0]
+    rest = [m for m in spreads if m != win and spreads[m] is not None]
+    ties = [m for m in rest if not spreads[m].beats(have[win]) and not have[win].beats(spreads[m])]
+    runner = order[1] if len(order) > 1 else None
+    ratio = None
+    if runner is not None:
+        a, b = have[win].median, have[runner].median
+        ratio = (b / a if a > 0 else None) if kind == "time" else abs(a - b)
+    known = all(s.n >= 2 for s in spreads.values() if s is not None)
+    return {"winner": win, "ties": ties, "runner": runner, "ratio": ratio,
+            "apart": known and not ties, "spread_known": known}
+
+
+def verdict_text(j: dict[str, Any], kind: str, fraction: float | None = None,
+                 unit: str = "") -> str:
+    """One verdict in words; ``kind`` "time" or "quality"; ``fraction``: the winner's latest
+    crossing of the target (times only); ``unit`` follows a quality difference."""
+    if j["winner"] is None:
+        return "nobody"
+    if j["runner"] is None:
+        text = f"{j['winner']} alone"
+    elif kind == "time":
+        text = f"{j['winner']} {j['ratio']:.2f}x" if j["ratio"] else j["winner"]
+    else:
+        text = f"{j['winner']} by {j['ratio']:.2g}{unit}"
+    if not j["spread_known"]:
+        text += ", one curve per method: no spread"
+    elif j["apart"]:
+        text += ", spreads apart"
+    else:
+        text += f", tie with {', '.join(j['ties'])}"
+    if kind == "time" and fraction is not None and fraction > LAST_TENTH:
+        text += f"; no margin (crosses at {100 * fraction:.0f}% of its run)"
+    return text
+
+
+def cell_table(rows: Sequence[dict[str, Any]], goals: Goals) -> tuple[str, list[dict]]:
+    """Markdown table of one (workload, layout, rate) cell: one line per method, one column per
+    target and budget and the final quality, and a verdict line; with the verdicts as data."""
+    figs = [cell_figures(r, goals) for r in rows if r.get("status", "ok") == "ok"]
+    if not figs:
+        return "(no ok runs)", []
+    acc = figs[0]["metric"] == "test_acc"
+    q_spec, q_scale = (".1f", 100.0) if acc else (".3f", 1.0)
+    unit = "%" if acc else ""
+    points = " points" if acc else ""
+    head = ["method", *[f"s to {t * q_scale:g}{unit}" for t in goals.targets],
+            *[f"{unit or 'loss'} at {b:g} s" for b in goals.budgets_s], "final"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for f in figs:
+        cols = [f["method"]]
+        cols += [f["times"][t].text(".1f") for t in goals.targets]
+        cols += [f["quality"][b].text(q_spec, q_scale) if f["quality"][b] else "-"
+                 for b in goals.budgets_s]
+        cols.append(f["final"].text(q_spec, q_scale) if f["final"] else "-")
+        lines.append("| " + " | ".join(cols) + " |")
+    verdicts, cols = [], ["**verdict**"]
+    for t in goals.targets:
+        j = judge({f["method"]: f["times"][t] for f in figs})
+        frac = next((f["fractions"][t] for f in figs if f["method"] == j["winner"]), None)
+        cols.append(verdict_text(j, "time", frac))
+        verdicts.append({"goal": f"time to {t:g}", **j, "winner_fraction": frac})
+    for b in goals.budgets_s:
+        j = judge({f["method"]: f["quality"][b] for f in figs}, "quality")
+        if j["ratio"] is not None and acc:
+            j["ratio"] *= 100.0
+        cols.append(verdict_text(j, "quality", unit=points))
+        verdicts.append({"goal": f"quality at {b:g} s", **j})
+    j = judge({f["method"]: f["final"] for f in figs}, "quality")
+    if j["ratio"] is not None and acc:
+        j["ratio"] *= 100.0
+    cols.append(verdict_text(j, "quality", unit=points))
+    verdicts.append({"goal": "final", **j})
+    lines.append("| " + " | ".join(cols) + " |")
+    return "\n".join(lines), verdicts
+
+
+def report(summary: dict[str, Any], goals: dict[str, Goals] | None = None) -> tuple[str, dict]:
+    """Every cell of a compare.py summary: its table in markdown, and the verdicts by cell."""
+    goals = goals or GOALS
+    cells: dict[tuple[str, str, str], list[dict]] = {}
+    for row in summary["rows"]:
+        cells.setdefault((row.get("workload", "mnist1d"), row["layout"], row["rate"]),
+                         []).append(row)
+    parts, data = [], {}
+    for (w, layout, rate), rows in cells.items():
+        md, verdicts = cell_table(rows, goals[w])
+        parts.append(f"### {w}, {layout}, {rate}\n\n{md}")
+        data[f"{w} {layout} {rate}"] = verdicts
+    env = summary.get("environment", {})
+    parts.append(f"{env.get('cpu', '?')}, {env.get('cpus', '?')} CPUs, load at start "
+                 f"{env.get('loadavg_at_start')}; medians of the ok repetitions [min-max]; "
+                 f"a crossing after {100 * LAST_TENTH:.0f}% of a run has no margin.")
+    return "\n\n".join(parts), data
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("summary", help="A compare.py summary.json.")
+    p.add_argument("--json", default="", help="Also write the verdicts, by cell, here.")
+    args = p.parse_args(argv)
+    md, data = report(json.loads(Path(args.summary).read_text()))
+    print(md)
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""bench/cluster/verdicts.py: time to several targets and quality at wall-clock budgets per
+repetition, medians with spreads, and verdicts that call overlapping spreads a tie and a late
+crossing a win without margin."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.cluster import verdicts as V
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "cluster" / "verdicts.py"
+
+
+def _curve(points: list[tuple[float, float]], metric: str = "test_acc") -> list[dict]:
+    return [{"step": 10.0 * i, "time_s": t, metric: v} for i, (t, v) in enumerate(points)]
+
+
+def test_crossing_is_the_first_snapshot_that_reaches_with_its_place_in_the_run() -> None:
+    c = _curve([(0.0, 0.1), (1.0, 0.6), (2.0, 0.7), (4.0, 0.65)])
+    assert V.crossing(c, 0.65, "test_acc", "max") == (2.0, 0.5)
+    assert V.crossing(c, 0.8, "test_acc", "max") is None
+    loss = _curve([(0.0, 3.0), (5.0, 1.95), (10.0, 1.85)], "val_loss")
+    assert V.crossing(loss, 1.90, "val_loss", "min") == (10.0, 1.0)
+
+
+def test_quality_at_a_budget_is_the_last_snapshot_taken_by_then() -> None:
+    c = _curve([(0.0, 0.1), (1.0, 0.6), (2.0, 0.7)])
+    assert V.quality_at(c, 1.5, "test_acc") == 0.6
+    assert V.quality_at(c, 1.0, "test_acc") == 0.6  # taken exactly at the budget counts
+    assert V.quality_at(c, 9.0, "test_acc") == 0.7  # the run ended before: its final model
+    assert V.quality_at(_curve([(0.5, 0.1)]), 0.2, "test_acc") is None
+
+
+def _s(values: list[float], lower: bool = True) -> V.Spread:
+    spread = V.Spread.of(values, lower)
+    assert spread is not None
+    return spread
+
+
+def test_spreads_apart_make_a_winner_and_overlapping_ones_a_tie() -> None:
+    j = V.judge({"a": _s([2.0, 2.1, 2.4]), "b": _s([3.0, 3.5, 4.0]), "c": None})
+    assert (j["winner"], j["runner"], j["apart"], j["ties"]) == ("a", "b", True, [])
+    assert j["ratio"] == pytest.approx(3.5 / 2.1)
+    j = V.judge({"a": _s([2.0, 2.1, 3.1]), "b": _s([3.0, 3.5, 4.0])})
+    assert (j["winner"], j["apart"], j["ties"]) == ("a", False, ["b"])
+
+
+def test_never_counts_as_slowest_and_a_method_that_never_reaches_cannot_win() -> None:
+    inf = V.INF
+    j = V.judge({"a": _s([inf, inf, 1.0]), "b": _s([5.0, 6.0, 7.0])})
+    assert j["winner"] == "b" and j["ties"] == ["a"]  # a reached once, faster: not apart
+    j = V.judge({"a": _s([inf, inf, inf]), "b": _s([5.0, 6.0, 7.0])})
+    assert (j["winner"], j["runner"], j["apart"]) == ("b", None, True)
+    assert V.judge({"a": _s([inf, inf])})["winner"] is None
+
+
+def test_qualities_win_by_their_difference_either_way_round() -> None:
+    acc = V.judge({"a": _s([0.70, 0.71, 0.72], lower=False),
+                   "b": _s([0.60, 0.61, 0.62], lower=False)}, "quality")
+    assert acc["winner"] == "a" and acc["ratio"] == pytest.approx(0.10) and acc["apart"]
+    loss = V.judge({"a": _s([1.80, 1.81]), "b": _s([1.70, 1.75])}, "quality")
+    assert loss["winner"] == "b" and loss["ratio"] == pytest.approx(0.08)
+
+
+def test_one_run_per_method_has_no_spread_to_judge_by() -> None:
+    j = V.judge({"a": _s([2.0]), "b": _s([3.0])})
+    assert j["winner"] == "a" and not j["apart"] and not j["spread_known"]
+    assert "no spread" in V.verdict_text(j, "time")
+
+
+def test_a_crossing_in_the_last_tenth_has_no_margin() -> None:
+    j = V.judge({"a": _s([2.0, 2.1]), "b": _s([3.0, 3.1])})
+    assert "margin" not in V.verdict_text(j, "time", fraction=0.85)
+    assert "no margin (crosses at 95% of its run)" in V.verdict_text(j, "time", fraction=0.95)
+
+
+def _row(method: str, curves: list[list[dict]], finals: list[float]) -> dict:
+    return {"method": method, "workload": "mnist1d", "layout": "4x1", "rate": "100mbit",
+            "status": "ok", "metric": "test_acc", "goal": "max", "final": finals[0],
+            "curve": curves[0], "per_repeat": [{"status": "ok", "curve": c, "final": f}
+                                               for c, f in zip(curves, finals, strict=True)]}
+
+
+GOALS = V.Goals(targets=(0.6, 0.7), budgets_s=(1.0, 3.0))
+
+
+def _summary() -> dict:
+    fast = [_curve([(0.0, 0.1), (1.0, 0.62 + d), (2.0, 0.72 + d)]) for d in (0.0, 0.01, 0.02)]
+    # the slow method reaches 70% only at its very end: a win there has no margin
+    slow = [_curve([(0.0, 0.1), (2.0, 0.55), (3.0, 0.61), (9.5 + d, 0.70), (10.0 + d, 0.71)])
+            for d in (0.0, 0.1, 0.2)]
+    return {"rows": [_row("fast", fast, [0.72, 0.73, 0.74]),
+                     _row("slow", slow, [0.71, 0.71, 0.71])],
+            "environment": {"cpu": "AMD EPYC", "cpus": 2, "loadavg_at_start": [1.0, 1.0, 1.0]}}
+
+
+def test_a_cell_table_has_every_method_every_goal_and_the_verdicts() -> None:
+    md, verdicts = V.cell_table(_summary()["rows"], GOALS)
+    lines = md.splitlines()
+    assert lines[0] == "| method | s to 60% | s to 70% | % at 1 s | % at 3 s | final |"
+    assert lines[2] == ("| fast | 1.0 | 2.0 | 63.0 [62.0-64.0] | 73.0 [72.0-74.0] "
+                        "| 73.0 [72.0-74.0] |")
+    assert lines[3].startswith("| slow | 3.0 | 9.6 [9.5-9.7] | 10.0 | 61.0 |")
+    by_goal = {v["goal"]: v for v in verdicts}
+    assert by_goal["time to 0.7"]["winner"] == "fast" and by_goal["time to 0.7"]["apart"]
+    assert by_goal["time to 0.7"]["ratio"] == pytest.approx(9.6 / 2.0)
+    assert by_goal["final"]["winner"] == "fast" and by_goal["final"]["apart"]
+    assert by_goal["quality at 1 s"]["ratio"] == pytest.approx(63.0 - 10.0)
+
+
+def test_a_late_winner_is_marked_without_margin() -> None:
+    rows = [r for r in _summary()["rows"] if r["method"] == "slow"]
+    rows.append(_row("never", [_curve([(0.0, 0.1), (10.0, 0.5)])] * 3, [0.5] * 3))
+    md, _ = V.cell_table(rows, GOALS)
+    assert "slow 1.00x" not in md and "slow alone, spreads apart; no margin (crosses at 95%" in md
+
+
+def test_the_command_writes_the_table_and_the_verdicts(tmp_path: Path) -> None:
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(_summary()))
+    out = subprocess.run([sys.executable, str(SCRIPT), str(path), "--json",
+                          str(tmp_path / "v.json")], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("### mnist1d, 4x1, 100mbit")
+    assert "AMD EPYC, 2 CPUs" in out.stdout
+    data = json.loads((tmp_path / "v.json").read_text())
+    assert [v["goal"] for v in data["mnist1d 4x1 100mbit"]] == [
+        "time to 0.6", "time to 0.65", "time to 0.72", "quality at 2 s", "quality at 4 s",
+        "quality at 8 s", "final"]
+
+
+def test_older_summaries_fall_back_to_the_median_curve() -> None:
+    row = _row("a", [_curve([(0.0, 0.1), (1.0, 0.7)])], [0.7])
+    del row["per_repeat"][0]["curve"]
+    assert V.repeat_curves(row) == [row["curve"]]
