@@ -32,7 +32,10 @@ METHODS: dict[str, tuple[str, ...]] = {
         "torchft-streaming-diloco-h32-o7-m5", "assgd-2-h16f4-g80-m9-o5-n-ddp",
         "assgd-2-h16f4-g80-m9-o5-n-ddp-cont",
     ),
-    "charlm": ("ddp", "qcomm-hook-d2", "qcomm-hier-4-h2f2-g100-n-ddp", "localsgd"),
+    "charlm": (
+        "ddp", "ddp-powersgd-r4", "localsgd-p8", "torchft-diloco-h16-o10-m5",
+        "torchft-streaming-diloco-h16-o10-m5", "qcomm-hook-d2", "qcomm-hier-4-h2f2-g100-n-ddp",
+    ),
 }
 
 # Per workload: the quality of "time to target" (MNIST-1D: test accuracy, below the 70% of
