@@ -137,3 +137,22 @@ def test_older_summaries_fall_back_to_the_median_curve() -> None:
     row = _row("a", [_curve([(0.0, 0.1), (1.0, 0.7)])], [0.7])
     del row["per_repeat"][0]["curve"]
     assert V.repeat_curves(row) == [row["curve"]]
+
+
+def test_qcomm_best_against_the_best_peer_is_judged_beside_the_cell_verdict() -> None:
+    def run(t_cross: float) -> list[dict]:
+        return [_curve([(0.0, 0.1), (t_cross + d, 0.72), (12.0, 0.73)]) for d in (0.0, 0.1, 0.2)]
+
+    rows = [_row("assgd-2-a", run(4.0), [0.73] * 3), _row("qcomm-hook", run(2.0), [0.73] * 3),
+            _row("localsgd-p8", run(3.0), [0.73] * 3), _row("ddp", run(6.0), [0.74] * 3)]
+    md, verdicts = V.cell_table(rows, GOALS)
+    line = next(x for x in md.splitlines() if x.startswith("| **qcomm vs the best peer**"))
+    assert "qcomm-hook 1.48x, spreads apart" in line  # 3.1 / 2.1: the best of each side
+    ours = [v for v in verdicts if v.get("scope") == "qcomm vs the best peer"]
+    assert [v["goal"] for v in ours] == ["time to 0.6", "time to 0.7", "quality at 1 s",
+                                         "quality at 3 s", "final"]
+    assert ours[0]["winner"] == "qcomm-hook" and ours[0]["runner"] == "localsgd-p8"
+    assert ours[-1]["winner"] == "ddp"  # a peer ends higher: said so
+    # a cell with no peer (or no qcomm method) has no such line
+    md, _ = V.cell_table(rows[:2], GOALS)
+    assert "best peer" not in md
