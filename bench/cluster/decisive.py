@@ -9,9 +9,10 @@ Each scenario is one ``compare.py`` sweep (root: network namespaces) into ``OUT/
 ``scenarios.py`` then puts their ``summary.json`` side by side into ``OUT/table.md``, and
 ``verdicts.py`` judges each scenario's cells on several targets and wall-clock budgets (who is
 first, by how much, spreads apart or a tie, with what margin) into the same file. On the 2-vCPU
-machine the results were measured on, the default takes about 3 hours (DDP at 100 Mbit/s is 2
-minutes a run): ``--scenarios``, ``--layouts`` and ``--rates`` run a part of it;
-``--workload charlm`` runs the transformer with its own tuned peers (a run is 2-4 minutes).
+machine the results were measured on, the healthy scenario alone at 2 layouts x 2 rates took 51
+minutes (DDP at 100 Mbit/s is 3 minutes a run), the default runs 4 scenarios at 3 rates, hours:
+``--scenarios``, ``--layouts`` and ``--rates`` run a part of it. ``--workload charlm`` runs the
+transformer with its own tuned peers (one cell, 4x1 at 100 Mbit/s: 51 minutes).
 """
 
 from __future__ import annotations
