@@ -24,6 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):
+    # Run by path: the repository root first on sys.path, so that `bench.cluster` imports.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.cluster.compare import time_to_target
+
 INF = float("inf")
 # A crossing later than this fraction of the run leaves the win no margin.
 LAST_TENTH = 0.9
@@ -47,23 +53,15 @@ GOALS: dict[str, Goals] = {
 }
 
 
-def reached(value: float, target: float, goal: str) -> bool:
-    """Whether ``value`` is at least as good as ``target`` (``goal`` "max" or "min")."""
-    return value >= target if goal == "max" else value <= target
-
-
 def crossing(curve: Sequence[dict[str, float]], target: float, metric: str,
              goal: str) -> tuple[float, float] | None:
     """(time_s, fraction of the run) of the first snapshot reaching ``target``; None if none
     does. The fraction is that time over the time of the curve's last snapshot."""
-    if not curve:
+    t = time_to_target(curve, target, metric, goal)
+    if t is None:
         return None
     end = curve[-1]["time_s"]
-    for point in curve:
-        if reached(point[metric], target, goal):
-            t = point["time_s"]
-            return t, (t / end if end > 0 else 1.0)
-    return None
+    return t, (t / end if end > 0 else 1.0)
 
 
 def quality_at(curve: Sequence[dict[str, float]], budget_s: float, metric: str) -> float | None:
@@ -94,6 +92,11 @@ class Spread:
             return None
         return cls(statistics.median(values), min(values), max(values), lower_better,
                    len(values))
+
+    @property
+    def rank(self) -> float:
+        """Sort key: smaller is better whichever way ``lower_better`` points."""
+        return self.median if self.lower_better else -self.median
 
     def beats(self, other: Spread) -> bool:
         """Every repetition of ``self`` better than every one of ``other`` (spreads apart)."""
@@ -135,7 +138,7 @@ def cell_figures(row: dict[str, Any], goals: Goals) -> dict[str, Any]:
               if r.get("status", "ok") == "ok" and r.get("final") is not None]
     final = Spread.of(finals or ([row["final"]] if row.get("final") is not None else []), lower)
     return {"method": row["method"], "metric": metric, "times": times, "fractions": fractions,
-            "quality": quality, "final": final, "repeats": len(curves)}
+            "quality": quality, "final": final}
 
 
 def judge(spreads: dict[str, Spread | None], kind: str = "time") -> dict[str, Any]:
@@ -148,8 +151,7 @@ def judge(spreads: dict[str, Spread | None], kind: str = "time") -> dict[str, An
     if not have:
         return {"winner": None, "ties": [], "runner": None, "ratio": None, "apart": False,
                 "spread_known": False}
-    lower = next(iter(have.values())).lower_better
-    order = sorted(have, key=lambda m: have[m].median if lower else -have[m].median)
+    order = sorted(have, key=lambda m: have[m].rank)
     win = order[0]
     rest = [m for m in spreads if m != win and spreads[m] is not None]
     ties = [m for m in rest if not spreads[m].beats(have[win]) and not have[win].beats(spreads[m])]
@@ -195,10 +197,7 @@ def _best(figs: Sequence[dict[str, Any]], get: Any) -> dict[str, Spread | None]:
     """The one method of ``figs`` whose figure ``get(f)`` has the best median (none if no
     figure), as ``{method: Spread}`` for :func:`judge`."""
     have = [(f["method"], get(f)) for f in figs if get(f) is not None]
-    if not have:
-        return {}
-    lower = have[0][1].lower_better
-    return dict([min(have, key=lambda mv: mv[1].median if lower else -mv[1].median)])
+    return dict([min(have, key=lambda mv: mv[1].rank)]) if have else {}
 
 
 def verdict_row(figs: Sequence[dict[str, Any]], goals: Goals, acc: bool,
