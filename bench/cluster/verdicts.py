@@ -289,7 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("summary", help="A compare.py summary.json.")
     p.add_argument("--json", default="", help="Also write the verdicts, by cell, here.")
     args = p.parse_args(argv)
-    md, data = report(json.loads(Path(args.summary).read_text()))
+    try:
+        summary = json.loads(Path(args.summary).read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"summary: cannot read a compare.py summary.json from {args.summary!r}: {e}")
+    if not isinstance(summary, dict) or not isinstance(summary.get("rows"), list):
+        p.error(f"summary: {args.summary!r} has no 'rows' list; give a compare.py summary.json")
+    md, data = report(summary)
     print(md)
     if args.json:
         Path(args.json).write_text(json.dumps(data, indent=1, default=str))

@@ -156,3 +156,12 @@ def test_qcomm_best_against_the_best_peer_is_judged_beside_the_cell_verdict() ->
     # a cell with no peer (or no qcomm method) has no such line
     md, _ = V.cell_table(rows[:2], GOALS)
     assert "best peer" not in md
+
+
+@pytest.mark.parametrize("content", [None, "not json", "[1, 2]", '{"cells": []}'])
+def test_a_file_that_is_no_summary_is_refused_by_name(tmp_path: Path, content: str | None) -> None:
+    path = tmp_path / "summary.json"
+    if content is not None:
+        path.write_text(content)
+    r = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True)
+    assert r.returncode == 2 and "summary:" in r.stderr and "Traceback" not in r.stderr
