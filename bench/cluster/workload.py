@@ -730,8 +730,9 @@ def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
 def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: Timed,
            start: Readings, base_times: list[float], model: tuple[int, list]) -> NoReturn:
     """Steps 5 and 6 of a run without a lost node: close the window (traffic completed,
-    barrier, counters read), make the final model, gather every rank's record; rank 0
-    evaluates and writes the JSON (:func:`write_result`). Then leave."""
+    barrier, counters read), make the final model, gather every rank's record, close the
+    method; after the last collective rank 0 evaluates and writes the JSON
+    (:func:`write_result`). Then leave."""
     built.flush()
     dist.barrier()
     counters0, retrans0, stats0 = start
@@ -751,14 +752,18 @@ def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: T
                        None if stats0 is None else (stats0, stats1))
     gathered: list[Any] | None = [None] * here.world if here.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
-    if here.rank == 0:
-        write_result(args, work, built, here, gathered, model)
     built.close()
     dist.barrier()
+    # The last collective is behind every rank: rank 0 evaluates and writes only now. Inside a
+    # collective the other ranks would wait on that evaluation (every snapshot of the curve)
+    # under the group's timeout; the transformer's once outlasted 30 s, and a run that had
+    # trained to the end failed in its last barrier.
+    if here.rank == 0:
+        write_result(args, work, built, here, gathered, model)
     # Leave without tearing down the process group: with PowerSGD's hook a rank sometimes
     # aborts in Gloo's teardown ("terminate called without an active exception", SIGABRT) after
-    # everything finished, which would turn a complete run into a failed one. The results are
-    # written and every rank passed the barrier above; the OS closes the sockets.
+    # everything finished, which would turn a complete run into a failed one. Every rank passed
+    # the barrier above and rank 0 wrote the results; the OS closes the sockets.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
