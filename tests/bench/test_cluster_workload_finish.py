@@ -12,6 +12,12 @@ import pytest
 from bench.cluster import training as T
 from bench.cluster import workload as WL
 
+COLLECTIVES = ("barrier", "gather_object")
+
+
+def _collectives(calls: list[str]) -> list[str]:
+    return [c for c in calls if c in COLLECTIVES]
+
 
 class _Left(Exception):
     """Raised instead of ``os._exit``: the test's way out of ``finish``."""
@@ -46,9 +52,9 @@ def _finish_calls(monkeypatch, tmp_path, rank: int) -> list[str]:
 
 def test_rank_0_writes_after_the_last_collective(monkeypatch, tmp_path):
     calls = _finish_calls(monkeypatch, tmp_path, rank=0)
-    collectives = [i for i, c in enumerate(calls) if c in ("barrier", "gather_object")]
+    last_collective = max(i for i, c in enumerate(calls) if c in COLLECTIVES)
     assert calls.count("write_result") == 1
-    assert calls.index("write_result") > max(collectives)
+    assert calls.index("write_result") > last_collective
     assert calls.index("close") < calls.index("write_result")
     assert calls[-1] == "exit 0"
 
@@ -59,6 +65,5 @@ def test_every_rank_takes_the_same_collectives_and_only_rank_0_writes(monkeypatc
     ours = _finish_calls(monkeypatch, tmp_path, rank=rank)
     rank_0 = _finish_calls(monkeypatch, tmp_path, rank=0)
     assert "write_result" not in ours
-    assert [c for c in ours if c in ("barrier", "gather_object")] == \
-        [c for c in rank_0 if c in ("barrier", "gather_object")]
+    assert _collectives(ours) == _collectives(rank_0)
     assert ours[-1] == "exit 0"
