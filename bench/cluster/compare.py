@@ -89,6 +89,38 @@ def parse_layout(s: str) -> T.Layout:
     return T.Layout(nodes, procs)
 
 
+def parse_time_budget(s: str, layouts: str) -> dict[str, float]:
+    """``--time-budget``: ``"8"`` (seconds for every layout of ``layouts``) or
+    ``"4x1=8,2x2=16"`` (one per layout, every layout of ``layouts`` named) -> {layout tag:
+    seconds}. ValueError names what is wrong."""
+    tags = [f"{lay.nodes}x{lay.procs}" for lay in (parse_layout(v) for v in layouts.split(","))]
+    if "=" not in s:
+        try:
+            seconds = float(s)
+        except ValueError:
+            raise ValueError(f"--time-budget must be SECONDS or LAYOUT=SECONDS,..., got "
+                             f"{s!r}") from None
+        given = dict.fromkeys(tags, seconds)
+    else:
+        given = {}
+        for part in s.split(","):
+            tag, _, value = part.partition("=")
+            try:
+                lay, seconds = parse_layout(tag.strip()), float(value)
+            except ValueError:
+                raise ValueError(f"--time-budget must be SECONDS or LAYOUT=SECONDS,..., got "
+                                 f"{part!r} in {s!r}") from None
+            given[f"{lay.nodes}x{lay.procs}"] = seconds
+        missing = [t for t in tags if t not in given]
+        if missing:
+            raise ValueError(f"--time-budget names no seconds for layout {', '.join(missing)} "
+                             f"of --layouts {layouts}")
+    bad = {t: v for t, v in given.items() if not v > 0}
+    if bad:
+        raise ValueError(f"--time-budget must be seconds > 0, got {bad}")
+    return {t: given[t] for t in tags}
+
+
 def rate_bits_per_s(rate: str) -> float:
     """tc rate (``100mbit``, ``1gbit``, ``500kbit``, ``800bit``) -> bits per second."""
     units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
@@ -538,10 +570,12 @@ def netns(*args: str, check: bool = True, **kw: Any) -> subprocess.CompletedProc
 
 
 def workload_command(workload: str, method: str, args: argparse.Namespace, data: Path,
-                     out_json: Path) -> list[str]:
-    """workload.py's arguments for one run."""
+                     out_json: Path, layout: str = "") -> list[str]:
+    """workload.py's arguments for one run on ``layout`` (its tag, e.g. ``"2x2"``: which
+    ``--time-budget`` applies)."""
     s = settings(workload, args)
-    budget = (["--time-budget", str(args.time_budget)] if args.time_budget else []) + \
+    seconds = args.time_budget[layout] if args.time_budget else None
+    budget = (["--time-budget", f"{seconds:g}"] if seconds else []) + \
         (["--max-steps", str(args.max_steps)] if args.max_steps else [])
     return [str(WORKLOAD), "--workload", workload, "--method", method, "--data", str(data), *budget,
             "--out", str(out_json), "--width", str(s["width"]), "--depth", str(s["depth"]),
@@ -738,10 +772,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "quota, see netns.sh); 0: every node at full speed.")
     p.add_argument("--slowdown", type=float, default=2.0,
                    help="How much slower a slow node computes: 2 is half speed.")
-    p.add_argument("--time-budget", type=float, default=None,
+    p.add_argument("--time-budget", default=None,
                    help="Seconds of training per node for the methods whose nodes may take "
-                        "different numbers of steps (qcomm variants ending in -wf); the others "
-                        "take --steps steps.")
+                        "different numbers of steps (qcomm variants ending in -wf or -cont); "
+                        "the others take --steps steps. SECONDS for every layout, or "
+                        "LAYOUT=SECONDS,... one per layout (e.g. 4x1=8,2x2=16).")
     p.add_argument("--max-steps", type=int, default=None,
                    help="With --time-budget: the most steps a node takes (default 100 x steps: the "
                         "budget decides).")
@@ -772,6 +807,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     check_kill(p, args)
+    if args.time_budget is not None:
+        try:
+            args.time_budget = parse_time_budget(args.time_budget, args.layouts)
+        except ValueError as e:
+            p.error(str(e))
     if args.pg_timeout is not None and args.pg_timeout <= 0:
         p.error(f"--pg-timeout must be a number of seconds > 0, got {args.pg_timeout:g}")
     return args
@@ -913,7 +953,7 @@ def run_cell(sweep: Sweep, args: argparse.Namespace, bars: Any, cluster: str,
         return {**base, "status": why} if rep == 0 else None
     stem = f"{w}_{tag}_{rate}_{name}_r{rep + 1}"
     out_json = sweep.outdir / "runs" / f"{stem}.json"
-    cmd = workload_command(w, name, args, sweep.data[w], out_json)
+    cmd = workload_command(w, name, args, sweep.data[w], out_json, tag)
     with bars(total=settings(w, args)["steps"], desc=f"  {name}", position=1,
               leave=False) as bar:
         rc, tail = run_one(cluster, layout, cmd, args.timeout, out_json,

@@ -536,6 +536,39 @@ def test_workload_command_carries_the_workload_and_diloco_settings(tmp_path):
     assert cmd[cmd.index("--lr") + 1] == str(W.WORKLOADS["charlm"].lr)
 
 
+def test_time_budget_is_one_for_every_layout_or_one_per_layout():
+    assert C.parse_time_budget("8", "4x1,2x2") == {"4x1": 8.0, "2x2": 8.0}
+    assert C.parse_time_budget("2X2=16, 4x1=8", "4x1,2x2") == {"4x1": 8.0, "2x2": 16.0}
+
+
+@pytest.mark.parametrize(("budget", "match"), [
+    ("soon", "SECONDS or LAYOUT=SECONDS"),
+    ("4x1=8,2x2=", "'2x2='"),
+    ("4x1=8,2by2=16", "'2by2=16'"),
+    ("4x1=8", "no seconds for layout 2x2"),
+    ("0", "seconds > 0"),
+    ("4x1=8,2x2=-1", "seconds > 0"),
+])
+def test_a_bad_time_budget_is_refused_naming_the_flag(capsys, budget, match):
+    with pytest.raises(SystemExit) as e:
+        C.parse_args(["--layouts", "4x1,2x2", "--time-budget", budget])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--time-budget" in err and match in err
+
+
+def test_each_run_gets_the_time_budget_of_its_layout(tmp_path):
+    args = C.parse_args(["--layouts", "4x1,2x2", "--time-budget", "4x1=8,2x2=16"])
+    seconds = {}
+    for tag in ("4x1", "2x2"):
+        cmd = C.workload_command("mnist1d", "assgd-2-ddp-wf", args, tmp_path / "d.npz",
+                                 tmp_path / "o.json", tag)
+        seconds[tag] = cmd[cmd.index("--time-budget") + 1]
+    assert seconds == {"4x1": "8", "2x2": "16"}
+    none = C.workload_command("mnist1d", "ddp", C.parse_args([]), tmp_path / "d.npz",
+                              tmp_path / "o.json", "2x2")
+    assert "--time-budget" not in none
+
+
 def test_repeats_must_be_positive():
     with pytest.raises(SystemExit):
         C.parse_args(["--repeats", "0"])

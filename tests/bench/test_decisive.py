@@ -52,6 +52,17 @@ def test_each_workload_runs_its_own_tuned_methods_target_and_budget() -> None:
     assert value(given, "--target") == "0.7" and value(given, "--methods") == "ddp,localsgd-p8"
 
 
+def test_the_slow_node_at_2x2_gets_its_longer_budget_and_nothing_else_does() -> None:
+    by_scenario = {value(c, "--out").rsplit("/", 1)[1]: value(c, "--time-budget")
+                   for c in _dry()[:4]}
+    assert by_scenario == {"healthy": "8.0", "slow": "4x1=8,2x2=16", "latency": "8.0",
+                           "lost": "8.0"}
+    assert value(_dry("--scenarios", "slow", "--layouts", "4x1")[0], "--time-budget") == "8.0"
+    # one given on the command line holds for every scenario and layout
+    given = _dry("--time-budget", "12")
+    assert {value(c, "--time-budget") for c in given[:4]} == {"12.0"}
+
+
 def test_a_part_of_it() -> None:
     cmds = _dry("--scenarios", "lost", "--layouts", "4x1", "--repeats", "1")
     assert len(cmds) == 3 and "--kill-node" in cmds[0]
@@ -60,6 +71,7 @@ def test_a_part_of_it() -> None:
 
 @pytest.mark.parametrize(("args", "match"), [(["--scenarios", "flood"], "--scenarios"),
                                              (["--repeats", "0"], "--repeats"),
+                                             (["--time-budget", "0"], "--time-budget"),
                                              (["--workload", "imagenet"], "--workload")])
 def test_bad_arguments_name_themselves(args: list[str], match: str) -> None:
     r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", *args],
