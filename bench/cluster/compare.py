@@ -93,7 +93,7 @@ def parse_time_budget(s: str, layouts: str) -> dict[str, float]:
     """``--time-budget``: ``"8"`` (seconds for every layout of ``layouts``) or
     ``"4x1=8,2x2=16"`` (one per layout, every layout of ``layouts`` named) -> {layout tag:
     seconds}. ValueError names what is wrong."""
-    tags = [f"{lay.nodes}x{lay.procs}" for lay in (parse_layout(v) for v in layouts.split(","))]
+    tags = [parse_layout(v).tag for v in layouts.split(",")]
     if "=" not in s:
         try:
             seconds = float(s)
@@ -110,7 +110,7 @@ def parse_time_budget(s: str, layouts: str) -> dict[str, float]:
             except ValueError:
                 raise ValueError(f"--time-budget must be SECONDS or LAYOUT=SECONDS,..., got "
                                  f"{part!r} in {s!r}") from None
-            given[f"{lay.nodes}x{lay.procs}"] = seconds
+            given[lay.tag] = seconds
         missing = [t for t in tags if t not in given]
         if missing:
             raise ValueError(f"--time-budget names no seconds for layout {', '.join(missing)} "
@@ -831,7 +831,7 @@ def check_kill(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         layouts = [parse_layout(v) for v in args.layouts.split(",")]
     except ValueError as e:
         p.error(str(e))
-    short = [f"{lay.nodes}x{lay.procs}" for lay in layouts if args.kill_node >= lay.nodes]
+    short = [lay.tag for lay in layouts if args.kill_node >= lay.nodes]
     if short:
         p.error(f"--kill-node {args.kill_node} is not a node of layout {', '.join(short)} "
                 f"(nodes are numbered from 0)")
@@ -918,7 +918,7 @@ def run_sweep(sweep: Sweep, args: argparse.Namespace,
                    * args.repeats, desc="runs", position=0, leave=True)
     for lay, rate in sweep.combos:
         cluster = secrets.token_hex(3)
-        tag = f"{lay.nodes}x{lay.procs}"
+        tag = lay.tag
         try:
             netns("up", "--id", cluster, "--nodes", str(lay.nodes), "--rate", rate,
                   "--owner", str(os.getpid()),
@@ -984,7 +984,7 @@ def print_targets(rows: Sequence[dict[str, Any]], sweep: Sweep) -> dict[str, lis
     checks = {}
     for w in sweep.workloads:
         for lay, rate in sweep.combos:
-            tag = f"{lay.nodes}x{lay.procs}"
+            tag = lay.tag
             group = [r for r in rows
                      if r.get("workload") == w and r["layout"] == tag and r["rate"] == rate]
             checks[f"{w} {tag} {rate}"] = c = check_targets(group, SUBJECT[w])

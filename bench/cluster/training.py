@@ -32,6 +32,11 @@ class Layout:
     def world(self) -> int:
         return self.nodes * self.procs
 
+    @property
+    def tag(self) -> str:
+        """``"2x2"``: how command lines and tables name the layout."""
+        return f"{self.nodes}x{self.procs}"
+
 
 @dataclass
 class Config:
