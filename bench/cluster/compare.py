@@ -570,7 +570,7 @@ def netns(*args: str, check: bool = True, **kw: Any) -> subprocess.CompletedProc
 
 
 def workload_command(workload: str, method: str, args: argparse.Namespace, data: Path,
-                     out_json: Path, layout: str = "") -> list[str]:
+                     out_json: Path, layout: str) -> list[str]:
     """workload.py's arguments for one run on ``layout`` (its tag, e.g. ``"2x2"``: which
     ``--time-budget`` applies)."""
     s = settings(workload, args)

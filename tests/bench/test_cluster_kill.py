@@ -53,12 +53,13 @@ def test_compare_refuses_bad_kill_flags_naming_the_flag(capsys, argv, names):
 def test_compare_passes_the_kill_to_every_run_and_nothing_without_one(tmp_path):
     args = C.parse_args(["--kill-node", "1", "--kill-at", "0.33", "--layouts", "2x2,4x1",
                          "--pg-timeout", "60"])
-    cmd = C.workload_command("mnist1d", "ddp", args, tmp_path / "d.npz", tmp_path / "o.json")
+    cmd = C.workload_command("mnist1d", "ddp", args, tmp_path / "d.npz", tmp_path / "o.json",
+                             "2x2")
     assert cmd[cmd.index("--kill-node") + 1] == "1"
     assert cmd[cmd.index("--kill-at") + 1] == "0.33"
     assert cmd[cmd.index("--pg-timeout") + 1] == "60"
     healthy = C.workload_command("mnist1d", "ddp", C.parse_args([]), tmp_path / "d.npz",
-                                 tmp_path / "o.json")
+                                 tmp_path / "o.json", "2x2")
     assert not {"--kill-node", "--kill-at", "--pg-timeout"} & set(healthy)
     # what workload.py makes of them
     wargs = WL.parse_args([*cmd[1:]])

@@ -530,7 +530,7 @@ def test_settings_fall_back_to_the_workload_defaults():
 def test_workload_command_carries_the_workload_and_diloco_settings(tmp_path):
     args = C.parse_args(["--workload", "charlm", "--diloco-sync-every", "8"])
     cmd = C.workload_command("charlm", "torchft-diloco", args, tmp_path / "d.npz",
-                             tmp_path / "o.json")
+                             tmp_path / "o.json", "2x2")
     assert cmd[cmd.index("--workload") + 1] == "charlm"
     assert cmd[cmd.index("--diloco-sync-every") + 1] == "8"
     assert cmd[cmd.index("--lr") + 1] == str(W.WORKLOADS["charlm"].lr)
