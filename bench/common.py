@@ -35,6 +35,14 @@ def add_repo_to_path() -> None:
         sys.path.insert(0, root)
 
 
+def use_qcomm_from(checkout: str | None) -> None:
+    """Put ``checkout`` (another clone of the repository, for before/after comparisons) first
+    on sys.path, so that ``import qcomm`` takes its package; None: this one. Call it before
+    anything imports qcomm."""
+    root = str(Path(checkout).resolve()) if checkout else str(REPO_ROOT)
+    sys.path.insert(0, root)
+
+
 def parse_size(text: str) -> int:
     """``"64K"`` -> 65536, ``"1M"`` -> 1048576, ``"3000"`` -> 3000 (binary suffixes K, M, G)."""
     t = text.strip().upper()

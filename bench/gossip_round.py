@@ -30,15 +30,6 @@ from typing import Any
 MODES = ("choco", "wait-free")
 
 
-def _import_path(qcomm_root: str | None) -> None:
-    """Put the checkout whose ``qcomm`` runs first on sys.path (this one by default)."""
-    root = Path(qcomm_root).resolve() if qcomm_root else Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root))
-    bench_root = str(Path(__file__).resolve().parent.parent)
-    if bench_root not in sys.path:
-        sys.path.append(bench_root)
-
-
 def _simulator(mode: str, members: int, numel: int, bits: int) -> Any:
     """The step function of a simulator (one round of every member)."""
     from qcomm.collectives.memory import GossipSimulator, WaitFreeSimulator
@@ -140,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="a checkout whose qcomm package runs instead of this one's (for "
                          "before/after comparisons).")
     args = ap.parse_args(argv)
-    _import_path(args.qcomm)
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
+    from bench.common import use_qcomm_from
+
+    use_qcomm_from(args.qcomm)
     import torch
 
     from bench.common import parse_list, parse_size

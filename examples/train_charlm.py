@@ -27,9 +27,9 @@ Rank 0 prints the mean training loss of its own batches and the bytes this rank 
 nodes every ``--log-every`` steps, and the validation loss before and after training; at the
 end every rank averages the parameters exactly (``average_parameters()``) and prints their
 sha256, the same on every rank. ``--ckpt-dir DIR`` writes ``DIR/step0000100/rank00000.pt``
-(one file per rank, every rank at the same step); ``--resume DIR/step0000100`` goes on from
-there (on CPU, tests/examples/test_train_charlm.py checks that it ends with the bytes of an
-uninterrupted run).
+and its record ``rank00000.json`` (one pair per rank, every rank at the same step);
+``--resume DIR/step0000100`` goes on from there (on CPU, tests/examples/test_train_charlm.py
+checks that it ends with the bytes of an uninterrupted run).
 """
 
 from __future__ import annotations
@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "rank on its own GPU and moves CPU tensors through Gloo.")
     g = ap.add_argument_group("checkpoints")
     g.add_argument("--ckpt-dir", default=None,
-                   help="Write DIR/stepNNNNNNN/rankRRRRR.pt (one file per rank) every "
+                   help="Write DIR/stepNNNNNNN/rankRRRRR.pt and .json (one pair per rank) every "
                         "--save-every steps and at the end (after the final average).")
     g.add_argument("--save-every", type=int, default=0,
                    help="Steps between checkpoints; 0: only at the end.")

@@ -219,7 +219,7 @@ def _cluster_rank(cfg: Config, workdir: Path, timeout_s: float) -> None:
     torch.set_num_threads(1)  # 4 processes on few cores, as run_world sets for the local run
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
-    data = torch.load(workdir / "data.pt")
+    data = torch.load(workdir / "data.pt", weights_only=True)
     out = _worker(rank, world, cfg, data)
     gathered: list | None = [None] * world if rank == 0 else None
     dist.gather_object(out, gathered, dst=0)
@@ -468,7 +468,7 @@ def run_emulated(cfg: Config, rate: str, data: dict, timeout_s: float) -> list[d
         if rc != 0 or not (workdir / "results.pt").exists():
             raise SystemExit(f"the emulated cluster run failed (exit status {rc}; "
                              "bench/cluster/README.md describes the cluster)")
-        return torch.load(workdir / "results.pt")
+        return torch.load(workdir / "results.pt", weights_only=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ checkpoints.
 from qcomm.engine.gradients import NonFiniteGradientError
 from qcomm.sgd.assgd import ASSGD
 from qcomm.sgd.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from qcomm.sgd.checkpoint_file import CheckpointError, UnsafeCheckpointError
 from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
 
-__all__ = ["ASSGD", "HierarchicalOptimizer", "NonFiniteGradientError", "checkpoint_path",
-           "load_checkpoint", "save_checkpoint"]
+__all__ = ["ASSGD", "CheckpointError", "HierarchicalOptimizer", "NonFiniteGradientError",
+           "UnsafeCheckpointError", "checkpoint_path", "load_checkpoint", "save_checkpoint"]

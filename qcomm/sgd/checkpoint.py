@@ -2,8 +2,10 @@
 buffers and rounds in flight) and torch's RNG state, so that a run resumed at step k continues
 bit for bit.
 
-Layout: ``directory/rank00000.pt``, ``directory/rank00001.pt``, ... Each rank writes and reads
-only its own file (no collective); files are written atomically (temp file, then rename).
+Layout: ``directory/rank00000.pt`` and its metadata record ``rank00000.json``, one pair per
+rank. Each rank writes and reads only its own files (no collective); files are written
+atomically. Loading never runs code from a file unless the caller says it trusts it: see
+:mod:`qcomm.sgd.checkpoint_file` for the format and the safety rules.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ import torch
 import torch.distributed as dist
 
 from qcomm.engine.state import WORLD_CHANGE_MODES
+from qcomm.sgd.checkpoint_file import CheckpointError, RankFile, checkpoint_path, rank_files
 from qcomm.sgd.hierarchical_optimizer import STATE_KEY, HierarchicalOptimizer
+from qcomm.validation import check_instance
+
+__all__ = ["checkpoint_path", "load_checkpoint", "save_checkpoint"]
 
 
 def _rank_world() -> tuple[int, int]:
@@ -25,14 +31,9 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def checkpoint_path(directory: str | os.PathLike, rank: int) -> Path:
-    """The file of ``rank`` under ``directory``."""
-    return Path(directory) / f"rank{rank:05d}.pt"
-
-
 def save_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimizer,
                     model: torch.nn.Module | None = None, *, extra: Any = None) -> Path:
-    """Write this rank's checkpoint file and return its path.
+    """Write this rank's checkpoint file and its metadata record; return the file's path.
 
     Args:
         directory: created if missing; shared by all ranks.
@@ -40,84 +41,147 @@ def save_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
             ``state_dict()`` is saved.
         model: saved with ``state_dict()`` when given (asynchronous gossip leaves every node
             with its own parameters, so each rank saves its own copy).
-        extra: any picklable object (epoch, data-loader position, ...), returned by
-            :func:`load_checkpoint`.
+        extra: saved as given (epoch, data-loader position, ...), returned by
+            :func:`load_checkpoint`. Plain data (tensors, numbers, strings, bools, None, lists,
+            tuples, dicts) loads with torch's safe loader; other objects are saved too, with a
+            warning: loading them needs ``trusted=True``.
     """
     if not isinstance(optimizer, HierarchicalOptimizer):
         raise TypeError(f"optimizer must be a qcomm.sgd.HierarchicalOptimizer (or ASSGD), "
                         f"got {type(optimizer).__name__}")
     rank, _ = _rank_world()
-    path = checkpoint_path(directory, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    state = optimizer.state_dict()
+    geometry = state[STATE_KEY]
+    record = RankFile.record(rank=rank, world_size=geometry["world_size"],
+                             procs_per_node=geometry["procs_per_node"],
+                             state_format=geometry["format"], steps=geometry["steps"])
     payload = {
-        "optimizer": optimizer.state_dict(),
+        "optimizer": state,
         "model": model.state_dict() if model is not None else None,
         "rng": torch.get_rng_state(),
         "extra": extra,
     }
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-    return path
+    file = RankFile(checkpoint_path(directory, rank))
+    file.write(payload, record)
+    return file.path
 
 
 def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimizer,
                     model: torch.nn.Module | None = None, *,
-                    on_world_size_change: str = "error", restore_rng: bool = True) -> Any:
+                    on_world_size_change: str = "error", restore_rng: bool = True,
+                    trusted: bool = False) -> Any:
     """Load this rank's checkpoint file into ``optimizer`` (and ``model``); return ``extra``.
+
+    The file is read with torch's weights-only unpickler: it builds tensors and plain data and
+    cannot run code. ``trusted=True`` reads it with the ordinary unpickler instead (needed for
+    an ``extra`` that holds other objects): only for files whose origin you trust.
 
     With a changed world size and ``on_world_size_change="reinit"``, rank r reads the file of
     saved rank ``r % saved_world_size`` and the gossip state starts afresh (see
     :meth:`HierarchicalOptimizer.load_state_dict`). With ``"error"`` (default) a ValueError
     names both sizes. With ``"reinit"``, a rank whose file is not in ``directory`` (a node
     that was lost before the survivors saved, and came back) reads the lowest rank's file
-    present: after ``average_parameters()`` every survivor holds the
-    same parameters.
+    present: after ``average_parameters()`` every survivor holds the same parameters.
     With ``"error"`` and a directory holding exactly this run's number of files, rank r
     reads the r-th file in rank order: the survivors of a run that lost nodes (with
     ``on_peer_loss="continue"``), restarted without them, go on exactly.
-    Nothing is loaded when an error is raised.
+
+    Raises:
+        UnsafeCheckpointError: the file holds objects the safe loader refuses (their types
+            named); pass ``trusted=True`` only if you trust the file.
+        CheckpointError: not a checkpoint, truncated, another rank's file, or a metadata record
+            that disagrees with its file; a model state that does not fit ``model``.
+        ValueError: a checkpoint of another geometry or other communication options.
+        FileNotFoundError: no checkpoint in ``directory``, or this rank's file missing.
+
+    Nothing is changed when an error is raised: not the model, the optimizer or the RNG.
     """
     if on_world_size_change not in WORLD_CHANGE_MODES:
         raise ValueError(f"on_world_size_change must be one of {WORLD_CHANGE_MODES}, "
                          f"got {on_world_size_change!r}")
+    check_instance("trusted", trusted, bool, what="True or False")
     rank, world = _rank_world()
-    path = checkpoint_path(directory, rank)
-    saved_world = _saved_world_size(directory, path)
-    if on_world_size_change == "reinit":
-        if saved_world != world:
-            path = checkpoint_path(directory, rank % saved_world)
-        if not path.exists():  # lost before the save
-            path = _files(directory)[0]
-    elif saved_world != world and len(files := _files(directory)) == world:
-        path = files[rank]  # the survivors of a run that lost nodes, in rank order
-    elif not path.exists() and saved_world == world:
-        raise FileNotFoundError(
-            f"no file {path.name} in {directory}: this rank's checkpoint is missing although "
-            f"the directory was saved by a world of {world}, as this run is (with a directory "
-            "per machine, each machine must resume with the ranks it saved; or use a "
-            "directory every machine shares)")
-    elif not path.exists():
-        raise ValueError(
-            f"checkpoint was saved with world size {saved_world} but this run has world size "
-            f"{world}: no file {path.name} in {directory} (pass on_world_size_change='reinit')"
-        )
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+    file, payload = _choose_file(directory, rank, world, on_world_size_change, trusted)
+    if payload is None:
+        payload = file.load(trusted=trusted)
+    if model is not None:
+        _check_model_state(model, payload["model"], file.path)
+    optimizer_state = payload["optimizer"]
+    if not isinstance(optimizer_state, dict):
+        raise CheckpointError(f"{file.path}: its optimizer state is not a dict", file.path)
     # Loaded on the CPU (the random-number state must stay there). qcomm's own state lives on
     # the parameters' device: moved there. The wrapped torch optimizer's state is left to its
     # load_state_dict, which casts it by its own rules (Adam keeps "step" on the CPU).
-    if payload["optimizer"].get(STATE_KEY) is not None:
-        payload["optimizer"][STATE_KEY] = _to_device(payload["optimizer"][STATE_KEY],
-                                                     _params_device(optimizer))
-    # The optimizer checks the geometry first and raises before anything is changed.
-    optimizer.load_state_dict(payload["optimizer"], on_world_size_change=on_world_size_change)
+    if optimizer_state.get(STATE_KEY) is not None:
+        optimizer_state[STATE_KEY] = _to_device(optimizer_state[STATE_KEY],
+                                                _params_device(optimizer))
+    # The optimizer checks the geometry first and raises before anything is changed; the model
+    # state was checked against the model above, so nothing after this load can fail.
+    optimizer.load_state_dict(optimizer_state, on_world_size_change=on_world_size_change)
     if model is not None:
-        if payload["model"] is None:
-            raise ValueError(f"{path} holds no model state (it was saved with model=None)")
         model.load_state_dict(payload["model"])
     if restore_rng:
         torch.set_rng_state(payload["rng"])
     return payload["extra"]
+
+
+def _choose_file(directory: str | os.PathLike, rank: int, world: int,
+                 on_world_size_change: str, trusted: bool
+                 ) -> tuple[RankFile, dict[str, Any] | None]:
+    """The rank file this rank loads, and its payload when reading the saved world size
+    already read it (a file without a metadata record)."""
+    own = RankFile(checkpoint_path(directory, rank))
+    files = rank_files(directory)
+    probe = own if own.path.exists() else (RankFile(files[0]) if files else None)
+    if probe is None:
+        raise FileNotFoundError(f"no checkpoint files rank*.pt in {directory}")
+    saved_world, payload = probe.world_size(trusted=trusted)
+    chosen = own
+    if on_world_size_change == "reinit":
+        if saved_world != world:
+            chosen = RankFile(checkpoint_path(directory, rank % saved_world))
+        if not chosen.path.exists():  # lost before the save
+            chosen = RankFile(files[0])
+    elif saved_world != world and len(files) == world:
+        chosen = RankFile(files[rank])  # the survivors of a run that lost nodes, in rank order
+    elif not own.path.exists() and saved_world == world:
+        raise FileNotFoundError(
+            f"no file {own.path.name} in {directory}: this rank's checkpoint is missing "
+            f"although the directory was saved by a world of {world}, as this run is (with a "
+            "directory per machine, each machine must resume with the ranks it saved; or use "
+            "a directory every machine shares)")
+    elif not own.path.exists():
+        raise ValueError(
+            f"checkpoint was saved with world size {saved_world} but this run has world size "
+            f"{world}: no file {own.path.name} in {directory} (pass "
+            "on_world_size_change='reinit')")
+    return chosen, payload if chosen.path == probe.path else None
+
+
+def _check_model_state(model: torch.nn.Module, state: Any, path: Path) -> None:
+    """Raise CheckpointError unless ``model.load_state_dict(state)`` will succeed (the same
+    keys, and tensors of the same shapes), so that nothing is loaded when it would not."""
+    check_instance("model", model, torch.nn.Module, what="a torch.nn.Module")
+    if state is None:
+        raise CheckpointError(f"{path} holds no model state (it was saved with model=None)",
+                              path)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: its model state is not a dict", path)
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} does not hold this model's state: missing keys {missing[:8]}, unexpected "
+            f"keys {unexpected[:8]}", path)
+    for key, mine in own.items():
+        theirs = state[key]
+        if isinstance(mine, torch.Tensor) and (
+                not isinstance(theirs, torch.Tensor) or theirs.shape != mine.shape):
+            shape = tuple(theirs.shape) if isinstance(theirs, torch.Tensor) else type(theirs)
+            raise CheckpointError(
+                f"{path}: the model's {key!r} has shape {tuple(mine.shape)} but the checkpoint "
+                f"holds {shape}", path)
 
 
 def _params_device(optimizer: HierarchicalOptimizer) -> torch.device:
@@ -138,19 +202,3 @@ def _to_device(obj: Any, device: torch.device) -> Any:
         moved = [_to_device(v, device) for v in obj]
         return type(obj)(moved) if type(obj) in (list, tuple) else obj
     return obj
-
-
-def _files(directory: str | os.PathLike) -> list[Path]:
-    """The checkpoint files in ``directory``, in rank order."""
-    return sorted(Path(directory).glob("rank*.pt"))
-
-
-def _saved_world_size(directory: str | os.PathLike, path: Path) -> int:
-    """The world size a checkpoint directory was saved with (from this rank's file, else the
-    lowest rank's file present)."""
-    candidates = [path] if path.exists() else _files(directory)
-    if not candidates:
-        raise FileNotFoundError(f"no checkpoint files rank*.pt in {directory}")
-    state = torch.load(candidates[0], map_location="cpu", weights_only=False)["optimizer"]
-    q = state.get(STATE_KEY)
-    return int(q["world_size"]) if q is not None else 1

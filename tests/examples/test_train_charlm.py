@@ -137,7 +137,8 @@ def test_two_agents_train_average_and_resume_exactly(tmp_path: Path) -> None:
 
     # No shared filesystem: each agent wrote only its own rank's files.
     for rank, d in enumerate(dirs):
-        assert sorted(p.name for p in (d / "step0000004").iterdir()) == [f"rank{rank:05d}.pt"]
+        assert sorted(p.name for p in (d / "step0000004").iterdir()) == [
+            f"rank{rank:05d}.json", f"rank{rank:05d}.pt"]
 
     # Restarted from step 4, each agent from its own directory, started in the other order:
     # the same ranks (by address) and the same final bytes as the uninterrupted run.

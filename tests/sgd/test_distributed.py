@@ -8,6 +8,7 @@ same bytes as Gloo (``tests/engine/test_engine_memory.py``) in a fraction of the
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -246,9 +247,15 @@ def test_checkpoint_resume_is_bit_exact(checkpointed) -> None:
         assert r["resumed_equal"] and r["momentum_equal"] and r["extra"] == {"step": 7}
 
 
-def test_checkpoint_writes_one_file_per_rank(checkpointed) -> None:
+def test_checkpoint_writes_one_file_and_one_record_per_rank(checkpointed) -> None:
     directory = checkpointed[1]
-    assert sorted(p.name for p in directory.iterdir()) == [f"rank{r:05d}.pt" for r in range(4)]
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        f"rank{r:05d}.{ext}" for r in range(4) for ext in ("json", "pt"))
+    for r in range(4):
+        record = json.loads((directory / f"rank{r:05d}.json").read_text())
+        assert record["rank"] == r and record["world_size"] == 4
+        assert record["procs_per_node"] == 2 and record["steps"] == 7
+        assert record["bytes"] == (directory / f"rank{r:05d}.pt").stat().st_size
 
 
 def test_loading_into_another_world_size_raises_or_reinits(checkpointed) -> None:
