@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI smoke of the emulated cluster (bench/cluster/): 2 nodes x 1 proc joined by a 1gbit tbf
-# link. First the smallest MNIST-1D setting with three methods: ddp, one qcomm method (assgd-4)
-# and torchft's DiLoCo (torchft-diloco, two outer rounds in the 40-step window); then a small
+# link. First the smallest MNIST-1D setting with four methods: ddp, one qcomm method (assgd-4),
+# torchft's DiLoCo (torchft-diloco, two outer rounds in the 40-step window) and qcomm's wait-free
+# gossip (its nodes until the first has taken the 40 steps); then a small
 # character transformer (charlm: AdamW, validation loss) through torchft's streaming DiLoCo
 # (six fragment syncs in the 24-step window).
 # Passes when every run finished and, for qcomm methods, the inter-node bytes counted by the
@@ -58,10 +59,12 @@ EOF
 
 # The outer timeouts bound each compare.py, which removes its cluster on SIGTERM; its own
 # per-run timeout (--timeout) bounds each torchrun.
-methods=ddp,assgd-4,torchft-diloco
-timeout --kill-after=20 300 "$PY" bench/cluster/compare.py --workload mnist1d \
+# assgd-4-h4f2-wf: the wait-free gossip, every node until the first has taken its 40 steps.
+methods=ddp,assgd-4,torchft-diloco,assgd-4-h4f2-wf
+timeout --kill-after=20 360 "$PY" bench/cluster/compare.py --workload mnist1d \
     --layouts 2x1 --rates 1gbit --methods "$methods" --steps 40 --warmup 3 --repeats 1 \
-    --width 256 --target 0.25 --timeout 150 --out "$out/mnist1d" --strict --no-plots
+    --width 256 --target 0.25 --timeout 150 --time-budget fastest --out "$out/mnist1d" \
+    --strict --no-plots
 check "$out/mnist1d" "$methods"
 
 methods=torchft-streaming-diloco

@@ -288,7 +288,8 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
             # Different batches on every rank, drawn from the global generator (see
             # random_windows) after the model's initialisation.
             torch.manual_seed(args.seed * 1_000_003 + place.rank + 1)
-        net = opt.data_parallel(model) if args.ddp else model
+        # Either way the model is attached: its buffers would agree as its parameters do.
+        net = opt.data_parallel(model) if args.ddp else opt.attach(model)
 
         n_params = sum(p.numel() for p in model.parameters())
         say(place, f"{n_params:,} parameters; {place.world} processes on {place.device.type}; "

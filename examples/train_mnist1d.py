@@ -138,7 +138,9 @@ class _Method:
             opt = (ASSGD(model.parameters(), **hp, **comm) if self.qcomm
                    else torch.optim.SGD(model.parameters(), **hp))
         self.opt = opt
-        if not self.qcomm:
+        if self.qcomm:
+            opt.attach(model)   # buffers (none in this CNN) agree as the parameters do
+        else:
             self.averager = HierarchicalAllreduce(Topology(cfg.procs_per_node), spec=None,
                                                   stats=self.stats)
         self.steps_per_epoch = len(_batches(len(data["y"]), 0, cfg, rank, world))

@@ -66,7 +66,7 @@ TARGET_SPEEDUP = 4.95
 TARGET_ACC_POINTS = 1.0
 TARGET_BYTES_RATIO = 1 / 7
 # The qcomm method the targets are about, per workload.
-SUBJECT = {"mnist1d": "assgd-4", "charlm": "qcomm-hier-4"}
+SUBJECT = {"mnist1d": "assgd-4", "mnist1d-bn": "assgd-4", "charlm": "qcomm-hier-4"}
 # Fields of a run summarized per cell as median [min, max] over the repetitions.
 SPREAD_FIELDS = ("step_median_s", "samples_per_s", "time_to_target_s", "steps_to_target",
                  "final", "inter_bytes_iface", "comm_fraction", "loop_s")
@@ -89,11 +89,17 @@ def parse_layout(s: str) -> T.Layout:
     return T.Layout(nodes, procs)
 
 
-def parse_time_budget(s: str, layouts: str) -> dict[str, float]:
-    """``--time-budget``: ``"8"`` (seconds for every layout of ``layouts``) or
-    ``"4x1=8,2x2=16"`` (one per layout, every layout of ``layouts`` named) -> {layout tag:
-    seconds}. ValueError names what is wrong."""
+FASTEST = "fastest"   # --time-budget: every node until the fastest took --steps steps
+
+
+def parse_time_budget(s: str, layouts: str) -> dict[str, float | str]:
+    """``--time-budget``: ``"fastest"`` (every node trains until the first node has taken
+    ``--steps`` steps), ``"8"`` (seconds for every layout of ``layouts``) or ``"4x1=8,2x2=16"``
+    (one per layout, every layout of ``layouts`` named) -> {layout tag: seconds or
+    ``"fastest"``}. ValueError names what is wrong."""
     tags = [parse_layout(v).tag for v in layouts.split(",")]
+    if s.strip() == FASTEST:
+        return dict.fromkeys(tags, FASTEST)
     if "=" not in s:
         try:
             seconds = float(s)
@@ -142,6 +148,24 @@ def time_to_target(curve: Sequence[dict[str, float]], target: float, metric: str
         if (v >= target) if goal == "max" else (v <= target):
             return point[at]
     return None
+
+
+EQUAL_STEPS = (0.25, 0.5, 0.75, 1.0)   # fractions of --steps: the quality at equal steps
+
+
+def quality_at_steps(curve: Sequence[dict[str, float]], steps: int, metric: str,
+                     fractions: Sequence[float] = EQUAL_STEPS) -> dict[str, float | None]:
+    """The quality of the first curve point at or past each fraction of ``steps`` of the
+    fastest node (``fastest_step``; a lockstep method's points have one ``step`` for every
+    node), keyed by the step (``"150"``); None where the curve stops short of it. It compares
+    how well methods train per step, whatever each step costs."""
+    out: dict[str, float | None] = {}
+    for frac in fractions:
+        at = round(frac * steps)
+        point = next((p for p in curve if p.get("fastest_step", p["step"]) >= at - 1e-9),
+                     None)
+        out[str(at)] = None if point is None else point[metric]
+    return out
 
 
 def steps_to_target(curve: Sequence[dict[str, float]], target: float,
@@ -288,6 +312,7 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
         "node_compute_step_s": node_compute,
         "time_to_target_s": time_to_target(result["curve"], target, metric, goal),
         "steps_to_target": steps_to_target(result["curve"], target, metric, goal),
+        "quality_at_steps": quality_at_steps(result["curve"], steps, metric),
         "final": result[f"final_{metric}"],
         "inter_bytes_iface": iface,
         "inter_packets_iface": packets,
@@ -343,6 +368,11 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for key in ("bytes_rel_diff", "payload_rel_diff"):
         got = [r[key] for r in ok if r.get(key) is not None]
         row[key] = max(got) if got else None
+    marks = [r["quality_at_steps"] for r in ok if r.get("quality_at_steps")]
+    if marks:
+        row["quality_at_steps"] = {
+            k: (statistics.median(got) if (got := [m[k] for m in marks if m.get(k) is not None])
+                else None) for k in marks[0]}
     for key in ("node_steps", "node_steps_per_s", "node_compute_step_s"):
         lists = [r[key] for r in ok if r.get(key)]
         if lists and all(len(v) == len(lists[0]) for v in lists):
@@ -575,8 +605,11 @@ def workload_command(workload: str, method: str, args: argparse.Namespace, data:
     ``--time-budget`` applies)."""
     s = settings(workload, args)
     seconds = args.time_budget[layout] if args.time_budget else None
-    budget = (["--time-budget", f"{seconds:g}"] if seconds else []) + \
-        (["--max-steps", str(args.max_steps)] if args.max_steps else [])
+    if seconds == FASTEST:
+        budget = ["--until-fastest"]
+    else:
+        budget = (["--time-budget", f"{seconds:g}"] if seconds else []) + \
+            (["--max-steps", str(args.max_steps)] if args.max_steps else [])
     return [str(WORKLOAD), "--workload", workload, "--method", method, "--data", str(data), *budget,
             "--out", str(out_json), "--width", str(s["width"]), "--depth", str(s["depth"]),
             "--batch", str(s["batch"]), "--lr", str(s["lr"]), "--momentum", str(s["momentum"]),
@@ -773,10 +806,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slowdown", type=float, default=2.0,
                    help="How much slower a slow node computes: 2 is half speed.")
     p.add_argument("--time-budget", default=None,
-                   help="Seconds of training per node for the methods whose nodes may take "
-                        "different numbers of steps (qcomm variants ending in -wf or -cont); "
-                        "the others take --steps steps. SECONDS for every layout, or "
-                        "LAYOUT=SECONDS,... one per layout (e.g. 4x1=8,2x2=16).")
+                   help="How long the methods whose nodes may take different numbers of steps "
+                        "(qcomm variants ending in -wf or -cont) train; the others take --steps "
+                        "steps. 'fastest': every node until the first node has taken --steps "
+                        "steps (the fastest node does a lockstep run's work, on any machine); "
+                        "SECONDS per node for every layout, or LAYOUT=SECONDS,... one per "
+                        "layout (e.g. 4x1=8,2x2=16).")
     p.add_argument("--max-steps", type=int, default=None,
                    help="With --time-budget: the most steps a node takes (default 100 x steps: the "
                         "budget decides).")
@@ -970,10 +1005,31 @@ def run_cell(sweep: Sweep, args: argparse.Namespace, bars: Any, cluster: str,
 # the report
 
 
+def equal_steps_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Per cell, the quality (median over repetitions) at equal steps of the fastest node."""
+    keyed = [r for r in rows if r.get("quality_at_steps")]
+    if not keyed:
+        return ""
+    marks = list(keyed[0]["quality_at_steps"])
+    lines = ["| workload | layout | rate | method | " + " | ".join(
+        f"at step {m}" for m in marks) + " |", "|---" * (4 + len(marks)) + "|"]
+    for r in keyed:
+        q = r["quality_at_steps"]
+        cells = ["-" if q.get(m) is None else f"{q[m]:.4g}" for m in marks]
+        lines.append(f"| {r.get('workload', 'mnist1d')} | {r['layout']} | {r['rate']} | "
+                     f"{r['method']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def print_tables(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> None:
-    """The table of every cell; with a lost node, what each method did."""
+    """The table of every cell, the quality at equal steps; with a lost node, what each method
+    did."""
     print()
     print(table(rows))
+    steps = equal_steps_table(rows)
+    if steps:
+        print("\nquality at equal steps of the fastest node (median of the repetitions):\n")
+        print(steps)
     if args.kill_node is not None:
         print(f"\nnode {args.kill_node} lost at {args.kill_at:g} of each run:\n")
         print(kill_table(rows))

@@ -35,6 +35,8 @@ if __package__ in (None, ""):
 from bench.cluster.training import Built, Config, Layout, average_all, inner_optimizer
 
 FP32 = 4
+# The workloads that train with SGD + momentum (where ASSGD, SGD on qcomm, applies).
+SGD_WORKLOADS = ("mnist1d", "mnist1d-bn")
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,7 @@ class _Registry(dict):
                           + (f" ({desc})" if desc else "")
                           + (", node mean by DDP" if opts["ddp"] else ""),
                           opts["bits"], "qcomm.sgd" if sgd else "qcomm.sgd:HierarchicalOptimizer",
-                          ("mnist1d",) if sgd else None)
+                          SGD_WORKLOADS if sgd else None)
 
     def __contains__(self, name: object) -> bool:
         return dict.__contains__(self, name) or (
@@ -215,13 +217,13 @@ METHODS: dict[str, MethodInfo] = _Registry({
         MethodInfo("qcomm-hier-4", "qcomm",
                    "qcomm HierarchicalOptimizer around the workload's optimizer, 4-bit", 4,
                    "qcomm.sgd:HierarchicalOptimizer"),
-        MethodInfo("assgd-8", "qcomm", "qcomm ASSGD, 8-bit gossip", 8, "qcomm.sgd", ("mnist1d",)),
-        MethodInfo("assgd-4", "qcomm", "qcomm ASSGD, 4-bit gossip", 4, "qcomm.sgd", ("mnist1d",)),
-        MethodInfo("assgd-2", "qcomm", "qcomm ASSGD, 2-bit gossip", 2, "qcomm.sgd", ("mnist1d",)),
-        MethodInfo("assgd-1", "qcomm", "qcomm ASSGD, 1-bit gossip", 1, "qcomm.sgd", ("mnist1d",)),
+        MethodInfo("assgd-8", "qcomm", "qcomm ASSGD, 8-bit gossip", 8, "qcomm.sgd", SGD_WORKLOADS),
+        MethodInfo("assgd-4", "qcomm", "qcomm ASSGD, 4-bit gossip", 4, "qcomm.sgd", SGD_WORKLOADS),
+        MethodInfo("assgd-2", "qcomm", "qcomm ASSGD, 2-bit gossip", 2, "qcomm.sgd", SGD_WORKLOADS),
+        MethodInfo("assgd-1", "qcomm", "qcomm ASSGD, 1-bit gossip", 1, "qcomm.sgd", SGD_WORKLOADS),
         MethodInfo("assgd-4-ddp", "qcomm",
                    "qcomm ASSGD, 4-bit gossip, node gradient mean by DDP in backward", 4,
-                   "qcomm.sgd", ("mnist1d",)),
+                   "qcomm.sgd", SGD_WORKLOADS),
     )
 })
 
@@ -539,8 +541,9 @@ def _qcomm_adapter(name: str, module, cfg: Config) -> Built:
         comm = {"graph": "ring", "staleness": 1, **opts}
         opt = ASSGD(module.parameters(), lr=cfg.lr, momentum=cfg.momentum, bits=bits,
                     procs_per_node=cfg.layout.procs, seed=cfg.seed, **comm)
-        # "-ddp": the node's gradient mean by DDP over the node's ranks, during backward.
-        model = opt.data_parallel(module) if ddp else module
+        # "-ddp": the node's gradient mean by DDP over the node's ranks, during backward;
+        # either way the model is attached, so its buffers agree as its parameters do.
+        model = opt.data_parallel(module) if ddp else _attached(opt, module)
 
         def flush() -> None:
             # Completes the gossip rounds in flight, so what stats() counted is on the wire
@@ -577,7 +580,7 @@ def _qcomm_hierarchical(module, cfg: Config, bits: int, ddp: bool = False,
     opt = HierarchicalOptimizer(inner_optimizer(module.parameters(), cfg), bits=bits,
                                 procs_per_node=cfg.layout.procs, seed=cfg.seed, **comm)
     # "-ddp": the node's gradient mean by DDP over the node's ranks, during backward.
-    model = opt.data_parallel(module) if ddp else module
+    model = opt.data_parallel(module) if ddp else _attached(opt, module)
 
     def stats() -> dict[str, int]:
         return dict(opt.stats()["bytes_sent"])
@@ -588,6 +591,13 @@ def _qcomm_hierarchical(module, cfg: Config, bits: int, ddp: bool = False,
                  comm_stats=stats, close=opt.close, notes={"bits": bits, **comm},
                  node_any=opt.node_any if comm.get("wait_free") else None,
                  live_nodes=lambda: _live_nodes(opt))
+
+
+def _attached(opt, module):
+    """``module``, attached to ``opt`` where the optimizer can attach (its buffers then agree
+    as its parameters do); a checkout without ``attach`` trains it as it is."""
+    attach = getattr(opt, "attach", None)
+    return attach(module) if attach is not None else module
 
 
 def _live_nodes(opt) -> int | None:

@@ -17,7 +17,11 @@ batches, batch size, optimizer and step budget. What happens on each rank:
    Methods that let nodes take different numbers of steps (wait-free gossip) get a time budget
    per node instead when ``--time-budget`` is given: each node trains until that many seconds
    have passed (at most ``--max-steps`` steps), and the snapshots are taken at evenly spaced
-   times;
+   times. With ``--until-fastest`` instead, every node trains until the first node has taken
+   ``--steps`` steps (a file flag the emulated nodes share says when): the fastest node does a
+   lockstep run's work, whatever the machine's speed; snapshots at evenly spaced times (the
+   fastest rank's compute-only step times ``--steps`` over ``--snapshots``), each curve point
+   recording the fastest node's step (``fastest_step``) for the quality at equal steps;
 5. traffic in flight is completed, barrier, counters read again;
 6. the final model is made (e.g. parameters averaged), rank 0 evaluates it and every snapshot on
    the held-out data (test accuracy or validation loss), and writes one JSON with every rank's
@@ -150,6 +154,7 @@ def evaluate_curve(work, per_node: list[list[tuple[int, float, dict[str, torch.T
         points = [snaps[min(i, len(snaps) - 1)] for snaps in per_node]
         evaluator.load_state_dict(average_states([st for _, _, st in points]))
         curve.append({"step": statistics.fmean(p[0] for p in points),
+                      "fastest_step": max(p[0] for p in points),
                       "time_s": max(p[1] for p in points),
                       metric: work.evaluate(evaluator)})
     return curve
@@ -483,7 +488,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-steps", type=int, default=20,
                    help="Compute-only steps timed before training starts.")
     p.add_argument("--snapshots", type=int, default=0,
-                   help="Parameter snapshots evaluated after the run; 0: 60 for mnist1d, 30 "
+                   help="Parameter snapshots evaluated after the run; 0: 60 for mnist1d(-bn), 30 "
                         "for charlm (its evaluation costs more).")
     p.add_argument("--seed", type=int, default=0, help="The seed of weights and batches.")
     p.add_argument("--powersgd-rank", type=int, default=4,
@@ -507,6 +512,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=None,
                    help="With --time-budget: the most steps a node takes (default 100 x --steps: "
                         "the budget decides).")
+    p.add_argument("--until-fastest", action="store_true",
+                   help="Instead of --time-budget: every node of a method whose nodes may take "
+                        "different numbers of steps trains until the first node has taken "
+                        "--steps steps (the same work as a lockstep run, for the fastest node).")
     p.add_argument("--pg-timeout", type=float, default=300.0,
                    help="Seconds any collective may take before the run fails.")
     p.add_argument("--kill-node", type=int, default=None,
@@ -527,12 +536,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"{args.kill_node}")
     if args.kill_at is not None and not 0 < args.kill_at < 1:
         p.error(f"--kill-at must be a fraction in (0, 1), got {args.kill_at}")
+    if args.until_fastest and args.time_budget is not None:
+        p.error("--until-fastest and --time-budget are two ways to end a per-node run: "
+                "give one")
     info = W.WORKLOADS[args.workload]
     for key in ("width", "depth", "batch", "lr", "momentum", "weight_decay", "steps"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(info, key))
     if not args.snapshots:
-        args.snapshots = 60 if args.workload == "mnist1d" else 30
+        args.snapshots = 30 if args.workload == "charlm" else 60
     return args
 
 
@@ -633,17 +645,23 @@ def kill_plan(args: argparse.Namespace, layout: T.Layout,
 
 def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
                 train_step: Callable[[int], tuple[float, float]], budget: float | None,
-                max_steps: int, kill: dict[str, Any] | None, marker: Path) -> Timed:
+                max_steps: int, kill: dict[str, Any] | None, marker: Path,
+                fastest: tuple[Path, float] | None = None) -> Timed:
     """Step 4, the timed window: ``--steps`` steps, or each node's own ``budget`` seconds (at
-    most ``max_steps`` steps); snapshots of the parameters at evenly spaced steps (or times);
-    progress lines from rank 0; the node ``kill`` names dies on its step or time. Under a
-    lost node a rank whose communication fails stops there (``Timed.stop``)."""
+    most ``max_steps`` steps), or (``fastest``: the flag file and the snapshots' spacing in
+    seconds) until the first node has taken ``--steps`` steps; snapshots of the parameters at
+    evenly spaced steps (or times); progress lines from rank 0; the node ``kill`` names dies on
+    its step or time. Under a lost node a rank whose communication fails stops there
+    (``Timed.stop``)."""
     rank, node = here.rank, here.node
     doomed = kill is not None and node == kill["node"]
     # Snapshot marks: steps (every rank takes the same ones), or times (per-node budgets).
     snap_steps = {round(k * args.steps / args.snapshots) for k in range(1, args.snapshots + 1)}
     snap_times = [k * budget / args.snapshots for k in range(1, args.snapshots + 1)] \
         if budget is not None else []
+    if fastest is not None:   # a mark every `spacing` seconds, at most 4 x --snapshots
+        flag, spacing = fastest
+        snap_times = [k * spacing for k in range(1, 4 * args.snapshots + 1)]
     snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
     step_times: list[float] = []
     fwd_bwd: list[float] = []
@@ -686,6 +704,9 @@ def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
             if budget is not None:
                 if built.node_any(time.perf_counter() - t_open >= budget):
                     break
+            elif fastest is not None:
+                if built.node_any(s >= args.steps or flag.exists()):
+                    break
             elif s >= args.steps:
                 break
             s += 1
@@ -695,16 +716,18 @@ def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
             fwd_bwd.append(a)
             opt_times.append(b)
             elapsed = time.perf_counter() - t_open
+            if fastest is not None and s >= args.steps:
+                fastest[0].touch()   # the first node there ends every node's window
             if keeps_snapshots:
-                if budget is None and s in snap_steps:
+                if not snap_times and s in snap_steps:
                     snapshot(s)
                 # Time marks: snapshot 0 is the start, snapshot k belongs to snap_times[k - 1].
-                while budget is not None and len(snapshots) <= len(snap_times) \
+                while snap_times and len(snapshots) <= len(snap_times) \
                         and elapsed >= snap_times[len(snapshots) - 1]:
                     snapshot(s)
             if rank == 0:
-                done = s if budget is None else min(args.steps,
-                                                    round(args.steps * elapsed / budget))
+                done = min(s, args.steps) if budget is None else min(
+                    args.steps, round(args.steps * elapsed / budget))
                 if s % report_every == 0:
                     print(f"QCB_PROGRESS {done} {args.steps}", flush=True)
             if doomed and s == kill["step"]:
@@ -717,6 +740,8 @@ def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
         s = len(step_times)
     if doomed and kill["time_s"] is not None:
         timer.cancel()  # the node got through its steps before the time of its loss
+    if fastest is not None and keeps_snapshots and snapshots[-1][0] != s:
+        snapshot(s)   # where the node stopped: the curve's last point
     steps_done = s
     t_loop = time.perf_counter() - t_open
     if rank == 0:
@@ -803,6 +828,16 @@ def write_result(args: argparse.Namespace, work, built: T.Built, here: Place,
     print(f"QCB_DONE {args.method} final {metric}={final:.4f}", flush=True)
 
 
+def snapshot_spacing(base_times: list[float], args: argparse.Namespace) -> float:
+    """Seconds between the snapshots of a run until the fastest node's ``--steps``: the fastest
+    rank's compute-only step (the median of its baseline, agreed over every rank: a
+    collective) times ``--steps``, over ``--snapshots``. A step with communication is longer,
+    so a run takes somewhat more snapshots than ``--snapshots``."""
+    fastest = torch.tensor([statistics.median(base_times)], dtype=torch.float64)
+    dist.all_reduce(fastest, op=dist.ReduceOp.MIN)
+    return float(fastest) * args.steps / args.snapshots
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # several ranks per 2-core machine: oversubscription distorts times
@@ -810,6 +845,7 @@ def main(argv: list[str] | None = None) -> None:
     here = find_place()
     # Per-rank batches for every step a rank may take (a per-node budget may take more).
     per_node = args.time_budget is not None and M.per_node_budget(args.method)
+    until_fastest = args.until_fastest and M.per_node_budget(args.method)
     max_steps = (args.max_steps or 100 * args.steps) if per_node else args.steps
     total = args.warmup + max_steps
     work = W.load(args.workload, Path(args.data), rank=here.rank, seed=args.seed,
@@ -829,7 +865,10 @@ def main(argv: list[str] | None = None) -> None:
     budget = args.time_budget if per_node else None
     kill = kill_plan(args, here.layout, budget)
     marker = Path(f"{args.out}.killed")
-    timed = timed_steps(args, here, built, train_step, budget, max_steps, kill, marker)  # 4.
+    fastest = (Path(f"{args.out}.fastest"), snapshot_spacing(base_times, args)) \
+        if until_fastest else None
+    timed = timed_steps(args, here, built, train_step, budget, max_steps, kill, marker,
+                        fastest)  # 4.
     if kill is not None:
         end_after_kill(args, work, built, here, timed, start, base_times, kill, marker, model)
     finish(args, work, built, here, timed, start, base_times, model)  # 5. and 6.

@@ -2,6 +2,9 @@
 
 - ``mnist1d``: MNIST-1D (generated), MLP 40 -> 512 x 3 -> 10 (551,434 parameters), SGD with
   momentum; quality: test accuracy (higher is better).
+- ``mnist1d-bn``: the same data and optimizer, a 1-D CNN with BatchNorm after each of its 3
+  convolutions (128 channels) and a 512-unit head (433,418 parameters): the workload whose
+  buffers (running statistics) must agree across ranks.
 - ``charlm``: Python's stdlib source as characters (corpus.py), decoder-only transformer
   (charlm.py, 1,230,976 parameters), AdamW; quality: validation loss in nats per character
   (lower is better).
@@ -59,6 +62,10 @@ WORKLOADS: dict[str, WorkloadInfo] = {
         WorkloadInfo("mnist1d", "test_acc", "max", "sgd", lr=0.05, momentum=0.9, batch=32,
                      steps=600, target=0.70, width=512, depth=3,
                      description="MNIST-1D, MLP 40-512-512-512-10, SGD + momentum"),
+        WorkloadInfo("mnist1d-bn", "test_acc", "max", "sgd", lr=0.05, momentum=0.9, batch=32,
+                     steps=600, target=0.70, width=128, depth=3,
+                     description="MNIST-1D, CNN 3 x (conv, BatchNorm, ReLU) + 512 head, "
+                                 "SGD + momentum"),
         # target: the validation loss fp32 DDP with 4 ranks reaches at about 70% of the 400-step
         # budget (ddp_reference.py; bench/cluster/README.md, "The charlm workload").
         WorkloadInfo("charlm", "val_loss", "min", "adamw", lr=3e-3, weight_decay=0.1, batch=8,
@@ -111,8 +118,9 @@ def load(name: str, data: Path, *, rank: int, seed: int, batch: int, total_steps
     """Workload ``name`` on ``rank``: data from ``data`` (compare.py writes it), model
     hyperparameters from ``args`` (workload.py's options). Every rank draws its own batches;
     the stream depends on (seed, rank) only, so every method sees the same batches."""
-    if name == "mnist1d":
-        return _mnist1d(data, rank=rank, seed=seed, batch=batch, total=total_steps, args=args)
+    if name in ("mnist1d", "mnist1d-bn"):
+        return _mnist1d(data, rank=rank, seed=seed, batch=batch, total=total_steps, args=args,
+                        name=name)
     if name == "charlm":
         return _charlm(data, rank=rank, seed=seed, batch=batch, total=total_steps, args=args)
     raise ValueError(f"workload must be one of {list(WORKLOADS)}, got {name!r}")
@@ -131,7 +139,24 @@ def make_mlp(width: int, depth: int):
     return nn.Sequential(*layers)
 
 
-def _mnist1d(data: Path, *, rank: int, seed: int, batch: int, total: int, args: Any) -> Workload:
+def make_cnn_bn(width: int, depth: int, head: int = 512):
+    """1-D CNN on MNIST-1D's 40 points: ``depth`` x (Conv1d stride 2, BatchNorm1d, ReLU) with
+    ``width`` channels, then a ``head``-unit ReLU layer and 10 logits. Input [B, 40]."""
+    from torch import nn
+
+    layers: list[nn.Module] = [nn.Unflatten(1, (1, 40))]
+    channels, length = 1, 40
+    for i in range(depth):
+        kernel = 5 if i == 0 else 3
+        layers += [nn.Conv1d(channels, width, kernel, stride=2, padding=1),
+                   nn.BatchNorm1d(width), nn.ReLU()]
+        channels, length = width, (length + 2 - kernel) // 2 + 1
+    layers += [nn.Flatten(), nn.Linear(width * length, head), nn.ReLU(), nn.Linear(head, 10)]
+    return nn.Sequential(*layers)
+
+
+def _mnist1d(data: Path, *, rank: int, seed: int, batch: int, total: int, args: Any,
+             name: str = "mnist1d") -> Workload:
     import numpy as np
     import torch
     from torch import nn
@@ -150,9 +175,14 @@ def _mnist1d(data: Path, *, rank: int, seed: int, batch: int, total: int, args: 
 
     @torch.no_grad()
     def evaluate(model) -> float:
-        return float((model(x_test).argmax(1) == y_test).float().mean())
+        was = model.training
+        model.eval()   # BatchNorm: the running statistics, not the test batch's
+        acc = float((model(x_test).argmax(1) == y_test).float().mean())
+        model.train(was)
+        return acc
 
-    return Workload(WORKLOADS["mnist1d"], lambda: make_mlp(args.width, args.depth), loss,
+    make = make_cnn_bn if name == "mnist1d-bn" else make_mlp
+    return Workload(WORKLOADS[name], lambda: make(args.width, args.depth), loss,
                     evaluate, {"width": args.width, "depth": args.depth},
                     {"train": int(x.shape[0]), "test": int(x_test.shape[0])})
 
@@ -191,7 +221,7 @@ def _charlm(data: Path, *, rank: int, seed: int, batch: int, total: int, args: A
 
 def make_data(name: str, path: Path, *, seed: int, num_samples: int = 12000) -> dict[str, Any]:
     """Write workload ``name``'s data file (npz) to ``path``; returns what describes it."""
-    if name == "mnist1d":
+    if name in ("mnist1d", "mnist1d-bn"):
         import numpy as np
         from mnist1d.data import get_dataset_args, make_dataset
 

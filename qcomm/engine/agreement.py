@@ -71,15 +71,20 @@ _OPTION_CODECS: dict[str, tuple[Callable[[Any], int], Callable[[int], Any]]] = {
     "on_peer_loss": _choice(PEER_LOSS_MODES),
 }
 _LAYOUT_FIELDS = ("communicated parameters", "communicated elements",
-                  "parameter shapes and dtypes", "node gradient mean by DDP")
+                  "parameter shapes and dtypes", "node gradient mean by DDP",
+                  "attached model's buffers", "buffer names, shapes and dtypes")
+_HASHED = ("parameter shapes and dtypes", "buffer names, shapes and dtypes")
 
 
 def fingerprint(options: CommOptions, communicated: Sequence[torch.Tensor],
-                ddp: bool) -> list[int]:
-    """This rank's row: one int64 per field (options, then the communicated layout)."""
+                ddp: bool, buffers: Sequence[tuple[str, tuple[int, ...], torch.dtype]] = ()
+                ) -> list[int]:
+    """This rank's row: one int64 per field (options, then the communicated layout, then the
+    attached model's buffers as ``(name, shape, dtype)``)."""
     row = [enc(getattr(options, name)) for name, (enc, _) in _OPTION_CODECS.items()]
     shapes = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in communicated)
     row += [len(communicated), sum(p.numel() for p in communicated), _digest(shapes), int(ddp)]
+    row += [len(buffers), _digest(";".join(f"{n}:{s}:{d}" for n, s, d in buffers))]
     return row
 
 
@@ -87,7 +92,7 @@ def _describe(field: int, value: int) -> str:
     names = list(_OPTION_CODECS)
     if field < len(names):
         return repr(_OPTION_CODECS[names[field]][1](value))
-    if _LAYOUT_FIELDS[field - len(names)] == "parameter shapes and dtypes":
+    if _LAYOUT_FIELDS[field - len(names)] in _HASHED:
         return f"hash {value & 0xFFFFFFFF:08x}"
     return repr(value)
 

@@ -46,6 +46,7 @@ from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.collectives.torch_group import TorchWorld
 from qcomm.engine.agreement import check_agreement, fingerprint
+from qcomm.engine.buffers import ModelBuffers
 from qcomm.engine.gradients import (
     NonFiniteGradientError,
     all_finite,
@@ -116,6 +117,7 @@ class AveragingEngine:
         self._reset_runtime()
         self._pending: dict[str, Any] | None = None  # loaded state waiting for the first step
         self._warned_env = False
+        self._buffers: ModelBuffers | None = None   # the attached model's (attach())
 
     def _reset_runtime(self) -> None:
         """Forget everything that holds process groups or buffers (rebuilt lazily)."""
@@ -229,8 +231,9 @@ class AveragingEngine:
             node = NodeGossip(communicated, topo, intra, opts, self.comm_stats)
         # One small collective before anything is exchanged: every rank must have the same
         # options and the same communicated parameters, or all raise the same ValueError.
-        check_agreement(fingerprint(opts, communicated, self._ddp_intra), topo.world_group,
-                        topo.world_size, topo.control_device(), opts.timeout_s)
+        buffers = self._buffers.signature() if self._buffers is not None else []
+        check_agreement(fingerprint(opts, communicated, self._ddp_intra, buffers),
+                        topo.world_group, topo.world_size, topo.control_device(), opts.timeout_s)
         self._topology, self._intra, self._node = topo, intra, node
         if self._pending is not None:
             if intra is not None and self._pending.get("intra") is not None:
@@ -254,11 +257,35 @@ class AveragingEngine:
         """The flat parameters (None without gossip)."""
         return self._node.flat if self._node is not None else None
 
+    def attach(self, model: torch.nn.Module, *, kept_by_ddp: bool = False) -> None:
+        """Register ``model``'s buffers (BatchNorm's running statistics and counters): they
+        then agree over the node's ranks after every step and over every rank after
+        :meth:`average_parameters` (rules: :mod:`qcomm.engine.buffers`). Not collective.
+        Before the first distributed step (the agreement check compares every rank's
+        buffers then); attaching again replaces the model.
+
+        Args:
+            model: the module whose parameters this engine's optimizer holds.
+            kept_by_ddp: DDP with ``broadcast_buffers=True`` keeps them in step inside the
+                node (:meth:`data_parallel` says so).
+        """
+        buffers = ModelBuffers(model, kept_by_ddp=kept_by_ddp)
+        mine = {id(p) for p in self.params()}
+        if mine and any(True for _ in model.parameters()) and not any(
+                id(p) in mine for p in model.parameters()):
+            raise ValueError("model: none of its parameters is this optimizer's; attach the "
+                             "model whose parameters the optimizer was built on")
+        if self._ready:
+            raise RuntimeError("attach() must be called before the first step: every rank's "
+                               "buffers are compared when the process groups are made")
+        self._buffers = buffers
+
     def data_parallel(self, model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
         """Wrap ``model`` in ``DistributedDataParallel`` over this node's ranks, so gradients
         are averaged inside the node during backward (bucketed, overlapped), and stop averaging
         them in :meth:`sync_gradients`. Collective (creates the process groups). Returns
-        ``model`` itself when alone on the node or not distributed.
+        ``model`` itself when alone on the node or not distributed. Attaches ``model``
+        (:meth:`attach`) in every case.
 
         Raises:
             ValueError: with ``intra_bits`` (DDP averages in full precision: choose one).
@@ -268,22 +295,25 @@ class AveragingEngine:
         if self.options.intra_bits is not None:
             raise ValueError("data_parallel() averages gradients in full precision with DDP; "
                              "it cannot be combined with intra_bits (set intra_bits=None)")
-        if not self.distributed:
-            return model
         if self._ready:
             raise RuntimeError("data_parallel() must be called before the first step")
+        if not self.distributed:
+            self.attach(model)
+            return model
         world = self._topology_arg.world if self._topology_arg is not None else None
         if world is not None and not isinstance(world, TorchWorld):
             raise TypeError(f"data_parallel() needs torch.distributed process groups, not the "
                             f"groups of {world!r}")
         layout = self._topology_arg or Topology(self.options.procs_per_node)
         if layout.procs_per_node == 1:
+            self.attach(model)
             if layout.rank == 0:
                 log.info("qcomm: data_parallel() returns the model as it is: one rank per "
                          "node, so there is nothing to average inside a node")
             return model
         from torch.nn.parallel import DistributedDataParallel
 
+        self.attach(model, kept_by_ddp=ddp_kwargs.get("broadcast_buffers", True))
         # Before setup(): the agreement check compares it across ranks.
         self._ddp_intra = True
         self.setup()
@@ -388,10 +418,19 @@ class AveragingEngine:
         if self.distributed and self._node is not None:
             self._node.end_step([p.grad is None for p in self._node.flat.params])
         self.steps += 1
+        self._buffers_node_mean()
 
     def skip_step(self) -> None:
         """End a step that :meth:`sync_gradients` voted to skip."""
         self._grads_synced = False
+        self._buffers_node_mean()
+
+    def _buffers_node_mean(self) -> None:
+        """The attached model's buffers agree over the node's ranks (the forward wrote them
+        from each rank's own batch)."""
+        if self._buffers is not None and self._topology is not None:
+            self._buffers.node_mean(self._topology.intra_group,
+                                    self._topology.procs_per_node, self.options.timeout_s)
 
     def discard_sync(self) -> None:
         """The gradients were dropped (``zero_grad``): the next :meth:`sync_gradients` averages
@@ -424,13 +463,32 @@ class AveragingEngine:
     @torch.no_grad()
     def average_parameters(self) -> None:
         """Set every rank's communicated parameters to their exact global mean (collective).
-        Completes the gossip rounds in flight first; all ranks end with the same bytes."""
+        Completes the gossip rounds in flight first; all ranks end with the same bytes. The
+        attached model's buffers (:meth:`attach`) too: floating ones to their exact mean,
+        integer ones to their maximum; without an attached model buffers are not touched."""
         if not self.distributed:
             return
         self.setup()
+        topo = self._topology
         if self._node is not None:
             self._node.average()
         # else: synchronous data parallel, the ranks hold the same parameters already
+        if self._buffers is not None:
+            nodes = None
+            if self._node is not None:
+                nodes = self._node.reduce_over_nodes
+            elif topo.num_nodes > 1:   # nothing gossiped (every parameter frozen)
+                nodes = self._rail_reduce
+            self._buffers.average(topo.intra_group, topo.procs_per_node,
+                                  self.options.timeout_s, nodes)
+
+    def _rail_reduce(self, flat: torch.Tensor, op: str) -> tuple[torch.Tensor, int]:
+        """``flat`` reduced over this rank's rail (every node, no gossip to ask for the live
+        ones)."""
+        topo = self._topology
+        all_reduce(flat, topo.rail_group, op, timeout_s=self.options.timeout_s, link="inter",
+                   operation="average_parameters")
+        return flat, topo.num_nodes
 
     def stats(self, *, consensus: bool = False) -> dict[str, Any]:
         """What this rank sent and how the gossip is doing.
@@ -541,5 +599,6 @@ class AveragingEngine:
         self._topology_arg = None
         self._pending = None
         self._warned_env = False
+        self._buffers = None   # the model is not the optimizer's to pickle
         self._reset_runtime()
 

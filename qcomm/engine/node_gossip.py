@@ -178,21 +178,44 @@ class NodeGossip:
         flat, topo = self.flat, self.topology
         flat.check_aliased()
         flat.load_from_params()
-        shard = flat.shard(topo.local_rank).clone()
         # Ranks of a node hold the same parameters, so averaging shard l over rail l gives the
         # global mean of shard l; one rail member computes each sum and all receive its bytes.
-        if self.survivable:
-            shard, live = self.gossip.survivors_sum(shard)
-            shard.div_(live)
-        else:
-            all_reduce(shard, topo.rail_group, timeout_s=self.options.timeout_s, link="inter",
-                       operation="average_parameters")
-            shard.div_(topo.num_nodes)
-        if self.intra is not None:
-            self.intra.all_gather_into(flat.flat, shard)
-        else:
-            flat.flat.copy_(shard)
+        shard = flat.shard(topo.local_rank).clone()
+        self.gossip.settle(shard)   # what the mixing owes this shard, in it before the sum
+        shard, live = self._over_rail(shard, "sum")
+        shard.div_(live)
+        self._gather(flat.flat, shard)
         flat.store_to_params()
+
+    def reduce_over_nodes(self, full: torch.Tensor, op: str) -> tuple[torch.Tensor, int]:
+        """``full`` (1-D, the same on every rank of the node) summed (``op="sum"``) or maxed
+        (``"max"``) over the live nodes, and their count; the same bits on every rank
+        (collective over the job). As the parameters' average: local rank l reduces slice l
+        over its rail, the node all-gathers the slices."""
+        L, n = self.topology.procs_per_node, full.numel()
+        per = -(-n // L)
+        padded = torch.zeros(per * L, dtype=full.dtype, device=full.device)
+        padded[:n] = full
+        shard = padded[self.topology.local_rank * per:][:per].clone()
+        shard, live = self._over_rail(shard, op)
+        self._gather(padded, shard)
+        return padded[:n], live
+
+    def _over_rail(self, shard: torch.Tensor, op: str) -> tuple[torch.Tensor, int]:
+        """``shard`` reduced over this rank's rail (the live members only, when the gossip goes
+        on without lost nodes), and how many members were reduced."""
+        if self.survivable:
+            return self.gossip.survivors_sum(shard, op)
+        all_reduce(shard, self.topology.rail_group, op, timeout_s=self.options.timeout_s,
+                   link="inter", operation="average_parameters")
+        return shard, self.topology.num_nodes
+
+    def _gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+        """``out`` <- every local rank's ``shard``, by local rank."""
+        if self.intra is not None:
+            self.intra.all_gather_into(out, shard)
+        else:
+            out.copy_(shard)
 
     def consensus_distance(self) -> float:
         """``sqrt(mean_i ||x_i - mean x||^2)`` over the nodes (collective over the rail)."""

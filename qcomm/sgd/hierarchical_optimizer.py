@@ -271,9 +271,24 @@ class HierarchicalOptimizer(Optimizer):
         """``model`` wrapped in ``DistributedDataParallel`` over this node's ranks: gradients
         are averaged inside the node during backward (bucketed, overlapped with it) and
         :meth:`step` no longer averages them. Collective (creates the process groups). Returns
-        ``model`` unchanged when alone on the node. See
+        ``model`` unchanged when alone on the node. Attaches ``model`` (:meth:`attach`). See
         :meth:`qcomm.engine.AveragingEngine.data_parallel`."""
         return self.engine.data_parallel(model, **ddp_kwargs)
+
+    def attach(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Make ``model``'s buffers (BatchNorm's running statistics and counters) agree as
+        its parameters do: over the node's ranks after every step, over every rank after
+        :meth:`average_parameters` (floating buffers their exact mean, integer ones their
+        maximum). Between two averages each node keeps its own statistics. For models not
+        wrapped with :meth:`data_parallel` (which attaches its model itself). Call it before
+        the first step; not collective. Returns ``model``.
+
+        Raises:
+            ValueError: none of ``model``'s parameters is this optimizer's.
+            RuntimeError: after the first distributed step.
+        """
+        self.engine.attach(model)
+        return model
 
     # -----------------------------------------------------------------------------------------
     # evaluation, statistics, shutdown
@@ -281,7 +296,11 @@ class HierarchicalOptimizer(Optimizer):
     def average_parameters(self) -> None:
         """Set every rank's parameters to the exact global mean (collective: every rank calls it
         at the same point). Completes the gossip rounds in flight first; all ranks end with the
-        same bytes. For evaluation and the final checkpoint. No-op in a single process."""
+        same bytes. For evaluation and the final checkpoint. No-op in a single process.
+
+        Buffers (BatchNorm's running statistics) are averaged only for a model given to
+        :meth:`attach` or :meth:`data_parallel`; without one, every rank keeps its own buffers
+        and ``eval()`` outputs may differ between ranks."""
         self.engine.average_parameters()
 
     def stats(self, *, consensus: bool = False) -> dict[str, Any]:

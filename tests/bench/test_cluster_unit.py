@@ -569,6 +569,34 @@ def test_each_run_gets_the_time_budget_of_its_layout(tmp_path):
     assert "--time-budget" not in none
 
 
+def test_the_fastest_budget_ends_every_node_with_the_first_to_take_its_steps(tmp_path):
+    assert C.parse_time_budget("fastest", "4x1,2x2") == {"4x1": "fastest", "2x2": "fastest"}
+    args = C.parse_args(["--layouts", "4x1", "--time-budget", "fastest"])
+    cmd = C.workload_command("mnist1d", "assgd-2-ddp-wf", args, tmp_path / "d.npz",
+                             tmp_path / "o.json", "4x1")
+    assert "--until-fastest" in cmd and "--time-budget" not in cmd
+    # workload.py refuses both ways at once
+    from bench.cluster import workload as WL
+
+    with pytest.raises(SystemExit):
+        WL.parse_args(["--method", "ddp", "--data", "d", "--out", "o", "--until-fastest",
+                       "--time-budget", "8"])
+
+
+def test_quality_at_equal_steps_reads_the_fastest_node_where_nodes_differ():
+    lockstep = [{"step": s, "time_s": s / 10, "test_acc": s / 1000} for s in (0, 150, 300)]
+    assert C.quality_at_steps(lockstep, 300, "test_acc", (0.5, 1.0)) == {"150": 0.15,
+                                                                         "300": 0.3}
+    # wait-free: the nodes' mean step trails the fastest one's; the fastest decides
+    wait_free = [{"step": 100, "fastest_step": 150, "time_s": 1, "test_acc": 0.4},
+                 {"step": 200, "fastest_step": 290, "time_s": 2, "test_acc": 0.5}]
+    assert C.quality_at_steps(wait_free, 300, "test_acc", (0.5, 1.0)) == {"150": 0.4,
+                                                                          "300": None}
+    rows = [{"workload": "mnist1d", "layout": "4x1", "rate": "100mbit", "method": "m",
+             "quality_at_steps": {"150": 0.4, "300": None}}]
+    assert C.equal_steps_table(rows).splitlines()[-1] == "| mnist1d | 4x1 | 100mbit | m | 0.4 | - |"
+
+
 def test_repeats_must_be_positive():
     with pytest.raises(SystemExit):
         C.parse_args(["--repeats", "0"])
@@ -604,7 +632,8 @@ def test_qcomm_variant_names(name, want):
 
 def test_an_assgd_variant_is_a_registry_entry_describing_its_options():
     assgd = M.METHODS["assgd-2-h8f4"]
-    assert assgd.family == "qcomm" and assgd.bits == 2 and assgd.workloads == ("mnist1d",)
+    assert assgd.family == "qcomm" and assgd.bits == 2
+    assert assgd.workloads == ("mnist1d", "mnist1d-bn")   # SGD workloads only
     assert "sync_every=8" in assgd.description and "fragments=4" in assgd.description
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,7 +43,7 @@ def test_charlm_workload_loads_and_differs_per_rank(tmp_path):
 
 
 def test_workload_registry():
-    assert list(W.WORKLOADS) == ["mnist1d", "charlm"]
+    assert list(W.WORKLOADS) == ["mnist1d", "mnist1d-bn", "charlm"]
     m, c = W.WORKLOADS["mnist1d"], W.WORKLOADS["charlm"]
     assert (m.metric, m.goal, m.optimizer) == ("test_acc", "max", "sgd")
     assert (c.metric, c.goal, c.optimizer) == ("val_loss", "min", "adamw")
@@ -61,6 +62,43 @@ def test_parse_workloads():
 def test_mlp_size_is_the_documented_one():
     m = W.make_mlp(512, 3)
     assert sum(p.numel() for p in m.parameters()) == 551_434
+
+
+def test_cnn_with_batchnorm_is_the_documented_one():
+    info = W.WORKLOADS["mnist1d-bn"]
+    m = W.make_cnn_bn(info.width, info.depth)
+    assert sum(p.numel() for p in m.parameters()) == 433_418
+    assert sum(isinstance(x, torch.nn.BatchNorm1d) for x in m.modules()) == 3
+    assert m(torch.randn(5, 40)).shape == (5, 10)
+
+
+def test_the_cnn_workload_evaluates_with_running_statistics(tmp_path):
+    """evaluate() puts BatchNorm in eval mode (the running statistics, not the test set's own)
+    and leaves the model's mode and buffers as they were."""
+    path = tmp_path / "mnist1d.npz"
+    W.make_data("mnist1d-bn", path, seed=0, num_samples=400)
+    args = SimpleNamespace(width=8, depth=3)
+    w = W.load("mnist1d-bn", path, rank=0, seed=0, batch=4, total_steps=2, args=args)
+    torch.manual_seed(0)
+    m = w.make_model()
+    m.train()
+    with torch.no_grad():
+        w.loss(m, 0)   # one forward in train mode: the running statistics move
+    buffers = {k: v.clone() for k, v in m.named_buffers()}
+    acc = w.evaluate(m)
+    assert m.training and all(torch.equal(v, buffers[k]) for k, v in m.named_buffers())
+    d = np.load(path)
+    m.eval()
+    with torch.no_grad():
+        predicted = m(torch.from_numpy(d["x_test"]).float()).argmax(1)
+    assert acc == float((predicted == torch.from_numpy(d["y_test"])).float().mean())
+
+
+def test_fragments_of_the_cnn_hold_every_parameter_once():
+    m = W.make_cnn_bn(16, 3)
+    frags = TF.split_fragments(m, 4)
+    ids = [id(p) for f in frags for p in f.parameters()]
+    assert sorted(ids) == sorted(id(p) for p in m.parameters())
 
 
 # ---------------------------------------------------------------------------------------------

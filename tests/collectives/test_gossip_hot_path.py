@@ -88,16 +88,16 @@ def test_wait_free_gossip_refuses_a_nonfinite_x_before_sending(bad: float) -> No
     xs = _xs(2)
     sim.run(xs, 2)
     m = sim.members[0]
-    own, pub = m._hat_own.clone(), m._own_pub.clone()
-    before = (m.steps, m.rounds_started, len(m._own_delay))
+    own, owed = m._hat_own.clone(), m._owed.clone()
+    before = (m.steps, m.rounds_started, len(m._own_sent))
     poisoned = xs[0].clone()
     poisoned[3] = bad
     with pytest.raises(NonFiniteError) as info:
         m.end_step(poisoned)
     assert info.value.argument == "x"
     assert sim.boxes.pending(0, 1) == 0
-    assert torch.equal(m._hat_own, own) and torch.equal(m._own_pub, pub)
-    assert (m.steps, m.rounds_started, len(m._own_delay)) == before
+    assert torch.equal(m._hat_own, own) and torch.equal(m._owed, owed)
+    assert (m.steps, m.rounds_started, len(m._own_sent)) == before
     sim.run(xs, 2)  # and the next rounds run
     assert m.rounds_started == before[1] + 2
 
@@ -258,17 +258,16 @@ def _wait_free_saved() -> dict:
     sim.run(xs, 4)
     sim.drain()
     state = sim.members[0].state_dict()
-    assert len(state["own_delay"]) == 2
+    assert state["owed"] is not None and state["hat_own"] is not None
     return state
 
 
 @pytest.mark.parametrize(("change", "error", "match"), [
     ({"copies": torch.zeros(2, NUMEL)}, ValueError, r"state\['copies'\] must have shape"),
-    ({"own_pub": torch.zeros(NUMEL, dtype=torch.float16)}, TypeError,
-     r"state\['own_pub'\] must have dtype float32"),
+    ({"owed": torch.zeros(NUMEL, dtype=torch.float16)}, TypeError,
+     r"state\['owed'\] must have dtype float32"),
     ({"hat_own": None}, ValueError, r"state\['hat_own'\] is None"),
-    ({"own_delay": [(2, torch.zeros(9, dtype=torch.uint8))]}, ValueError,
-     r"state\['own_delay'\] must hold uint8 messages"),
+    ({"owed": torch.zeros(NUMEL + 1)}, ValueError, r"state\['owed'\] must have shape"),
 ])
 def test_a_bad_saved_wait_free_state_is_refused_naming_it_and_nothing_loaded(
         change: dict, error: type, match: str) -> None:
@@ -277,7 +276,7 @@ def test_a_bad_saved_wait_free_state_is_refused_naming_it_and_nothing_loaded(
     fresh = sim.members[0]
     with pytest.raises(error, match=match):
         fresh.load_state_dict(state)
-    assert fresh.rounds_started == 0 and fresh._hat_own is None and not fresh._own_delay
+    assert fresh.rounds_started == 0 and fresh._hat_own is None and fresh._owed is None
 
 
 # ---------------------------------------------------------------------------------------------

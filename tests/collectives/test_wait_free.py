@@ -93,18 +93,21 @@ def test_the_backlog_bound_holds_and_the_sender_stalls_only_at_it() -> None:
     assert sim.members[0].steps > 2 * sim.members[1].steps
 
 
-@pytest.mark.parametrize("staleness", [1, 2])
-def test_at_one_pace_with_timely_messages_the_mean_is_preserved(staleness: int) -> None:
-    # Messages take `staleness` rounds, the own copy in the mixing lags as many: the mixing term
-    # is antisymmetric and the average moves only by float32 rounding.
-    sim = WaitFreeSimulator(4, NUMEL, delay=staleness, spec=SPEC, staleness=staleness,
-                            gamma=0.2)
+@pytest.mark.parametrize(("staleness", "delay"), [(1, 1), (2, 2), (1, 6)])
+def test_at_one_pace_the_mean_is_preserved_whatever_the_delay(staleness: int,
+                                                               delay: int) -> None:
+    # Every term one member adds, its neighbour adds negated (its mirror): once the messages
+    # are in and what is owed is added, the average has moved by float32 rounding only, with
+    # messages late by several rounds too.
+    sim = WaitFreeSimulator(4, NUMEL, delay=delay, spec=SPEC, staleness=staleness, gamma=0.2)
     xs = _start(4)
     before = _mean(xs)
     start = sim.consensus_distance(xs)
-    sim.run(xs, 200)
+    sim.run(xs, 400)   # a late copy slows the agreement: 1e-4 takes about 300 ticks at 6
     sim.drain()
-    assert float((_mean(xs) - before).norm()) < 1e-4 * float(before.norm())
+    for m, x in zip(sim.members, xs, strict=True):
+        m.settle(x)
+    assert float((_mean(xs) - before).norm()) < 1e-6 * float(before.norm())
     assert sim.consensus_distance(xs) < 1e-4 * start
 
 
@@ -124,20 +127,32 @@ def _quadratic_update(centers: list[torch.Tensor], lr: float):
     return update
 
 
-@pytest.mark.parametrize("periods", [[1, 1, 1, 1], [2, 1, 1, 1], [5, 1, 1, 1]])
-def test_training_with_a_slow_member_reaches_the_global_optimum(periods: list[int]) -> None:
-    """Member i minimizes ||x - c_i||^2 / 2; the global optimum is mean(c). A slow member takes
-    fewer local steps, but the others keep mixing with its copy: the nodes' average ends within
-    1e-5 (relative) of the optimum (measured: 7e-7 for each of the three), where a node that
-    never gossiped would stay at its own c_i, 1.65 away."""
+@pytest.mark.parametrize("periods", [[1, 1, 1, 1], [2, 1, 1, 1], [5, 1, 1, 1], [1, 3, 1, 2]])
+def test_training_counts_every_step_once(periods: list[int]) -> None:
+    """Member i minimizes ||x - c_i||^2 / 2. The mixing moves no mass, so the average moves by
+    the local steps alone: at one pace it ends at the global optimum mean(c) (up to float32
+    rounding, measured 6.9e-7), and with a member at half, a fifth, or a mix of paces at the
+    optimum of the data weighted by each member's steps (the way asynchronous SGD weighs them),
+    0.24 to 0.42 away (relative) from mean(c): measured within 1.5e-2, 2.5e-2 and 3.2e-3 of it
+    (6%, 6% and 1% of that distance; the members do not agree exactly, their optima differ).
+    A node that never gossiped would stay at its own c_i, 1.65 away."""
     sim = WaitFreeSimulator(4, NUMEL, periods=periods, delay=1, spec=SPEC, gamma=0.3)
     centers = _start(4, seed=7)
     xs = [torch.zeros(NUMEL) for _ in range(4)]
     sim.run(xs, 600, _quadratic_update(centers, 0.05))
     sim.drain()
+    for m, x in zip(sim.members, xs, strict=True):
+        m.settle(x)
     optimum = _mean(centers)
-    gap = float((_mean(xs) - optimum).norm() / optimum.norm())
-    assert gap < 1e-5, gap
+    rates = torch.tensor([1 / p for p in periods], dtype=torch.float64)
+    weighted = sum(r * c.double() for r, c in zip(rates, centers, strict=True)) / rates.sum()
+    norm = float(optimum.norm())
+    to_weighted = float((_mean(xs) - weighted).norm()) / norm
+    step_bias = float((weighted - optimum).norm()) / norm
+    if len(set(periods)) == 1:
+        assert to_weighted < 1e-5, to_weighted
+    else:
+        assert step_bias > 0.2 and to_weighted < 0.1 * step_bias, (to_weighted, step_bias)
 
 
 def test_a_corrupted_message_raises_and_nothing_is_applied() -> None:

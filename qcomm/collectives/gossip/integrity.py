@@ -1,17 +1,18 @@
 """Sealing and verifying gossip messages: nothing is applied from a message that fails.
 
-A message is the codec payload followed by an 8-byte seal::
+A message is the codec payload, maybe a header (the wait-free gossip's acks), and an 8-byte
+seal over both::
 
-    message = payload (uint8 [nbytes], nbytes % 4 == 0) | seal (int64, little-endian)
+    message = payload (uint8 [nbytes], nbytes % 4 == 0) | header | seal (int64, little-endian)
     seal    = (sum_i int32(w_i * u_i))  XOR  key(round, sender)
 
-where ``u_i`` are the payload's 32-bit words, ``w_i = 2 i + 1``, each product is taken modulo
-2**32 as a signed int32 (the wrap of int32 multiplication, identical on CPU and GPU) and the sum
-is exact in int64. Every weight is odd, so changing any single word (any bit flip, a scale set
+where ``u_i`` are the 32-bit words of payload and header, ``w_i = 2 i + 1``, each product is taken
+modulo 2**32 as a signed int32 (the wrap of int32 multiplication, identical on CPU and GPU) and the
+sum is exact in int64. Every weight is odd, so changing any single word (any bit flip, a scale set
 to 1e30) changes its product modulo 2**32 and with it the sum; several changed words cancel with
-probability about 2**-32. The key ties a message to its round and sender, so a stale
-buffer (a truncated or lost message leaves last round's bytes behind) or a message delivered to
-the wrong round fails too. It detects corruption, not a malicious sender (who can reseal).
+probability about 2**-32. The key ties a message to its round and sender, so a stale buffer (a
+truncated or lost message leaves last round's bytes behind) or a message delivered to the wrong
+round fails too. It detects corruption, not a malicious sender (who can reseal).
 
 Verification of a received message also requires finite scales of plausible size, at most
 :data:`MAX_SCALE` = 2**64 (1.8e19): no trained model's parameter differences approach it, and
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from qcomm.compress import QuantSpec
-from qcomm.kernels.wire_format import split_payload
+from qcomm.kernels.wire_format import packed_nbytes, split_payload
 from qcomm.seeds import seal_key
 
 __all__ = ["MAX_SCALE", "SEAL_NBYTES", "bad_messages", "judge", "message_facts", "seal_",
@@ -84,7 +85,7 @@ def message_facts(messages: torch.Tensor, numel: int, spec: QuantSpec) -> torch.
     # A fresh copy: the seals sit at 4-byte aligned offsets, an int64 view needs 8.
     stored = messages[:, -SEAL_NBYTES:].clone(memory_format=torch.contiguous_format)
     stored = stored.view(torch.int64).reshape(-1)
-    scales = split_payload(body, numel, spec)[1]
+    scales = split_payload(body[:, :packed_nbytes(numel, spec)], numel, spec)[1]
     finite = torch.isfinite(scales).all(dim=1)
     small = (scales.abs() <= MAX_SCALE).all(dim=1)
     return torch.stack([_sums(body), stored, finite.to(torch.int64), small.to(torch.int64)])

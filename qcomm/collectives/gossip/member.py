@@ -59,6 +59,12 @@ class GossipMember:
         self.stats = stats if stats is not None else CommStats()
         self.steps = 0  # the clock: local steps ended (end_step calls)
 
+    def settle(self, x: torch.Tensor) -> None:
+        """Add to ``x`` (float32 ``[numel]``, in place) what the mixing owes it and has not
+        applied yet, so that the members' ``x`` alone hold their average (before an exact
+        average). The bounded-staleness gossip owes nothing; the wait-free one adds its mirror
+        terms."""
+
     def round_due(self) -> bool:
         """Whether the step in progress ends with a round: the last step of every
         ``round_period`` steps."""

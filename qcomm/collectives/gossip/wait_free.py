@@ -9,41 +9,46 @@ neighbours have sent whenever a round of its own is due:
   CHOCO), on an ordered stream to each neighbour (:mod:`.streams`);
 * it keeps one copy per neighbour j of ``x_hat_j``, holding exactly the messages of j it has
   taken, every one once and in order (the seal of each message names its round and sender, so
-  a message out of order fails verification); several that arrived together are applied in
-  one ``dequant_accumulate`` per fragment;
-* the mixing step uses the copies as they are:
-  ``x_f += gamma * sum_j w_ij (copy_j[f] - own_pub[f])``, where ``own_pub`` is ``hat_own``
-  without the member's last ``staleness`` messages, i.e. its own copy as its neighbours hold it
-  when their messages arrive within ``staleness`` rounds.
+  a message out of order fails verification), one at a time (each may owe a mirror term);
+* the mixing is paired, so that it moves no mass between members whatever their paces and
+  delays. At its round t member i mixes fragment f (below) with each neighbour j whose copy it
+  holds: with ``D = copy_j[f] - own[f]``, ``own`` its own copy holding its rounds up to the one
+  that sent f (version v), it adds ``gamma * w * D`` (w: the edge's weight) and owes
+  ``-gamma * w/2 * D`` back; its message of round t carries the fragment, v and, per
+  neighbour, how many of j's rounds that copy held (its *ack*). When j applies the message it
+  owes the mirror, ``-gamma * w/2 * D`` from the same two versions: ``copy_i[f]`` at v less
+  ``hat_own_j[f]`` at the ack (each rebuilt from the fresh copy less the later messages of f).
+  What is owed is added at the next round. At one pace with timely messages the half owed back
+  and the neighbour's mirror cancel, and the mixing is the bounded-staleness mode's;
+* the fragment mixed at round t is that of round ``t - s``, s the smallest lag at least
+  ``staleness`` at which every neighbour's message of that round has arrived: both copies of
+  a term then hold the same rounds of it whenever the link allows.
 
 Nothing bounds the lag in rounds: a node twice as fast sends twice as many rounds, and its
 neighbours apply them in batches. What is bounded is memory (``max_backlog`` messages per
 neighbour sent and not yet taken; beyond it the sender waits) and silence (a neighbour not
 heard from for ``timeout_s`` is a :class:`~qcomm.collectives.errors.PeerTimeoutError`).
 
-The average. When every member's messages reach its neighbours within ``staleness`` rounds of
-its own and all run at one pace, each copy holds the same rounds as the ``own_pub`` it is
-compared with, the mixing term is antisymmetric, and the average over members is preserved as
-in the synchronous mode. Otherwise it is not exactly: a fast member mixes more often with a
-slow neighbour's older copy than the neighbour mixes with it, so the average drifts toward the
-faster members (measured by ``bench/wait_free_mixing.py``, docs/decisions.md; training still
-ends at the optimum of all the members' data, ``tests/collectives/test_wait_free.py``).
-:meth:`drain`, a collective, brings every copy up to date; the engine's exact average follows
-it.
+The average. Each term and its mirror cancel, so the members' average of ``x`` plus what they
+owe moves only by their local updates, whatever the delays and paces: no member's progress is
+undone by mixing with a late copy, and the average is that of every step taken (docs/engine.md,
+"Wait-free gossip", has the measurements). So a member that takes fewer steps weighs in by its
+steps: with data that differ between members, training ends at the optimum of the data
+weighted by each member's share of the steps, as asynchronous SGD does. :meth:`drain`, a
+collective, brings every copy up to date; :meth:`settle` then adds what is owed, and the
+engine's exact average follows.
 
 A lost neighbour (``on_peer_loss="continue"``): when a neighbour's stream fails (a broken
-connection, or silence past ``timeout_s``) the member drops it for good and the graph closes
-over the gap: on each side it links to the nearest member it does not know to be lost (in
-member order, cyclic), unless that one is a neighbour already. The new neighbours greet each
-other with a hello (their round count, drains and their ``hat_own``, sent whole), so each
-starts with an exact copy of the other; the new edge enters the mixing at round
-``max(r_i, r_j) + staleness`` on both sides (``r``: the rounds each had started when it
-linked), when both copies hold the same rounds as the lagged own copies they meet. Every edge
-keeps the graph's edge weight (on a regular graph all edges have one weight, so an edge's two
-ends agree without asking anyone): the weights stay symmetric and the survivors' average is
-preserved from the drop on, as before it. Both ends of a lost member decide the same link
-without a coordinator; a member that linked to one that is lost too finds out the same way and
-moves on. :meth:`survivors_sum` sums a vector over the live members along the closed ring.
+connection, or silence past ``timeout_s``) the member drops it for good and the graph closes over
+the gap: on each side it links to the nearest member it does not know to be lost (in member order,
+cyclic), unless that one is a neighbour already. The new neighbours greet each other with a hello
+(their round count, drains and their ``hat_own``, sent whole), so each starts with an exact copy of
+the other, and the new edge is mixed from then on (paired as any other). Every edge keeps the
+graph's edge weight (on a regular graph all edges have one weight, so an edge's two ends agree
+without asking anyone): the weights stay symmetric and the survivors' average is preserved from the
+drop on, as before it. Both ends of a lost member decide the same link without a coordinator; a
+member that linked to one that is lost too finds out the same way and moves on.
+:meth:`survivors_sum` sums a vector over the live members along the closed ring.
 ``on_peer_loss="raise"`` (default) raises the stream's error instead.
 
 Round schedule (the one clock): :meth:`end_step` is called once per local step; a round is
@@ -87,6 +92,7 @@ log = logging.getLogger("qcomm")
 # with, far beyond any real round. A hello and a goodbye have zero codec bytes, so their seal is
 # the key itself; a marker carries the lost members it knows of (a bit set) under its seal.
 HELLO_ROUND = 1 << 60
+ACK_NBYTES = 8  # an int64 per member in every message: its ack
 MARKER_ROUND = 1 << 61
 GOODBYE_ROUND = 1 << 62
 ON_PEER_LOSS = ("raise", "continue")
@@ -143,7 +149,10 @@ class WaitFreeGossip(GossipMember):
         self.peer_ranks = [self.group_ranks[p] for p in self.peers]
         self._edge_weight = self._graph_edge_weight()
         self.nbytes = packed_nbytes(self.fragment_numel, spec)
-        self.message_nbytes = self.nbytes + SEAL_NBYTES
+        # A message: codec payload | header | seal. The header, int64s: per member of the
+        # group, its ack (1 + the rounds of it the copy mixed this round held, 0 when not mixed
+        # with), then 1 + the fragment mixed (0: none).
+        self.message_nbytes = self.nbytes + self._header_nbytes() + SEAL_NBYTES
         self._streams: MessageStreams | None = None   # opened at the first use
         self.level = "inter"
 
@@ -153,24 +162,31 @@ class WaitFreeGossip(GossipMember):
         self.received = [0] * len(self.peers)     # messages of each neighbour applied
         self._live = [True] * len(self.peers)     # not lost
         self._greeted = [True] * len(self.peers)  # its copy is set up (a new one: hello)
-        self._joins = [0] * len(self.peers)       # the first round it is mixed in
+        self._acked = [0] * len(self.peers)       # own rounds it held when it last mixed
         self._mix_weights: tuple | None = None    # cached (who is mixed, weights, their sum)
         self.lost: set[int] = set()               # members known to be lost
         self.losses: list[dict] = []              # what was dropped, when, why
         # buffers (lazily, on x's device)
         self._hat_own: torch.Tensor | None = None
-        self._own_pub: torch.Tensor | None = None
+        self._owed: torch.Tensor | None = None    # mirror terms not applied yet (weighted)
+        self._owed_fragments: set[int] = set()    # the fragments where _owed is not zero
         self._copies: torch.Tensor | None = None  # [degree, numel]
         self._momentum: torch.Tensor | None = None
         self._anchor: torch.Tensor | None = None
-        # Sent, not in own_pub yet: (round, message, its scales known finite and at most
+        # Sent and not yet acknowledged by every live neighbour (a mirror term rebuilds the
+        # own copy at an ack from them): (round, message, its scales known finite and at most
         # MAX_SCALE, so it decodes unchecked; False for one restored from a state_dict).
-        self._own_delay: deque[tuple[int, torch.Tensor, bool]] = deque()
+        self._own_sent: deque[tuple[int, torch.Tensor, bool]] = deque()
         self._scratch: torch.Tensor | None = None  # float32 [fragment_numel]: x - hat_own
         # Taken from the streams and not yet verified (inbox) or not yet applied (pending,
-        # verified, with their rounds); a failed verification leaves the message in the inbox.
+        # verified, with their rounds and acks); a failed verification leaves the message in
+        # the inbox.
         self._inbox: list[deque[torch.Tensor]] = [deque() for _ in self.peers]
-        self._pending: list[list[tuple[int, torch.Tensor]]] = [[] for _ in self.peers]
+        self._pending: list[list[tuple[int, torch.Tensor, tuple[int, int, int]]]] = [
+            [] for _ in self.peers]
+        # Its last messages applied (round, codec bytes): a mirror term rebuilds its copy at the
+        # version the sender's own term used.
+        self._recent: list[deque[tuple[int, torch.Tensor]]] = [deque() for _ in self.peers]
         self._drains = 0                           # markers sent
         self._drained_at: int | None = None        # rounds_started at the last drain
         self._markers = [0] * len(self.peers)      # markers received per neighbour
@@ -186,8 +202,10 @@ class WaitFreeGossip(GossipMember):
             return []
         if self._hat_own is None or (self._outer and self._anchor is None):
             return None
-        t, mixed = self.rounds_started, self.rounds_started - self.staleness
-        return sorted({t % self.fragments} | ({mixed % self.fragments} if mixed >= 0 else set()))
+        t = self.rounds_started
+        mixed = self._fragment_to_mix(t)
+        return sorted({t % self.fragments} | ({mixed} if mixed is not None else set())
+                      | self._owed_fragments)
 
     # -----------------------------------------------------------------------------------------
     # the two calls around the local update
@@ -258,13 +276,24 @@ class WaitFreeGossip(GossipMember):
             self._lose(k, err)
 
     def _stored_seal(self, m: torch.Tensor) -> int:
-        return int.from_bytes(m[self.nbytes:].cpu().numpy().tobytes(), "little", signed=True)
+        return int.from_bytes(m[-SEAL_NBYTES:].cpu().numpy().tobytes(), "little", signed=True)
 
-    def _verify_inboxes(self) -> dict[int, list[str | None]]:
+    def _header_nbytes(self) -> int:
+        return ACK_NBYTES * (self.size + 2)
+
+    def _ack_field(self, m: torch.Tensor) -> torch.Tensor:
+        """int64 ``[3]``: a message's ack for this member (1 + the rounds of this member the
+        sender's copy held when it mixed with it; 0: it did not mix with it), 1 + the fragment
+        it mixed (0: none), and the version of its own copy in its terms (its rounds below)."""
+        at, end = self.nbytes + ACK_NBYTES * self.member, self.nbytes + ACK_NBYTES * self.size
+        return torch.cat([m[at:at + ACK_NBYTES],
+                          m[end:end + 2 * ACK_NBYTES]]).view(torch.int64)
+
+    def _verify_inboxes(self) -> dict[int, list[tuple[str | None, tuple[int, int, int]]]]:
         """Verdicts on every message waiting in a live, greeted inbox, each taken to be its
         sender's next round in order (what it is, unless a marker comes first), with one host
-        read per device for all of them: per stream, None for each message that passes, else
-        the reason it fails."""
+        read per device for all of them: per stream, ``(None, ack fields)`` for each message
+        that passes, else ``(the reason it fails, ack fields)``."""
         facts: dict[torch.device, list[torch.Tensor]] = {}
         where: dict[torch.device, list[tuple[int, int, int]]] = {}  # (stream, round, sender)
         for k, box in enumerate(self._inbox):
@@ -272,15 +301,18 @@ class WaitFreeGossip(GossipMember):
                 continue
             expected = self.received[k] + len(self._pending[k])
             for i, m in enumerate(box):
-                facts.setdefault(m.device, []).append(
-                    message_facts(m.view(1, -1), self.fragment_numel, self.spec))
+                facts.setdefault(m.device, []).append(torch.cat([
+                    message_facts(m.view(1, -1), self.fragment_numel, self.spec),
+                    self._ack_field(m).view(3, 1)]))
                 where.setdefault(m.device, []).append((k, expected + i, self.peers[k]))
-        verdicts: dict[int, list[str | None]] = {}
+        verdicts: dict[int, list[tuple[str | None, tuple[int, int, int]]]] = {}
         for device, rows in facts.items():
             streams, rounds, senders = zip(*where[device], strict=True)
-            bad = dict(judge(torch.cat(rows, dim=1).tolist(), rounds, senders))
+            table = torch.cat(rows, dim=1).tolist()
+            bad = dict(judge(table[:4], rounds, senders))
             for j, k in enumerate(streams):
-                verdicts.setdefault(k, []).append(bad.get(j))
+                verdicts.setdefault(k, []).append(
+                    (bad.get(j), (table[4][j], table[5][j], table[6][j])))
         return verdicts
 
     def _sort_inbox(self, failures: list[tuple[int, PeerError]]) -> None:
@@ -293,8 +325,9 @@ class WaitFreeGossip(GossipMember):
             batch, taken = verdicts.get(k, []), 0  # the verdicts hold while rounds pass
             while box and self._live[k]:
                 m = box[0]
-                if taken < len(batch) and batch[taken] is None:
-                    self._pending[k].append((self.received[k] + len(self._pending[k]), m))
+                if taken < len(batch) and batch[taken][0] is None:
+                    self._pending[k].append((self.received[k] + len(self._pending[k]), m,
+                                             batch[taken][1]))
                     box.popleft()
                     taken += 1
                     continue
@@ -327,24 +360,70 @@ class WaitFreeGossip(GossipMember):
                         [self.peer_ranks[k]], self.level,
                         bad[0][1] + ("" if bad[0][1] != "checksum" else
                                      " (corrupted, or not the next round of this sender)"))
-                self._pending[k].append((expected, m))
+                self._pending[k].append((expected, m, tuple(self._ack_field(m).tolist())))
                 box.popleft()
 
     def _apply_pending(self) -> None:
-        """Apply every verified message to its sender's copy, in batches per fragment."""
+        """Apply every verified message to its sender's copy, in order, and owe the mirror of
+        each term its sender added with this member's copy (module docstring)."""
         for k, msgs in enumerate(self._pending):
             if not msgs:
                 continue
             if self._copies is None:
                 self._ensure_buffers(msgs[0][1].new_empty(0, dtype=torch.float32))
-            by_fragment: dict[int, list[torch.Tensor]] = {}
-            for r, m in msgs:
-                by_fragment.setdefault(r % self.fragments, []).append(m[:self.nbytes])
-            for f, bodies in by_fragment.items():
+            recent = self._recent[k]
+            for r, m, (ack, mixed, version) in msgs:
                 # verified: finite scales at most MAX_SCALE, so decoded unchecked (.codec)
-                self._codec.accumulate(torch.stack(bodies), self._copies[k, self.fragment(f)])
-            self.received[k] += len(msgs)
+                body = m[:self.nbytes]
+                self._codec.accumulate(body, self._copies[k, self.fragment(r % self.fragments)])
+                self.received[k] += 1
+                recent.append((r, body))
+                if len(recent) > self._kept:
+                    recent.popleft()
+                if ack > 0 and 0 < mixed <= self.fragments:
+                    self._owe_mirror(k, mixed - 1, ack - 1, version)
+                    self._owed_fragments.add(mixed - 1)
             self._pending[k] = []
+        self._forget_acknowledged()
+
+    def _owe_mirror(self, k: int, f: int, ack: int, version: int) -> None:
+        """Owe the mirror of neighbour k's term on fragment f, which compared this member's
+        copy as it held its rounds below ``ack`` with its own as it held its rounds below
+        ``version``: ``w/2 * (copy_k[f] at version - hat_own[f] at ack)``, each rebuilt from
+        the fresh copy less the later messages of f."""
+        frag = self.fragment(f)
+        term = torch.sub(self._copies[k, frag], self._hat_own[frag])
+        theirs = [b for r, b in self._recent[k] if r >= version and r % self.fragments == f]
+        if theirs:
+            self._codec.accumulate(torch.stack(theirs), term,
+                                   self._minus_ones(len(theirs), term.device))
+        self._add_own_since(term, f, ack)
+        self._owed[frag].add_(term, alpha=0.5 * self._edge_weight)
+        self._acked[k] = max(self._acked[k], ack)
+
+    def _add_own_since(self, out: torch.Tensor, f: int, version: int,
+                       sign: float = 1.0) -> None:
+        """``out += sign * (the own messages of fragment f from round ``version`` on)``: what
+        ``hat_own[f]`` holds beyond the own copy at that version."""
+        later = [(m[:self.nbytes], bounded) for r, m, bounded in self._own_sent
+                 if r >= version and r % self.fragments == f]
+        if later:
+            weights = None if sign == 1.0 else self._minus_ones(len(later), out.device)
+            self._codec.accumulate(torch.stack([b for b, _ in later]), out, weights,
+                                   checked=not all(ok for _, ok in later))
+
+    @staticmethod
+    def _minus_ones(n: int, device: torch.device) -> torch.Tensor:
+        return torch.full((n,), -1.0, dtype=torch.float32, device=device)
+
+    def _forget_acknowledged(self) -> None:
+        """Drop the own messages every live neighbour's ack has passed and that no own term
+        will rebuild its version from (the last ``staleness + fragments`` stay)."""
+        live = self._live_streams()
+        oldest = min((self._acked[k] for k in live), default=self.rounds_started)
+        oldest = min(oldest, self.rounds_started - self._kept)
+        while self._own_sent and self._own_sent[0][0] < oldest:
+            self._own_sent.popleft()
 
     def end_step(self, x: torch.Tensor | None) -> list[int]:
         """After the local update: advance the clock; when a round is due, send fragment
@@ -370,7 +449,7 @@ class WaitFreeGossip(GossipMember):
         t = self.rounds_started
         frag = self.fragment(t % self.fragments)
         own = self._hat_own[frag]
-        message = torch.empty(self.message_nbytes, dtype=torch.uint8, device=x.device)
+        message = torch.zeros(self.message_nbytes, dtype=torch.uint8, device=x.device)
         if self._scratch is None or self._scratch.device != x.device:
             self._scratch = torch.empty(self.fragment_numel, dtype=torch.float32,
                                         device=x.device)
@@ -378,41 +457,72 @@ class WaitFreeGossip(GossipMember):
         # Raises NonFiniteError on a NaN/Inf in x before anything is sent or changed.
         bounded = self._codec.encode(diff, message[:self.nbytes],
                                      gossip_message_seed(self.seed, t, self.member))
+        mix = self._fragment_to_mix(t)
+        paired = self._mixable() if mix is not None else []
+        self._write_header(message, paired, mix)
         seal_(message, t, self.member)
         failures = streams.send(message)
         if failures and self.on_peer_loss == "raise":
             raise failures[0][1]  # nothing changed
         self.steps += 1
         self._codec.accumulate(message[:self.nbytes], own, checked=not bounded)
-        self._own_delay.append((t, message, bounded))
-        while len(self._own_delay) > self.staleness:
-            r, m, bounded = self._own_delay.popleft()
-            body = m[:self.nbytes]
-            self._codec.accumulate(body, self._own_pub[self.fragment(r % self.fragments)],
-                                   checked=not (bounded or self._codec.bounded(body)))
+        self._own_sent.append((t, message, bounded))
         self.rounds_started += 1
         # A new neighbour's hello carries hat_own with this round in it.
         self._handle(failures)
-        mixed = t - self.staleness
-        if mixed < 0:
-            return []  # nothing to mix yet: x is as it was
-        f = mixed % self.fragments
-        self._mix(x, f, t)
-        return [f]
+        changed = self._pay_owed(x)
+        if mix is None:
+            return sorted(changed)  # nothing to mix yet
+        # The terms of the neighbours the acks name, whatever the failures just handled: a
+        # neighbour that got this message adds their mirrors.
+        self._mix(x, *mix, paired)
+        self._forget_acknowledged()
+        return sorted(changed | {mix[0]})
 
-    def _weights_at(self, t: int, device: torch.device) -> tuple[torch.Tensor, float]:
-        """float32 ``[streams]``: each neighbour's weight in the mixing of round t (0 for a
-        lost one, and for a new one before it joins), and their sum."""
-        mixed = tuple(live and greeted and t >= join for live, greeted, join
-                      in zip(self._live, self._greeted, self._joins, strict=True))
+    def _mixable(self) -> list[int]:
+        """The streams whose neighbour this member mixes with now: live, copy set up."""
+        return [k for k in self._live_streams() if self._greeted[k]]
+
+    @property
+    def _kept(self) -> int:
+        """Messages kept per stream (and own ones at least) to rebuild a copy's version."""
+        return self.staleness + self.fragments
+
+    def _fragment_to_mix(self, t: int) -> tuple[int, int] | None:
+        """What round t mixes: the fragment of round ``t - s`` and the own copy holding the
+        rounds up to it (version ``t - s + 1``), where s is the smallest lag, at least
+        ``staleness``, at which every neighbour mixed with has sent its round ``t - s`` and that
+        round has arrived (then both copies of a term hold the same rounds of the fragment); at
+        most ``staleness + fragments - 1``. None before round ``staleness``."""
+        if t < self.staleness:
+            return None
+        lag = max((t + 1 - self.received[k] for k in self._mixable()), default=0)
+        s = min(max(self.staleness, lag), self.staleness + self.fragments - 1, t)
+        return (t - s) % self.fragments, t - s + 1
+
+    def _write_header(self, message: torch.Tensor, paired: list[int],
+                      mix: tuple[int, int] | None) -> None:
+        """A message's header: for each neighbour mixed with, 1 + its rounds in the copy; then
+        1 + the fragment mixed (0: none) and the own copy's version in the terms."""
+        head = torch.zeros(self.size + 2, dtype=torch.int64)
+        for k in paired:
+            head[self.peers[k]] = self.received[k] + 1
+        if mix is not None:
+            head[self.size], head[self.size + 1] = mix[0] + 1, mix[1]
+        message[self.nbytes:self.nbytes + self._header_nbytes()].copy_(head.view(torch.uint8))
+
+    def _weights_of(self, paired: list[int], device: torch.device) -> tuple[torch.Tensor, float]:
+        """float32 ``[streams]``: each neighbour's weight in this round's own terms (half the
+        edge's weight for the paired ones, 0 for the others), and their sum."""
+        key = tuple(paired)
         cached = self._mix_weights
-        if cached is None or cached[0] != mixed or cached[1].device != device:
-            w = torch.tensor([self._edge_weight if m else 0.0 for m in mixed],
-                             dtype=torch.float32)
-            self._mix_weights = cached = (mixed, w.to(device), float(w.sum()))
+        if cached is None or cached[0] != key or cached[1].device != device:
+            w = torch.zeros(len(self.peers), dtype=torch.float32)
+            w[list(paired)] = 0.5 * self._edge_weight
+            self._mix_weights = cached = (key, w.to(device), float(w.sum()))
         return cached[1], cached[2]
 
-    def _mix(self, x: torch.Tensor, f: int, t: int) -> None:
+    def _mix(self, x: torch.Tensor, f: int, version: int, paired: list[int]) -> None:
         frag = self.fragment(f)
         xf = x[frag]
         if self._outer:
@@ -423,19 +533,46 @@ class WaitFreeGossip(GossipMember):
             u.mul_(self.outer_momentum).add_(d)
             d.add_(u, alpha=self.outer_momentum)
             torch.add(a, d, alpha=self.outer_lr, out=xf)
-        # sum_j w_ij (copy_j - own_pub) = (W row) @ copies - (sum_j w_ij) own_pub
-        w, w_sum = self._weights_at(t, x.device)
+        # own terms: sum_j w_j/2 (copy_j - own) = (w row) @ copies - (sum w) own, with the own
+        # copy at ``version`` (hat_own less the own messages of f since)
+        w, w_sum = self._weights_of(paired, x.device)
+        own = self._hat_own[frag].clone()
+        self._add_own_since(own, f, version, sign=-1.0)
         correction = torch.mv(self._copies[:, frag].t(), w)
-        correction.add_(self._own_pub[frag], alpha=-w_sum)
-        xf.add_(correction, alpha=self.gamma)
+        correction.add_(own, alpha=-w_sum)
+        xf.add_(correction, alpha=2 * self.gamma)
+        self._owed[frag].sub_(correction)
+        self._owed_fragments.add(f)
         if self._outer:
             self._anchor[frag].copy_(xf)
+
+    def _pay_owed(self, x: torch.Tensor) -> set[int]:
+        """Add the mirror terms owed to their fragments of ``x`` (and of the outer step's
+        anchor: a correction is not progress of the fragment); the fragments changed."""
+        paid = self._owed_fragments
+        for f in paid:
+            frag = self.fragment(f)
+            x[frag].add_(self._owed[frag], alpha=self.gamma)
+            if self._outer and self._anchor is not None:
+                self._anchor[frag].add_(self._owed[frag], alpha=self.gamma)
+            self._owed[frag].zero_()
+        self._owed_fragments = set()
+        return paid
+
+    def settle(self, x: torch.Tensor) -> None:
+        """Add every mirror term owed to ``x`` (float32 ``[numel]``, in place) at once, so that
+        the members' ``x`` alone hold their average (after :meth:`drain`, before an exact
+        average)."""
+        if self._owed is not None:
+            x.view(-1).add_(self._owed.to(x.device), alpha=self.gamma)
+            self._owed.zero_()
+        self._owed_fragments = set()
 
     def _ensure_buffers(self, like: torch.Tensor) -> None:
         dev = like.device
         if self._hat_own is None:
             z = lambda: torch.zeros(self.numel, dtype=torch.float32, device=dev)
-            self._hat_own, self._own_pub = z(), z()
+            self._hat_own, self._owed = z(), z()
             self._copies = torch.zeros(len(self.peers), self.numel, dtype=torch.float32,
                                        device=dev)
         if self._outer and self._momentum is None and like.numel() == self.numel:
@@ -500,7 +637,8 @@ class WaitFreeGossip(GossipMember):
         self.received.append(0)
         self._live.append(True)
         self._greeted.append(False)
-        self._joins.append(self.rounds_started)  # raised to the later side's once greeted
+        self._acked.append(self.rounds_started)  # the hello's copy holds these rounds
+        self._recent.append(deque())
         self._inbox.append(deque())
         self._pending.append([])
         self._markers.append(0)
@@ -528,22 +666,20 @@ class WaitFreeGossip(GossipMember):
             return err
         rounds, drains = (int(v) for v in meta)
         if self._copies is None:
-            self._ensure_buffers(copy)
+            self._ensure_buffers(copy.new_empty(0))  # not x: no outer anchor from it
         self._copies[k].copy_(copy)
         self.received[k] = rounds
         self._markers[k] = drains
-        # Both ends mix the edge from the same round on: both copies then hold the rounds of
-        # the lagged own copies they are compared with.
-        self._joins[k] = max(self._joins[k], rounds) + self.staleness
         self._greeted[k] = True
         self._mix_weights = None
         return None
 
-    def survivors_sum(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The sum of ``t`` (any float dtype and shape) over the live members and their
-        count; every live member gets the same bits. Collective: every live member calls it
-        at the same point, after :meth:`drain`. The sum runs along the closed ring from the
-        lowest live member, and the total is passed around.
+    def survivors_sum(self, t: torch.Tensor, op: str = "sum") -> tuple[torch.Tensor, int]:
+        """The sum (``op="max"``: the element-wise maximum) of ``t`` (any dtype and shape)
+        over the live members, and their count; every live member gets the same bits.
+        Collective: every live member calls it at the same point, after :meth:`drain`. The
+        sum runs along the closed ring from the lowest live member, and the total is passed
+        around.
 
         Raises:
             PeerError: a member was lost during the sum (nothing is returned; the graph has
@@ -584,7 +720,10 @@ class WaitFreeGossip(GossipMember):
             send(kr, total, info)       # around the ring, up to the last
         else:
             total, info = recv(kl)
-            total.add_(cpu)
+            if op == "max":
+                torch.maximum(total, cpu, out=total)
+            else:
+                total.add_(cpu)
             upstream = int(info[0])
             info = torch.maximum(info, lost)
             info[0] = upstream + 1      # the count: the partial's and this member
@@ -756,11 +895,12 @@ class WaitFreeGossip(GossipMember):
                 # the live neighbours (after a loss, not the graph's), per neighbour
                 "peers": [self.peers[k] for k in live],
                 "received": [self.received[k] for k in live],
-                "joins": [self._joins[k] for k in live],
+                "recent": [[(r, b.clone()) for r, b in self._recent[k]] for k in live],
+                "own_sent": [(r, m.clone()) for r, m, _ in self._own_sent],
+                "owed_fragments": sorted(self._owed_fragments),
                 "lost": sorted(self.lost), "losses": list(self.losses),
-                "hat_own": self._hat_own, "own_pub": self._own_pub, "copies": copies,
-                "momentum": self._momentum, "anchor": self._anchor,
-                "own_delay": [(r, m) for r, m, _ in self._own_delay]}
+                "hat_own": self._hat_own, "owed": self._owed, "copies": copies,
+                "momentum": self._momentum, "anchor": self._anchor}
 
     def _survivors_slots(self, state: dict) -> list[int] | None:
         """When ``state`` was saved in a run that lost members and this group holds exactly
@@ -778,30 +918,25 @@ class WaitFreeGossip(GossipMember):
                              f"{state['lost']}), this gossip has {mine}")
         return [live.index(m) if m in live else -1 for m in range(size)]
 
-    def _saved_buffers(self, state: dict) -> tuple[dict[str, torch.Tensor | None],
-                                                    list[tuple[int, torch.Tensor]]]:
-        """The saved buffers and own messages not yet in ``own_pub``, checked (dtype, shape,
-        device): rounds decode into and from them without checking them again."""
+    @staticmethod
+    def _saved_message(m: object, nbytes: int) -> torch.Tensor:
+        """A saved message (uint8 ``[nbytes]``), checked: rounds decode from it."""
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.uint8 or tuple(m.shape) != (
+                nbytes,):
+            raise ValueError(f"a saved message must be a uint8 tensor of shape [{nbytes}], got "
+                             f"{getattr(m, 'dtype', type(m).__name__)} "
+                             f"{list(getattr(m, 'shape', []))}")
+        return m.detach().clone()
+
+    def _saved_buffers(self, state: dict) -> dict[str, torch.Tensor | None]:
+        """The saved buffers, checked (dtype, shape, device): rounds decode into and from them
+        without checking them again. A state without ``owed`` (saved before the mixing was
+        paired) owes nothing."""
         n = self.numel
-        saved = check_state_buffers(
-            state, {"hat_own": n, "own_pub": n, "copies": (len(state["peers"]), n),
+        return check_state_buffers(
+            state, {"hat_own": n, "owed": n, "copies": (len(state["peers"]), n),
                     "momentum": n, "anchor": n},
-            together=[("hat_own", "own_pub", "copies"), ("momentum", "anchor")])
-        device = None if saved["hat_own"] is None else saved["hat_own"].device
-        own_delay = []
-        for r, m in state["own_delay"]:
-            if device is None:
-                raise ValueError("state['own_delay'] holds messages but state['hat_own'] is "
-                                 "None (no round was started)")
-            if not isinstance(m, torch.Tensor) or m.dtype != torch.uint8 \
-                    or tuple(m.shape) != (self.message_nbytes,) or m.device != device:
-                raise ValueError(
-                    f"state['own_delay'] must hold uint8 messages of shape "
-                    f"[{self.message_nbytes}] on {device}, got "
-                    f"{getattr(m, 'dtype', type(m).__name__)} "
-                    f"{list(getattr(m, 'shape', []))} on {getattr(m, 'device', None)}")
-            own_delay.append((int(r), m))
-        return saved, own_delay
+            together=[("hat_own", "copies"), ("momentum", "anchor")])
 
     def load_state_dict(self, state: dict) -> None:
         """Load :meth:`state_dict` output before the first round. The configuration must
@@ -813,13 +948,20 @@ class WaitFreeGossip(GossipMember):
         slots = self._survivors_slots(state)
         if self._streams is not None:
             raise RuntimeError("load_state_dict after the streams started")
-        saved, own_delay = self._saved_buffers(state)
+        saved = self._saved_buffers(state)
+        size = int(state["config"]["size"])
+        message_nbytes = self.nbytes + ACK_NBYTES * (size + 2) + SEAL_NBYTES
+        own_sent = [(int(r), self._saved_message(m, message_nbytes))
+                    for r, m in state.get("own_sent", [])]
+        recent = [[(int(r), self._saved_message(b, self.nbytes)) for r, b in h]
+                  for h in state.get("recent", [[] for _ in state["peers"]])]
         if slots is not None:
             cfg = state["config"]
             self._slots = slots
             self.size, self.member = int(cfg["size"]), int(cfg["member"])
             self.group_ranks = [self._group_ranks[s] if s >= 0 else -1 for s in slots]
             self._edge_weight = self._graph_edge_weight()
+            self.message_nbytes = self.nbytes + self._header_nbytes() + SEAL_NBYTES
         copy = lambda t: None if t is None else t.detach().clone()
         self.gamma = float(state["gamma"])
         self.seed = check_seed(state["seed"])
@@ -828,16 +970,22 @@ class WaitFreeGossip(GossipMember):
         self.peers = [int(p) for p in state["peers"]]
         self.peer_ranks = [self.group_ranks[p] for p in self.peers]
         self.received = [int(r) for r in state["received"]]
-        self._joins = [int(j) for j in state["joins"]]
+        # Saved after a drain: every neighbour had applied every own round, so its acks from
+        # now on hold them all; the own messages kept rebuild the own copy's versions.
+        self._acked = [self.rounds_started] * len(self.peers)
+        self._own_sent = deque((r, m, False) for r, m in own_sent)
+        self._recent = [deque(h) for h in recent]
+        self._owed_fragments = {int(f) for f in state.get("owed_fragments", [])}
         self._live = [True] * len(self.peers)
         self._greeted = [True] * len(self.peers)
         self._mix_weights = None
         self.lost = {int(m) for m in state["lost"]}
         self.losses = [dict(e) for e in state["losses"]]
-        self._hat_own, self._own_pub = copy(saved["hat_own"]), copy(saved["own_pub"])
-        self._copies = copy(saved["copies"])
+        self._hat_own, self._copies = copy(saved["hat_own"]), copy(saved["copies"])
+        self._owed = copy(saved["owed"])
+        if self._owed is None and self._hat_own is not None:
+            self._owed = torch.zeros_like(self._hat_own)
         self._momentum, self._anchor = copy(saved["momentum"]), copy(saved["anchor"])
-        self._own_delay = deque((r, copy(m), False) for r, m in own_delay)
         self._scratch = None
         # A drain preceded the save on every member: nothing was in flight. Markers restart
         # with the streams.
