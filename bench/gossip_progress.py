@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from qcomm.collectives.gossip.choco import CompressedGossip
-from qcomm.collectives.gossip.transport import GlooTransport, RoundHandle, Transport
+from qcomm.collectives.gossip.transport import GlooTransport
+from qcomm.collectives.links import RoundHandle, Transport
 from qcomm.compress import QuantSpec
 
 

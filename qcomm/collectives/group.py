@@ -11,7 +11,9 @@ got: :mod:`.torch_group` (``torch.distributed`` process groups: Gloo, NCCL) and
 :mod:`.memory` (a whole job's ranks as threads of one process, or driven step by step from
 one thread; tests and simulations). A function that takes a ``group`` accepts a
 ``CommGroup``, a ``torch.distributed`` process group, or None (the default group), and turns
-it into a ``CommGroup`` with :func:`.torch_group.resolve_group`.
+it into a ``CommGroup`` with :func:`resolve_group`: a bare handle is wrapped by the world that
+registered itself for them (:func:`register_bare_groups`; :mod:`.torch_group` does, when the
+package is imported), so that nothing here imports the implementations.
 """
 
 from __future__ import annotations
@@ -23,11 +25,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from qcomm.collectives.gossip.streams import MessageStreams
-    from qcomm.collectives.gossip.transport import Transport
+    from qcomm.collectives.links import MessageStreams, Transport
     from qcomm.collectives.stats import CommStats
 
-__all__ = ["REDUCE_OPS", "CommGroup", "Work", "World"]
+__all__ = ["REDUCE_OPS", "CommGroup", "Work", "World", "register_bare_groups", "resolve_group"]
 
 REDUCE_OPS = ("sum", "max", "min")
 
@@ -150,3 +151,26 @@ class World(ABC):
     def control_device(self) -> torch.device:
         """Where small control tensors (votes, agreement rows) must live for this world's
         groups to move them."""
+
+
+# What wraps a bare group handle (a torch.distributed process group, or None: the default
+# group) into a CommGroup: registered by the world that owns such handles.
+_bare_groups: Callable[[Any], CommGroup] | None = None
+
+
+def register_bare_groups(wrap: Callable[[Any], CommGroup]) -> None:
+    """Make ``wrap`` what :func:`resolve_group` calls on a group that is not a CommGroup."""
+    global _bare_groups
+    _bare_groups = wrap
+
+
+def resolve_group(group: Any) -> CommGroup:
+    """``group`` as a :class:`CommGroup`: itself when it is one, else what the registered
+    world makes of it (``torch.distributed``'s: the process group it names, None the default
+    group)."""
+    if isinstance(group, CommGroup):
+        return group
+    if _bare_groups is None:
+        raise RuntimeError("no world takes bare group handles: import qcomm.collectives, whose "
+                           "torch.distributed world registers itself")
+    return _bare_groups(group)

@@ -22,15 +22,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives.group import REDUCE_OPS, CommGroup, Work, World
+from qcomm.collectives.group import REDUCE_OPS, CommGroup, Work, World, register_bare_groups
 from qcomm.validation import check_choice, check_int, fail
 
 if TYPE_CHECKING:
-    from qcomm.collectives.gossip.streams import MessageStreams
-    from qcomm.collectives.gossip.transport import Transport
+    from qcomm.collectives.links import MessageStreams, Transport
     from qcomm.collectives.stats import CommStats
 
-__all__ = ["TorchGroup", "TorchWorld", "env_int", "resolve_group"]
+__all__ = ["TorchGroup", "TorchWorld", "env_int"]
 
 # torch 2.13 renames the flat collectives (same signatures) and warns on the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -127,12 +126,6 @@ class TorchGroup(CommGroup):
         return f"TorchGroup({self.process_group!r})"
 
 
-def resolve_group(group: CommGroup | dist.ProcessGroup | None) -> CommGroup:
-    """``group`` as a :class:`~.group.CommGroup`: itself when it is one, else the
-    ``torch.distributed`` process group it names (None: the default group)."""
-    return group if isinstance(group, CommGroup) else TorchGroup(group)
-
-
 # ---------------------------------------------------------------------------------------------
 # the job
 
@@ -202,3 +195,7 @@ class TorchWorld(World):
 
     def __repr__(self) -> str:
         return "TorchWorld()"
+
+
+# A process group, or None (the default group), passed where a group is asked for.
+register_bare_groups(TorchGroup)

@@ -112,7 +112,7 @@ class AveragingEngine:
         self.owner = owner
         self._topology_arg = topology
         self.comm_stats = CommStats()
-        self.steps = 0
+        self._steps = 0   # the clock while there is no gossip (then the gossip's: `steps`)
         self.skipped_steps = 0
         self._reset_runtime()
         self._pending: dict[str, Any] | None = None  # loaded state waiting for the first step
@@ -133,6 +133,12 @@ class AveragingEngine:
 
     # -----------------------------------------------------------------------------------------
     # where are we
+
+    @property
+    def steps(self) -> int:
+        """Steps applied: the gossip's clock when there is a gossip (it says when a round is
+        due), else the engine's own count."""
+        return self._node.gossip.steps if self._node is not None else self._steps
 
     def _world_size_now(self) -> int | None:
         """The job's world size as known without a collective; None without a topology and
@@ -228,7 +234,8 @@ class AveragingEngine:
         self._frozen = [p for p in params if not p.requires_grad]
         node = None
         if topo.num_nodes > 1 and communicated:
-            node = NodeGossip(communicated, topo, intra, opts, self.comm_stats)
+            node = NodeGossip(communicated, topo, intra, opts, self.comm_stats,
+                              first_step=self._steps)
         # One small collective before anything is exchanged: every rank must have the same
         # options and the same communicated parameters, or all raise the same ValueError.
         buffers = self._buffers.signature() if self._buffers is not None else []
@@ -241,8 +248,6 @@ class AveragingEngine:
             if node is not None and self._pending.get("gossip") is not None:
                 node.gossip.load_state_dict(self._pending["gossip"])
             self._pending = None
-        if node is not None:
-            node.gossip.steps = self.steps  # the gossip's clock starts where the engine is
         self._ready = True
         log_layout(topo, self.options, self._ddp_intra, node.flat.numel if node else 0,
                    node.gossip.gamma if node else None)
@@ -417,7 +422,8 @@ class AveragingEngine:
         self._grads_synced = False
         if self.distributed and self._node is not None:
             self._node.end_step([p.grad is None for p in self._node.flat.params])
-        self.steps += 1
+        else:
+            self._steps += 1
         self._buffers_node_mean()
 
     def skip_step(self) -> None:
@@ -532,6 +538,7 @@ class AveragingEngine:
                 with contextlib.suppress(PeerError):
                     self._gossip.flush()
             self._gossip.close()
+        self._steps = self.steps   # the gossip's clock, kept past it
         self._reset_runtime()
         self._closed = True
         # Works and groups can sit in reference cycles (a round and its transport); collect
@@ -562,17 +569,19 @@ class AveragingEngine:
         nothing changes when it raises. See :func:`qcomm.engine.state.check_loadable`."""
         keep = check_loadable(state, self.options, self._topology_arg,
                               on_world_size_change=on_world_size_change)
-        self.steps = int(state["steps"])
+        steps = int(state["steps"])
         self.skipped_steps = int(state["skipped_steps"])
         if "comm_stats" in state:
             self.comm_stats.load(state["comm_stats"])
         gossip_state = state["gossip"] if keep else None
         intra_state = state["intra"] if keep else None
         if self._node is not None and gossip_state is not None:
-            self._node.gossip.load_state_dict(gossip_state)
+            self._node.gossip.load_state_dict(gossip_state)   # its clock with it
             gossip_state = None
-        if self._node is not None:
-            self._node.gossip.steps = self.steps
+        elif self._node is not None:
+            # a fresh gossip state (on_world_size_change="reinit") goes on counting from here
+            self._node.gossip.restart_clock(steps)
+        self._steps = steps
         if self._intra is not None and intra_state is not None:
             self._intra.load_state_dict(intra_state)
             intra_state = None
@@ -593,7 +602,7 @@ class AveragingEngine:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.options = state["options"]
         self.comm_stats = state["comm_stats"]
-        self.steps = state["steps"]
+        self._steps = state["steps"]
         self.skipped_steps = state["skipped_steps"]
         self.owner = state["owner"]
         self._topology_arg = None

@@ -43,7 +43,7 @@ class NodeGossip:
 
     def __init__(self, params: list[torch.Tensor], topology: Topology,
                  intra: IntraNodeAllreduce | None, options: CommOptions,
-                 stats: CommStats) -> None:
+                 stats: CommStats, first_step: int = 0) -> None:
         from qcomm.collectives.gossip import CompressedGossip, WaitFreeGossip
 
         self.topology = topology
@@ -62,7 +62,7 @@ class NodeGossip:
             stats=stats, fragments=options.fragments, outer_momentum=options.outer_momentum,
             outer_lr=options.outer_lr, round_period=options.round_period,
             # One random stream per rail (rails quantize different shards).
-            seed=rail_seed(options.seed, topology.local_rank), **extra)
+            seed=rail_seed(options.seed, topology.local_rank), first_step=first_step, **extra)
         # With copies (parameters not aliased), the gossip's own buffer: it owns its input only
         # during a round, and the node's all-gather must not read from what it writes.
         self._shard = None if self.flat.aliased else torch.empty(

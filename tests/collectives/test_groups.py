@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qcomm.collectives.errors import PeerTimeoutError
-from qcomm.collectives.group import CommGroup
+from qcomm.collectives.group import CommGroup, resolve_group
 from qcomm.collectives.memory import MemoryGroup, MemoryWorld
 from qcomm.collectives.primitives import (
     all_gather_flat,
@@ -22,7 +22,6 @@ from qcomm.collectives.primitives import (
     all_reduce_mean_future,
     all_to_all_single,
     other_ranks,
-    resolve_group,
     start_all_gather,
     start_reduce_scatter,
     wait_works,

@@ -65,10 +65,10 @@ import torch
 import torch.distributed as dist
 
 from qcomm.collectives.errors import CorruptPayloadError, PeerTimeoutError
-from qcomm.collectives.group import CommGroup
+from qcomm.collectives.group import CommGroup, resolve_group
+from qcomm.collectives.links import RoundHandle
 from qcomm.collectives.primitives import all_reduce, group_size
 from qcomm.collectives.stats import CommStats
-from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import WIRE_FORMAT_VERSION, QuantSpec, packed_nbytes
 from qcomm.seeds import gossip_message_seed
 from qcomm.validation import (
@@ -81,7 +81,6 @@ from .graphs import neighbours
 from .integrity import SEAL_NBYTES, bad_messages, seal_
 from .member import GossipMember
 from .mixing import mixing_matrix
-from .transport import RoundHandle
 
 __all__ = ["CompressedGossip", "PeerTimeoutError", "consensus_distance", "default_gamma"]
 
@@ -179,13 +178,13 @@ class CompressedGossip(GossipMember):
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
                  outer_momentum: float = 0.0, outer_lr: float = 1.0,
-                 round_period: int = 1) -> None:
+                 round_period: int = 1, first_step: int = 0) -> None:
         # hyperparameters (checked with the limits every layer shares, then fixed)
         self._set_hyperparameters(
             numel, graph=graph, mixing=mixing, spec=spec, gamma=gamma, staleness=staleness,
             timeout_s=timeout_s, seed=seed, fragments=fragments,
             outer_momentum=outer_momentum, outer_lr=outer_lr, round_period=round_period,
-            stats=stats)
+            stats=stats, first_step=first_step)
 
         self.group = resolve_group(group)
         self.group_ranks, self.member = _check_group(group_ranks, self.group)

@@ -37,7 +37,8 @@ class GossipMember:
     def _set_hyperparameters(self, numel: int, *, graph: str, mixing: str, spec: QuantSpec,
                              gamma: float | None, staleness: int, timeout_s: float, seed: int,
                              fragments: int, outer_momentum: float, outer_lr: float,
-                             round_period: int, stats: CommStats | None) -> None:
+                             round_period: int, stats: CommStats | None,
+                             first_step: int = 0) -> None:
         """Check the hyperparameters with the limits every layer shares, then fix them."""
         self.graph = check_graph(graph)
         self.mixing = check_mixing(mixing)
@@ -57,13 +58,20 @@ class GossipMember:
         self.round_period = check_int("round_period", round_period, low=1)
         check_instance("stats", stats, CommStats, allow_none=True)
         self.stats = stats if stats is not None else CommStats()
-        self.steps = 0  # the clock: local steps ended (end_step calls)
+        # The clock: local steps ended (end_step calls), from ``first_step`` (a run resumed
+        # into a fresh gossip state goes on counting where it was).
+        self.steps = check_int("first_step", first_step, low=0)
 
     def settle(self, x: torch.Tensor) -> None:
         """Add to ``x`` (float32 ``[numel]``, in place) what the mixing owes it and has not
         applied yet, so that the members' ``x`` alone hold their average (before an exact
         average). The bounded-staleness gossip owes nothing; the wait-free one adds its mirror
         terms."""
+
+    def restart_clock(self, steps: int) -> None:
+        """Count on from ``steps`` (a run resumed with a fresh gossip state: its rounds stay
+        on the run's schedule)."""
+        self.steps = check_int("steps", steps, low=0)
 
     def round_due(self) -> bool:
         """Whether the step in progress ends with a round: the last step of every

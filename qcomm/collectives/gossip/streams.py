@@ -1,39 +1,13 @@
-"""Ordered message streams between gossip neighbours: what the wait-free gossip sends on.
+"""Ordered message streams between gossip neighbours over ``torch.distributed``: the Gloo
+implementation of :class:`~qcomm.collectives.links.MessageStreams`, what the wait-free gossip
+sends on (the interface, and what bounds and ends a stream, are described there).
 
-Each member has one outgoing stream to every neighbour and one incoming stream from each. A
-stream carries the member's messages in the order they were sent (its rounds, and the markers
-and goodbye of :mod:`.wait_free`; the streams do not look inside them); the receiver takes what
-has arrived whenever it likes, without waiting, and nothing on either side waits for the other
-member's progress. What bounds a stream is memory: at most ``max_backlog`` messages per
-neighbour may be sent and not yet taken by that neighbour. A sender that reaches the bound
-waits (up to ``timeout_s``) for the oldest one to be taken: a neighbour more than
-``max_backlog`` rounds behind in *taking* messages (not in its own rounds) slows the sender.
-
-Liveness: a stream that stays silent past ``timeout_s`` (no message since the previous one, or
-since it was opened) fails with :class:`~qcomm.collectives.errors.PeerTimeoutError`; a broken
-connection with :class:`~qcomm.collectives.errors.PeerLostError`. The failure is recorded and
-returned by :meth:`MessageStreams.take`; the caller decides what to raise. A member that leaves
-cleanly closes its streams with a goodbye message (:meth:`MessageStreams.close`), which ends
-them at the neighbours without an error.
-
-Membership: a stream can be dropped (:meth:`MessageStreams.drop`: its neighbour is treated as
-gone) and a stream to a new neighbour opened (:meth:`MessageStreams.open`) while the others go
-on; the wait-free gossip does both when a neighbour is lost. Beside the fixed-size messages, a
-stream carries whole vectors (:meth:`MessageStreams.send_vector` /
-:meth:`MessageStreams.recv_vector`), in their own order: a new neighbour's starting copy, the
-survivors' exact average.
-
-A group makes its members' streams (:meth:`~qcomm.collectives.group.CommGroup.streams`):
-
-* :class:`GlooStreams`, here: ``torch.distributed`` point-to-point on a Gloo group. Gloo transfers a
-  message only into a posted receive, and its point-to-point works report completion only from
-  ``wait()`` (``is_completed()`` stays False until then, and a ``wait`` that times out closes the
-  connection), so each neighbour has a receiver thread that keeps ``depth`` receives posted and
-  waits on the oldest, and a sender thread that keeps ``depth`` sends in flight. Both block in
-  Gloo's C++ code with the GIL released: they cost no CPU while they wait.
-* the in-memory world's (:mod:`qcomm.collectives.memory.streams`): members in one process
-  (threads, or driven step by step by a simulator, which may hold a message back to emulate
-  a slow link).
+:class:`GlooStreams`: point-to-point on a Gloo group. Gloo transfers a message only into a
+posted receive, and its point-to-point works report completion only from ``wait()``
+(``is_completed()`` stays False until then, and a ``wait`` that times out closes the
+connection), so each neighbour has a receiver thread that keeps ``depth`` receives posted and
+waits on the oldest, and a sender thread that keeps ``depth`` sends in flight. Both block in
+Gloo's C++ code with the GIL released: they cost no CPU while they wait.
 """
 
 from __future__ import annotations
@@ -41,7 +15,6 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 
@@ -49,113 +22,16 @@ import torch
 import torch.distributed as dist
 
 from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError, backend_detail
+from qcomm.collectives.links import TAG_MODULUS, MessageStreams, record
 from qcomm.collectives.stats import CommStats
 
-__all__ = ["GlooStreams", "MessageStreams", "record"]
+__all__ = ["GlooStreams"]
 
-TAG_MODULUS = 1 << 20
 # Receives (and sends) each neighbour keeps posted ahead. Gloo moves a message only into a
 # posted receive, and a receive posted after one arrived is known to the sender a one-way delay
 # later: a stream carries at most `depth` messages per round trip. 16 keeps a 100 ms round trip
 # busy at a round every 6 ms; the buffers cost 16 messages per neighbour.
 DEFAULT_DEPTH = 16
-
-
-class MessageStreams(ABC):
-    """One member's streams to and from its neighbours.
-
-    Attributes:
-        member: this member's index in the group (0-based, node order).
-        size: number of members.
-        peers: neighbour member indices; stream ``k`` connects with ``peers[k]``.
-        peer_ranks: the neighbours' global ranks (for error messages).
-        level: the stats level the bytes are counted under (``"inter"``).
-    """
-
-    member: int
-    size: int
-    peers: list[int]
-    peer_ranks: list[int]
-    level: str
-    # True in a step-by-step simulation: nothing arrives while a member waits, so a wait for
-    # what has not come yet fails at once instead of blocking.
-    simulated: bool = False
-    _dropped: set[int]  # streams given up (drop): nothing is sent on them or taken from them
-
-    def send(self, message: torch.Tensor) -> list[tuple[int, PeerError]]:
-        """Queue ``message`` (uint8 ``[nbytes]``, not modified afterwards) on the stream to
-        every neighbour whose stream is open (not ended, dropped or failed). Returns at once
-        unless a neighbour has ``max_backlog`` messages not yet taken: then waits for it to
-        take one.
-
-        Returns:
-            ``(k, error)`` for every stream the message was not queued on because it failed
-            (earlier, or now: that neighbour took nothing within ``timeout_s``,
-            :class:`~qcomm.collectives.errors.PeerTimeoutError`); the caller decides.
-        """
-        failures = []
-        for k in self.live():
-            if not self.ended(k) and (err := self.send_to(k, message)) is not None:
-                failures.append((k, err))
-        return failures
-
-    @abstractmethod
-    def send_to(self, k: int, message: torch.Tensor) -> PeerError | None:
-        """Queue ``message`` on stream ``k`` only (as :meth:`send`); its failure, if any."""
-
-    @abstractmethod
-    def open(self, peer: int, peer_rank: int) -> int:
-        """Open streams to and from member ``peer`` (global rank ``peer_rank``): returns its
-        index ``k``. The neighbour must open its streams to this member too."""
-
-    @abstractmethod
-    def drop(self, k: int) -> None:
-        """Stop stream ``k`` (both directions), without a goodbye: nothing more is sent on it
-        or taken from it. Other streams are untouched."""
-
-    def live(self) -> list[int]:
-        """Indices of the streams not dropped."""
-        return [k for k in range(len(self.peers)) if k not in self._dropped]
-
-    @abstractmethod
-    def send_vector(self, k: int, vector: torch.Tensor) -> None:
-        """Send ``vector`` (any dtype, contiguous, on the CPU, not modified afterwards) to
-        ``peers[k]``, ordered with this stream's other vectors, not with its messages.
-        Returns at once; a failure shows on the stream."""
-
-    @abstractmethod
-    def recv_vector(self, k: int, out: torch.Tensor, timeout_s: float | None = None
-                    ) -> PeerError | None:
-        """Receive ``peers[k]``'s next vector into ``out`` (its shape and dtype), waiting up
-        to ``timeout_s`` (None: the streams'); the failure instead, if any (``out`` is then
-        undefined)."""
-
-    @abstractmethod
-    def take(self, k: int) -> tuple[list[torch.Tensor], PeerError | None]:
-        """The messages from ``peers[k]`` that arrived since the previous call, in order, and
-        the stream's failure if it failed (after the messages that arrived before it). Never
-        blocks."""
-
-    @abstractmethod
-    def wait_any(self, timeout_s: float) -> None:
-        """Block until some stream has a message to take, has failed or ended, or
-        ``timeout_s`` passed."""
-
-    @abstractmethod
-    def ended(self, k: int) -> bool:
-        """True once the stream from ``peers[k]`` ended with a goodbye."""
-
-    @abstractmethod
-    def close(self, goodbye: torch.Tensor | None = None) -> None:
-        """Send ``goodbye`` (the last message: the neighbours' streams from us end cleanly)
-        when given, then stop. Never raises; waits a few seconds at most for the goodbye to
-        leave and for the neighbours' own goodbyes."""
-
-
-def record(level: str, stats: CommStats | None, message: torch.Tensor) -> None:
-    """Count ``message`` (uint8) as sent under ``level``, when there is a counter."""
-    if stats is not None:
-        stats.record(level, message.numel())
 
 
 # ---------------------------------------------------------------------------------------------

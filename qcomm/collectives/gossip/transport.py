@@ -1,91 +1,27 @@
-"""Moving one payload per round between gossip neighbours.
+"""Moving one payload per round between gossip neighbours over ``torch.distributed``: the Gloo
+implementation of :class:`~qcomm.collectives.links.Transport` (the interface, and the in-memory
+world's implementation, are described there).
 
-A transport knows the members of the gossip group (indices ``0 .. n-1``, node order) and this
-member's neighbours. :meth:`Transport.exchange` starts one round: it posts one receive per
-neighbour, *then* sends this member's payload to every neighbour (receives first, so a message
-finds its receive already posted), and returns a :class:`RoundHandle` without waiting.
-``handle.wait(timeout_s)`` finishes the round or raises
-:class:`~qcomm.collectives.errors.PeerTimeoutError` naming the peers that did not answer.
-
-A group makes its members' transports (:meth:`~qcomm.collectives.group.CommGroup.transport`):
-
-* :class:`GlooTransport`, here: ``torch.distributed`` ``isend``/``irecv`` on the given
-  process group (non-blocking point-to-point: Gloo moves the bytes on its own I/O threads
-  while the caller computes, so no communication thread of ours is needed; see
-  :mod:`.choco`). The tag of a message is its round number modulo ``TAG_MODULUS``, so the
-  ``staleness + 1`` rounds in flight between a pair never match each other's receives. Bytes
-  sent are counted in :class:`~qcomm.collectives.stats.CommStats` at the transport's level
-  (``"inter"``: gossip runs between nodes).
-* the in-memory world's (:mod:`qcomm.collectives.memory.transport`): all members live in one
-  process, as threads or driven in lock step by a simulator. Same bytes, same counts, no
-  sockets.
+:class:`GlooTransport`: ``isend``/``irecv`` on the given process group, receives posted before
+sends (non-blocking point-to-point: Gloo moves the bytes on its own I/O threads while the
+caller computes, so no communication thread of ours is needed; see :mod:`.choco`). The tag of
+a message is its round number modulo ``TAG_MODULUS``, so the ``staleness + 1`` rounds in flight
+between a pair never match each other's receives. Bytes sent are counted in
+:class:`~qcomm.collectives.stats.CommStats` at the transport's level (``"inter"``: gossip runs
+between nodes).
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed as dist
 
 from qcomm.collectives.errors import PeerLostError, PeerTimeoutError, backend_detail
+from qcomm.collectives.links import TAG_MODULUS, RoundHandle, Transport
 from qcomm.collectives.stats import CommStats
-
-TAG_MODULUS = 1 << 20
-
-
-class RoundHandle(ABC):
-    """One round's exchange in flight."""
-
-    round: int
-
-    @abstractmethod
-    def wait(self, timeout_s: float) -> None:
-        """Block until every receive and send of the round is done; after this the receive
-        buffers hold the neighbours' payloads and the send buffer may be reused.
-
-        Raises:
-            PeerTimeoutError: some peer did not answer within ``timeout_s`` (or its connection
-                broke); the transport is unusable afterwards.
-        """
-
-    @abstractmethod
-    def is_completed(self) -> bool:
-        """True when :meth:`wait` would return at once."""
-
-
-class Transport(ABC):
-    """Exchanges one payload per round with a fixed set of neighbours.
-
-    Attributes:
-        member: this member's index in the group (0-based, node order).
-        size: number of members.
-        peers: neighbour member indices; row k of ``recv`` in :meth:`exchange` receives from
-            ``peers[k]``.
-        peer_ranks: the peers' global ranks (for error messages).
-    """
-
-    member: int
-    size: int
-    peers: list[int]
-    peer_ranks: list[int]
-
-    @abstractmethod
-    def exchange(self, round: int, payload: torch.Tensor, recv: torch.Tensor) -> RoundHandle:
-        """Start round ``round``: receive ``peers[k]``'s payload into ``recv[k]``, send ``payload``
-        to every peer. Non-blocking.
-
-        Args:
-            round: round number, >= 0, increasing by one per call.
-            payload: uint8 ``[nbytes]``, contiguous; not modified until the handle completes.
-            recv: uint8 ``[len(peers), nbytes]``, contiguous; not read until the handle completes.
-        """
-
-    def close(self) -> None:  # noqa: B027 (optional hook; the default has nothing to free)
-        """Drop references to rounds in flight; never blocks (also after a timeout)."""
-
 
 # ---------------------------------------------------------------------------------------------
 # torch.distributed point-to-point

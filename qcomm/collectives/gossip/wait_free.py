@@ -66,8 +66,9 @@ from typing import Any
 import torch
 
 from qcomm.collectives.errors import CorruptPayloadError, PeerError, PeerTimeoutError
+from qcomm.collectives.group import resolve_group
+from qcomm.collectives.links import MessageStreams
 from qcomm.collectives.stats import CommStats
-from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import WIRE_FORMAT_VERSION, QuantSpec, packed_nbytes
 from qcomm.seeds import gossip_message_seed, seal_key
 from qcomm.validation import (
@@ -82,7 +83,6 @@ from .graphs import neighbours
 from .integrity import SEAL_NBYTES, bad_messages, judge, message_facts, seal_, sealed
 from .member import GossipMember
 from .mixing import mixing_matrix
-from .streams import MessageStreams
 
 __all__ = ["GOODBYE_ROUND", "HELLO_ROUND", "MARKER_ROUND", "ON_PEER_LOSS", "WaitFreeGossip"]
 
@@ -129,12 +129,13 @@ class WaitFreeGossip(GossipMember):
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
                  outer_momentum: float = 0.0, outer_lr: float = 1.0, round_period: int = 1,
-                 max_backlog: int = 64, on_peer_loss: str = "raise") -> None:
+                 max_backlog: int = 64, on_peer_loss: str = "raise",
+                 first_step: int = 0) -> None:
         self._set_hyperparameters(
             numel, graph=graph, mixing=mixing, spec=spec, gamma=gamma, staleness=staleness,
             timeout_s=timeout_s, seed=seed, fragments=fragments,
             outer_momentum=outer_momentum, outer_lr=outer_lr, round_period=round_period,
-            stats=stats)
+            stats=stats, first_step=first_step)
         self.max_backlog = check_int("max_backlog", max_backlog, low=1)
         self.on_peer_loss = check_choice("on_peer_loss", on_peer_loss, ON_PEER_LOSS)
         self.group = resolve_group(group)

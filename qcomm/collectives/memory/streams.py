@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError
-from qcomm.collectives.gossip.streams import MessageStreams, record
+from qcomm.collectives.links import MessageStreams, record
 from qcomm.collectives.stats import CommStats
 
 __all__ = ["Mailboxes", "MemoryStreams"]

@@ -15,7 +15,7 @@ import time
 import torch
 
 from qcomm.collectives.errors import PeerTimeoutError
-from qcomm.collectives.gossip.transport import RoundHandle, Transport
+from qcomm.collectives.links import RoundHandle, Transport
 from qcomm.collectives.stats import CommStats
 
 __all__ = ["MemoryHub", "MemoryTransport"]
