@@ -365,42 +365,77 @@ class WaitFreeGossip(GossipMember):
                 box.popleft()
 
     def _apply_pending(self) -> None:
-        """Apply every verified message to its sender's copy, in order, and owe the mirror of
-        each term its sender added with this member's copy (module docstring)."""
+        """Apply every verified message to its sender's copy and owe the mirror of each term
+        its sender added with this member's copy (module docstring): per stream and fragment,
+        one decode of the messages together, whatever their number (a slow member takes many
+        at a time, and its time per message must not grow with its lag)."""
         for k, msgs in enumerate(self._pending):
             if not msgs:
                 continue
             if self._copies is None:
                 self._ensure_buffers(msgs[0][1].new_empty(0, dtype=torch.float32))
-            recent = self._recent[k]
-            for r, m, (ack, mixed, version) in msgs:
-                # verified: finite scales at most MAX_SCALE, so decoded unchecked (.codec)
-                body = m[:self.nbytes]
-                self._codec.accumulate(body, self._copies[k, self.fragment(r % self.fragments)])
-                self.received[k] += 1
-                recent.append((r, body))
-                if len(recent) > self._kept:
-                    recent.popleft()
+            # mirrors first, from the copy as it was before these messages
+            mirrors: dict[int, list[tuple[int, int]]] = {}   # fragment -> [(version, ack)]
+            for _, _, (ack, mixed, version) in msgs:
                 if ack > 0 and 0 < mixed <= self.fragments:
-                    self._owe_mirror(k, mixed - 1, ack - 1, version)
-                    self._owed_fragments.add(mixed - 1)
+                    mirrors.setdefault(mixed - 1, []).append((version, ack - 1))
+                    self._acked[k] = max(self._acked[k], ack - 1)
+            for f, terms in mirrors.items():
+                self._owe_mirrors(k, f, terms, msgs)
+                self._owed_fragments.add(f)
+            by_fragment: dict[int, list[torch.Tensor]] = {}
+            for r, m, _ in msgs:
+                by_fragment.setdefault(r % self.fragments, []).append(m[:self.nbytes])
+                self._recent[k].append((r, m[:self.nbytes]))
+            for f, bodies in by_fragment.items():
+                # verified: finite scales at most MAX_SCALE, so decoded unchecked (.codec)
+                self._codec.accumulate(torch.stack(bodies), self._copies[k, self.fragment(f)])
+            while len(self._recent[k]) > self._kept:
+                self._recent[k].popleft()
+            self.received[k] += len(msgs)
             self._pending[k] = []
         self._forget_acknowledged()
 
-    def _owe_mirror(self, k: int, f: int, ack: int, version: int) -> None:
-        """Owe the mirror of neighbour k's term on fragment f, which compared this member's
-        copy as it held its rounds below ``ack`` with its own as it held its rounds below
-        ``version``: ``w/2 * (copy_k[f] at version - hat_own[f] at ack)``, each rebuilt from
-        the fresh copy less the later messages of f."""
-        frag = self.fragment(f)
-        term = torch.sub(self._copies[k, frag], self._hat_own[frag])
-        theirs = [b for r, b in self._recent[k] if r >= version and r % self.fragments == f]
-        if theirs:
-            self._codec.accumulate(torch.stack(theirs), term,
-                                   self._minus_ones(len(theirs), term.device))
-        self._add_own_since(term, f, ack)
-        self._owed[frag].add_(term, alpha=0.5 * self._edge_weight)
-        self._acked[k] = max(self._acked[k], ack)
+    def _owe_mirrors(self, k: int, f: int, terms: list[tuple[int, int]],
+                     msgs: list[tuple[int, torch.Tensor, tuple[int, int, int]]]) -> None:
+        """Owe the mirrors of neighbour k's terms on fragment f, each of which compared its copy
+        of this member as it held this member's rounds below the ack with its own copy as it
+        held its rounds below the version: ``w/2 * sum over the terms of (copy_k[f] at version
+        - hat_own[f] at ack)``. Summed in one pass: with n terms, ``n (copy_k[f] - hat_own[f])``
+        plus each message of f weighted by how many terms' versions hold it, less each earlier
+        one by how many do not, plus each own message of f by how many acks do not hold it.
+        ``msgs``: the messages being applied (not yet in the copy)."""
+        frag, n = self.fragment(f), len(terms)
+        total = torch.sub(self._copies[k, frag], self._hat_own[frag])
+        if n > 1:
+            total.mul_(n)
+        # the sender's messages: those being applied that a version holds, the earlier ones
+        # already in the copy that a version does not
+        weighted = [(b[:self.nbytes], sum(v > r for v, _ in terms))
+                    for r, b, _ in msgs if r % self.fragments == f]
+        weighted += [(b, -sum(v <= r for v, _ in terms))
+                     for r, b in self._recent[k] if r % self.fragments == f]
+        self._accumulate_counts(total, weighted, n, checked=False)
+        # this member's own messages an ack does not hold
+        own = [(m[:self.nbytes], sum(a <= r for _, a in terms), bounded)
+               for r, m, bounded in self._own_sent if r % self.fragments == f]
+        self._accumulate_counts(total, [(b, c) for b, c, _ in own], n,
+                                checked=not all(ok for *_, ok in own))
+        self._owed[frag].add_(total, alpha=0.5 * self._edge_weight)
+
+    def _accumulate_counts(self, out: torch.Tensor, weighted: list[tuple[torch.Tensor, int]],
+                           n: int, *, checked: bool) -> None:
+        """``out += sum of count * D(payload)`` over ``weighted`` (counts within [-n, n]), in
+        one decode: the codec's weights are at most 1 in magnitude, so it decodes with
+        ``count / n`` into a scratch and adds n times that."""
+        weighted = [(b, c) for b, c in weighted if c]
+        if not weighted:
+            return
+        part = torch.zeros_like(out)
+        self._codec.accumulate(torch.stack([b for b, _ in weighted]), part,
+                               torch.tensor([c / n for _, c in weighted], dtype=torch.float32,
+                                            device=out.device), checked=checked)
+        out.add_(part, alpha=n)
 
     def _add_own_since(self, out: torch.Tensor, f: int, version: int,
                        sign: float = 1.0) -> None:
