@@ -108,9 +108,33 @@ class NodeGossip:
         saved = flat.snapshot(keep)
         shard, by_range = self._load_shard()
         changed = gossip.end_step(shard)
+        if self.intra is not None and not gossip.changes_agree_across_rails:
+            changed = self._node_changes(shard, changed, by_range)
         if changed:
             self._share(shard, changed, keep, by_range)
         flat.restore(saved)
+
+    def _node_changes(self, shard: torch.Tensor, changed: list[int],
+                      by_range: bool) -> list[int]:
+        """The fragments any rank of the node changed this round (every rank all-gathers the
+        same ones, in one order), ``shard`` made current in those this rank did not change.
+
+        A wait-free round changes, beside the fragment it mixes, the fragments its rail's
+        neighbours owed it something in, and those differ between rails: one tiny all-reduce
+        over the node agrees on them, or the ranks would call different all-gathers."""
+        F = self.options.fragments
+        mask = torch.zeros(F, dtype=torch.int64, device=self.topology.control_device())
+        mask[list(changed)] = 1
+        all_reduce(mask, self.topology.intra_group, "max", timeout_s=self.options.timeout_s,
+                   link="intra", operation="the round's changed fragments")
+        union = [f for f in range(F) if mask[f]]
+        if by_range:   # only the fragments the round read were copied in: load the others
+            flat, base = self.flat, self.topology.local_rank * self.flat.shard_numel
+            for f in set(union) - set(changed):
+                frag = self.gossip.fragment(f)
+                flat.load_range(base + frag.start, base + frag.stop)
+                shard[frag].copy_(flat.flat[base + frag.start: base + frag.stop])
+        return union
 
     def _load_shard(self) -> tuple[torch.Tensor, bool]:
         """This rank's shard, current in the fragments the round reads, and whether only those

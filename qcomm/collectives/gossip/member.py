@@ -33,6 +33,9 @@ class GossipMember:
 
     _closed = False
     _hat_own: torch.Tensor | None = None
+    #: Whether every rail's member changes the same fragments in a round (the node's ranks
+    #: then all-gather those without agreeing on them first).
+    changes_agree_across_rails = True
 
     def _set_hyperparameters(self, numel: int, *, graph: str, mixing: str, spec: QuantSpec,
                              gamma: float | None, staleness: int, timeout_s: float, seed: int,

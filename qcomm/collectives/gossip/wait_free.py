@@ -123,6 +123,9 @@ class WaitFreeGossip(GossipMember):
     :meth:`prepare` or :meth:`end_step`. The constructor communicates nothing.
     """
 
+    # the fragments owed something differ between rails (NodeGossip agrees on them)
+    changes_agree_across_rails = False
+
     def __init__(self, group_ranks: list[int], group: Any, numel: int, *,
                  graph: str = "ring", mixing: str = "uniform",
                  spec: QuantSpec = QuantSpec(4, 128, "stochastic"),  # noqa: B008 (frozen)
