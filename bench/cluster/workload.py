@@ -659,9 +659,9 @@ def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
     snap_steps = {round(k * args.steps / args.snapshots) for k in range(1, args.snapshots + 1)}
     snap_times = [k * budget / args.snapshots for k in range(1, args.snapshots + 1)] \
         if budget is not None else []
-    if fastest is not None:   # a mark every `spacing` seconds, at most 4 x --snapshots
+    if fastest is not None:
         flag, spacing = fastest
-        snap_times = [k * spacing for k in range(1, 4 * args.snapshots + 1)]
+        snap_times = fastest_marks(spacing, args.snapshots)
     snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
     step_times: list[float] = []
     fwd_bwd: list[float] = []
@@ -826,6 +826,21 @@ def write_result(args: argparse.Namespace, work, built: T.Built, here: Place,
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(args.out)
     print(f"QCB_DONE {args.method} final {metric}={final:.4f}", flush=True)
+
+
+def fastest_marks(spacing: float, snapshots: int, *, doublings: int = 6) -> list[float]:
+    """The snapshot times (seconds since the window opened) of a run that ends at the fastest
+    node's steps: ``4 x snapshots`` marks every ``spacing`` seconds (four times the fastest
+    node's compute alone), then, for a run that communication or a slow machine makes longer,
+    blocks of ``snapshots / 2`` marks, each block's spacing twice the last one's (the curve
+    thins out instead of stopping, which made a late crossing read as the end of the run).
+    Every node computes the same marks, so the k-th snapshots of the nodes belong together."""
+    marks = [k * spacing for k in range(1, 4 * snapshots + 1)]
+    step, per_block = spacing, max(1, snapshots // 2)
+    for _ in range(doublings):
+        step *= 2
+        marks += [marks[-1] + step * (j + 1) for j in range(per_block)]
+    return marks
 
 
 def snapshot_spacing(base_times: list[float], args: argparse.Namespace) -> float:

@@ -3,6 +3,8 @@ result parsing, repetitions and target checks. No root, no namespaces, no proces
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from bench.cluster import compare as C
@@ -581,6 +583,18 @@ def test_the_fastest_budget_ends_every_node_with_the_first_to_take_its_steps(tmp
     with pytest.raises(SystemExit):
         WL.parse_args(["--method", "ddp", "--data", "d", "--out", "o", "--until-fastest",
                        "--time-budget", "8"])
+
+
+def test_fastest_marks_thin_out_instead_of_stopping():
+    from bench.cluster import workload as WL
+
+    marks = WL.fastest_marks(0.5, 10)
+    assert marks[:40] == [0.5 * k for k in range(1, 41)]          # 4 x snapshots, evenly
+    gaps = [b - a for a, b in itertools.pairwise(marks[39:])]
+    assert gaps[:5] == [1.0] * 5 and gaps[5:10] == [2.0] * 5     # then doubling blocks of 5
+    assert marks == sorted(marks) and len(marks) == 40 + 6 * 5
+    # a run 10 times the fastest node's compute still gets snapshots at its end
+    assert marks[-1] > 10 * 0.5 * 10 and max(gaps) <= marks[-1] / 10
 
 
 def test_quality_at_equal_steps_reads_the_fastest_node_where_nodes_differ():
