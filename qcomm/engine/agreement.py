@@ -72,18 +72,27 @@ _OPTION_CODECS: dict[str, tuple[Callable[[Any], int], Callable[[int], Any]]] = {
 }
 _LAYOUT_FIELDS = ("communicated parameters", "communicated elements",
                   "parameter shapes and dtypes", "node gradient mean by DDP",
+                  "parameters sharded inside the node (FSDP2)",
                   "attached model's buffers", "buffer names, shapes and dtypes")
 _HASHED = ("parameter shapes and dtypes", "buffer names, shapes and dtypes")
 
 
+def _shape(p: torch.Tensor) -> str:
+    """``p``'s shape and dtype as text; a DTensor's global shape and its placements (the same
+    on every rank when every node shards alike, so the rails' parts have one length)."""
+    placements = getattr(p, "placements", None)
+    return f"{tuple(p.shape)}:{p.dtype}" + (f":{tuple(placements)}" if placements else "")
+
+
 def fingerprint(options: CommOptions, communicated: Sequence[torch.Tensor],
-                ddp: bool, buffers: Sequence[tuple[str, tuple[int, ...], torch.dtype]] = ()
-                ) -> list[int]:
+                ddp: bool, buffers: Sequence[tuple[str, tuple[int, ...], torch.dtype]] = (),
+                sharded: bool = False) -> list[int]:
     """This rank's row: one int64 per field (options, then the communicated layout, then the
     attached model's buffers as ``(name, shape, dtype)``)."""
     row = [enc(getattr(options, name)) for name, (enc, _) in _OPTION_CODECS.items()]
-    shapes = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in communicated)
-    row += [len(communicated), sum(p.numel() for p in communicated), _digest(shapes), int(ddp)]
+    shapes = ";".join(_shape(p) for p in communicated)
+    row += [len(communicated), sum(p.numel() for p in communicated), _digest(shapes), int(ddp),
+            int(sharded)]
     row += [len(buffers), _digest(";".join(f"{n}:{s}:{d}" for n, s, d in buffers))]
     return row
 

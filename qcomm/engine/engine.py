@@ -56,6 +56,7 @@ from qcomm.engine.gradients import (
 from qcomm.engine.node_gossip import NodeGossip
 from qcomm.engine.options import CommOptions
 from qcomm.engine.report import engine_stats, log_layout
+from qcomm.engine.sharded import ShardedParamsError, check_sharding, local_tensor
 from qcomm.engine.state import EngineStateFile, check_loadable, geometry
 from qcomm.validation import check_instance
 
@@ -129,6 +130,7 @@ class AveragingEngine:
         self._grads_synced = False   # sync_gradients ran for the step in progress
         self._go = True              # ... and its verdict
         self._ddp_intra = False      # DDP over the node's group averages gradients in backward
+        self._sharded = False        # FSDP2 shards the parameters over the node's ranks
         self._closed = False
 
     # -----------------------------------------------------------------------------------------
@@ -163,10 +165,26 @@ class AveragingEngine:
         """Raise ValueError when this rank has peers and a param group (``groups``: the
         optimizer's, or a state dict's) asks for ``differentiable=True``: the node's gradient
         mean and the gossip run outside autograd. Nothing to check in one process, where a
-        step is the wrapped optimizer's alone."""
+        step is the wrapped optimizer's alone. DTensor parameters, in ``groups`` or the
+        optimizer's, are checked in any process (:meth:`sharding`)."""
         world = self._world_size_now()
         if world is not None and world > 1:
             _check_not_differentiable(groups)
+        owned = self.owner.param_groups
+        self.sharding([*owned, *(g for g in groups if not any(g is o for o in owned))])
+
+    def sharding(self, groups: list[dict[str, Any]] | None = None,
+                 topology: Topology | None = None) -> bool:
+        """Whether the parameters of ``groups`` (None: the optimizer's) are FSDP2 shards of
+        this node's ranks (no communication; see :mod:`qcomm.engine.sharded`).
+
+        Raises:
+            ShardedParamsError: DTensor parameters of any other kind, mixed with plain ones,
+                or with an option that cannot work sharded.
+        """
+        return check_sharding(
+            self.owner.param_groups if groups is None else groups, self.options,
+            lambda: topology or self._topology_arg or Topology(self.options.procs_per_node))
 
     def _warn_env_without_group(self) -> None:
         if self._warned_env:
@@ -221,6 +239,7 @@ class AveragingEngine:
         _check_fused_devices(self.owner.param_groups)
         opts = self.options
         topo = self._topology_arg or Topology(opts.procs_per_node)
+        sharded = self.sharding(topology=topo)
         # Group creation is collective: every rank touches both properties here, in this order.
         _ = topo.intra_group
         _ = topo.rail_group
@@ -235,13 +254,14 @@ class AveragingEngine:
         node = None
         if topo.num_nodes > 1 and communicated:
             node = NodeGossip(communicated, topo, intra, opts, self.comm_stats,
-                              first_step=self._steps)
+                              first_step=self._steps, sharded=sharded)
         # One small collective before anything is exchanged: every rank must have the same
         # options and the same communicated parameters, or all raise the same ValueError.
         buffers = self._buffers.signature() if self._buffers is not None else []
-        check_agreement(fingerprint(opts, communicated, self._ddp_intra, buffers),
+        check_agreement(fingerprint(opts, communicated, self._ddp_intra, buffers, sharded),
                         topo.world_group, topo.world_size, topo.control_device(), opts.timeout_s)
         self._topology, self._intra, self._node = topo, intra, node
+        self._sharded = sharded
         if self._pending is not None:
             if intra is not None and self._pending.get("intra") is not None:
                 intra.load_state_dict(self._pending["intra"])
@@ -250,7 +270,7 @@ class AveragingEngine:
             self._pending = None
         self._ready = True
         log_layout(topo, self.options, self._ddp_intra, node.flat.numel if node else 0,
-                   node.gossip.gamma if node else None)
+                   node.gossip.gamma if node else None, sharded=sharded)
 
     @property
     def _gossip(self) -> Any:
@@ -302,6 +322,10 @@ class AveragingEngine:
                              "it cannot be combined with intra_bits (set intra_bits=None)")
         if self._ready:
             raise RuntimeError("data_parallel() must be called before the first step")
+        if self.sharding():
+            raise ShardedParamsError(
+                "data_parallel() with sharded parameters: FSDP2 already averages the gradients "
+                "inside the node; call attach(model) for its buffers instead")
         if not self.distributed:
             self.attach(model)
             return model
@@ -338,7 +362,8 @@ class AveragingEngine:
                                 "use a dense embedding or torch's DDP for that parameter")
             if not p.requires_grad:
                 continue
-            grads.append(p.grad)
+            # A sharded parameter's gradient is this rank's part of the node's mean.
+            grads.append(local_tensor(p.grad))
         return grads
 
     def _check_frozen(self) -> None:
@@ -382,7 +407,8 @@ class AveragingEngine:
                 round_error = self._node.prepare()
                 round_mask = 1 << topo.local_rank if round_error is not None else 0
             finite, node_finite, failed = node_mean_and_vote(
-                grads, topo, self._intra, grads_are_node_means=self._ddp_intra,
+                grads, topo, self._intra, grads_are_node_means=self._ddp_intra or self._sharded,
+                grads_are_shards=self._sharded,
                 quantized=self.options.intra_spec is not None,
                 # Wait-free nodes skip on their own: no peer waits for their rounds.
                 skip_across_nodes=(self.options.on_nonfinite == "skip" and topo.num_nodes > 1
@@ -405,8 +431,9 @@ class AveragingEngine:
         bad = []
         if not node_finite:
             for p in self.params():
-                if (p.grad is not None and holds_values(p.grad)
-                        and not bool(torch.isfinite(p.grad).all())):
+                grad = None if p.grad is None else local_tensor(p.grad)
+                if (grad is not None and holds_values(grad)
+                        and not bool(torch.isfinite(grad).all())):
                     bad.append(self.locate(p))
         where = f"parameters (group, index) {bad[:8]}" if bad else "another rank's gradients"
         raise NonFiniteGradientError(
@@ -421,7 +448,7 @@ class AveragingEngine:
         without a gradient this step are left as they are)."""
         self._grads_synced = False
         if self.distributed and self._node is not None:
-            self._node.end_step([p.grad is None for p in self._node.flat.params])
+            self._node.end_step([p.grad is None for p in self._node.params])
         else:
             self._steps += 1
         self._buffers_node_mean()

@@ -17,6 +17,8 @@ Order of operations (no state changes before the vote is in):
   and refuses non-finite input on one rank only. So the node votes first (one 1-element
   all-reduce), then the nodes vote when skipping is agreed across them, and only a step every
   rank will take runs the quantized mean;
+* sharded parameters (FSDP2 made the mean in its reduce-scatter): each rank holds only its
+  part of it, so the node votes (one 2-element all-reduce);
 * the rail vote (skip mode, several nodes): one 1-element all-reduce over the rail.
 """
 
@@ -117,8 +119,8 @@ def _vote(finite: bool, grads: Sequence[torch.Tensor], group: object, link: str,
 def node_mean_and_vote(grads: Sequence[torch.Tensor], topology: Topology,
                        intra: IntraNodeAllreduce | None, *, grads_are_node_means: bool,
                        quantized: bool, skip_across_nodes: bool,
-                       timeout_s: float | None = None,
-                       round_mask: int | None = None) -> tuple[bool, bool, int]:
+                       timeout_s: float | None = None, round_mask: int | None = None,
+                       grads_are_shards: bool = False) -> tuple[bool, bool, int]:
     """Replace ``grads`` by the node's mean (unless they are already) and agree on finiteness,
     and on the gossip round this step applies.
 
@@ -135,6 +137,9 @@ def node_mean_and_vote(grads: Sequence[torch.Tensor], topology: Topology,
             could not receive or verify it, else 0; None when no round is due. The node ORs
             the masks, riding on a collective the step runs anyway where there is one (the
             full-precision mean carries it as one more float), else in the vote.
+        grads_are_shards: each rank holds only its part of the node's mean (FSDP2's
+            reduce-scatter; pass ``grads_are_node_means`` too), so the node votes on
+            finiteness: no rank sees the others' parts.
 
     Returns:
         ``(go, locally_finite, failed_mask)``: ``go`` is True when every rank that must agree
@@ -158,11 +163,12 @@ def node_mean_and_vote(grads: Sequence[torch.Tensor], topology: Topology,
             intra.mean_([*grads, carrier])
             failed = round(carrier.item() * topology.procs_per_node)
     finite = all_finite(grads)
-    if not alone and (quantized or (grads_are_node_means and round_mask is not None)):
+    node_votes = quantized or grads_are_shards
+    if not alone and (node_votes or (grads_are_node_means and round_mask is not None)):
         voted_finite, failed = _vote(finite, grads, topology.intra_group, "intra", timeout_s,
                                      mask)
         # DDP's mean propagates NaN like ours: the finite verdict is the node's already.
-        finite = voted_finite if quantized else finite
+        finite = voted_finite if node_votes else finite
     node_finite = finite
     if skip_across_nodes:
         finite, _ = _vote(finite, grads, topology.rail_group, "inter", timeout_s)

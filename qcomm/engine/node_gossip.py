@@ -9,6 +9,10 @@ carrying one fragment); this class adds what a node's ranks do around it: bring 
 a round reads up to date (nothing to do when the parameters live in the flat buffer), run the
 round, all-gather what it changed over the node (only the changed fragment crosses the
 intra-node links), and leave parameters that had no gradient this step as they were.
+
+With parameters FSDP2 shards over the node's ranks (``sharded``), the flat buffer holds this
+rank's local parts only (:class:`~qcomm.engine.sharded.LocalShards`), gossiped whole, and
+nothing is all-gathered: the node's ranks hold different parts and need none of each other's.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.engine.flat import FlatParams
 from qcomm.engine.options import CommOptions
+from qcomm.engine.sharded import LocalShards
 from qcomm.seeds import rail_seed
 
 __all__ = ["NodeGossip"]
@@ -39,19 +44,31 @@ class NodeGossip:
         intra: the node's allreduce (its all-gather), None when alone on the node.
         options: the communication options.
         stats: where the gossip counts its bytes.
+        first_step: the step the gossip's clock starts at.
+        sharded: ``params`` are DTensors FSDP2 shards over the node's ranks, accepted by
+            :func:`~qcomm.engine.sharded.check_sharding` (see the module docstring).
     """
 
     def __init__(self, params: list[torch.Tensor], topology: Topology,
                  intra: IntraNodeAllreduce | None, options: CommOptions,
-                 stats: CommStats, first_step: int = 0) -> None:
+                 stats: CommStats, first_step: int = 0, *, sharded: bool = False) -> None:
         from qcomm.collectives.gossip import CompressedGossip, WaitFreeGossip
 
         self.topology = topology
         self.intra = intra
         self.options = options
+        self.params = list(params)
+        self.sharded = sharded
         # Shards of whole fragments of whole codec blocks: every message has one length.
-        self.flat = FlatParams(params, topology.procs_per_node,
-                               options.block_size * options.fragments)
+        align = options.block_size * options.fragments
+        if sharded:
+            # This rank's parts are its whole buffer; its node-mates hold other parts.
+            self.flat: FlatParams = LocalShards(self.params, align)
+            self._index, self._node_share = 0, None
+        else:
+            # Every rank holds the whole model: it gossips shard l and the node shares them.
+            self.flat = FlatParams(self.params, topology.procs_per_node, align)
+            self._index, self._node_share = topology.local_rank, intra
         kind, extra = ((WaitFreeGossip, {"max_backlog": options.max_backlog,
                                          "on_peer_loss": options.on_peer_loss})
                        if options.wait_free else (CompressedGossip, {}))
@@ -108,7 +125,7 @@ class NodeGossip:
         saved = flat.snapshot(keep)
         shard, by_range = self._load_shard()
         changed = gossip.end_step(shard)
-        if self.intra is not None and not gossip.changes_agree_across_rails:
+        if self._node_share is not None and not gossip.changes_agree_across_rails:
             changed = self._node_changes(shard, changed, by_range)
         if changed:
             self._share(shard, changed, keep, by_range)
@@ -129,7 +146,7 @@ class NodeGossip:
                    link="intra", operation="the round's changed fragments")
         union = [f for f in range(F) if mask[f]]
         if by_range:   # only the fragments the round read were copied in: load the others
-            flat, base = self.flat, self.topology.local_rank * self.flat.shard_numel
+            flat, base = self.flat, self._index * self.flat.shard_numel
             for f in set(union) - set(changed):
                 frag = self.gossip.fragment(f)
                 flat.load_range(base + frag.start, base + frag.stop)
@@ -140,7 +157,7 @@ class NodeGossip:
         """This rank's shard, current in the fragments the round reads, and whether only those
         were copied in (then only the changed ones are copied out)."""
         flat, gossip = self.flat, self.gossip
-        rank = self.topology.local_rank
+        rank = self._index
         if flat.aliased:
             return flat.shard(rank), False
         shard = self._shard
@@ -159,21 +176,22 @@ class NodeGossip:
 
     def _share(self, shard: torch.Tensor, changed: list[int], keep: list[bool],
                by_range: bool) -> None:
-        """Every local rank's changed fragments into ``flat`` (and the parameters)."""
-        flat, L = self.flat, self.topology.procs_per_node
+        """Every local rank's changed fragments into ``flat`` (and the parameters); sharded,
+        only this rank's."""
+        flat, L, share = self.flat, self.flat.num_shards, self._node_share
         if self.options.fragments == 1:
-            if self.intra is not None:
-                self.intra.all_gather_into(flat.flat, shard.clone() if flat.aliased else shard)
+            if share is not None:
+                share.all_gather_into(flat.flat, shard.clone() if flat.aliased else shard)
             elif not flat.aliased:
                 flat.flat.copy_(shard)
             flat.store_to_params(keep)
             return
         for f in changed:
             frag = self.gossip.fragment(f)
-            if self.intra is not None:
+            if share is not None:
                 part = shard[frag].contiguous()
                 gathered = torch.empty(L * part.numel(), dtype=part.dtype, device=part.device)
-                self.intra.all_gather_into(gathered, part)
+                share.all_gather_into(gathered, part)
                 for rank, piece in enumerate(gathered.view(L, -1)):
                     flat.shard(rank)[frag].copy_(piece)
             elif not flat.aliased:
@@ -199,16 +217,17 @@ class NodeGossip:
         """Every rank's parameters <- their exact mean over the live nodes (collective), after
         the gossip drained what is in flight."""
         self.gossip.flush()
-        flat, topo = self.flat, self.topology
+        flat = self.flat
         flat.check_aliased()
         flat.load_from_params()
-        # Ranks of a node hold the same parameters, so averaging shard l over rail l gives the
-        # global mean of shard l; one rail member computes each sum and all receive its bytes.
-        shard = flat.shard(topo.local_rank).clone()
+        # Ranks of a node hold the same parameters (or, sharded, local rank l of every node
+        # holds part l), so averaging shard l over rail l gives the global mean of shard l;
+        # one rail member computes each sum and all receive its bytes.
+        shard = flat.shard(self._index).clone()
         self.gossip.settle(shard)   # what the mixing owes this shard, in it before the sum
         shard, live = self._over_rail(shard, "sum")
         shard.div_(live)
-        self._gather(flat.flat, shard)
+        self._gather(flat.flat, shard, self._node_share)
         flat.store_to_params()
 
     def reduce_over_nodes(self, full: torch.Tensor, op: str) -> tuple[torch.Tensor, int]:
@@ -222,7 +241,7 @@ class NodeGossip:
         padded[:n] = full
         shard = padded[self.topology.local_rank * per:][:per].clone()
         shard, live = self._over_rail(shard, op)
-        self._gather(padded, shard)
+        self._gather(padded, shard, self.intra)
         return padded[:n], live
 
     def _over_rail(self, shard: torch.Tensor, op: str) -> tuple[torch.Tensor, int]:
@@ -234,15 +253,19 @@ class NodeGossip:
                    link="inter", operation="average_parameters")
         return shard, self.topology.num_nodes
 
-    def _gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
-        """``out`` <- every local rank's ``shard``, by local rank."""
-        if self.intra is not None:
-            self.intra.all_gather_into(out, shard)
+    @staticmethod
+    def _gather(out: torch.Tensor, shard: torch.Tensor,
+                over: IntraNodeAllreduce | None) -> None:
+        """``out`` <- every local rank's ``shard``, by local rank (``over``: the node's
+        all-gather; None: ``shard`` is all of ``out``)."""
+        if over is not None:
+            over.all_gather_into(out, shard)
         else:
             out.copy_(shard)
 
     def consensus_distance(self) -> float:
-        """``sqrt(mean_i ||x_i - mean x||^2)`` over the nodes (collective over the rail)."""
+        """``sqrt(mean_i ||x_i - mean x||^2)`` over the nodes (collective over the rail; over
+        the job when sharded)."""
         from qcomm.collectives.gossip import consensus_distance
         from qcomm.collectives.gossip.choco import distance_from_sums
 
@@ -250,9 +273,17 @@ class NodeGossip:
         x = self.flat.load_from_params()
         if self.survivable:
             self.gossip.drain()  # a new neighbour's hello is taken before the sums
-            return distance_from_sums(x, self.gossip.survivors_sum)
-        return float(consensus_distance(x, self.topology.rail_group,
-                                        timeout_s=self.options.timeout_s))
+            d = distance_from_sums(x, self.gossip.survivors_sum)
+        else:
+            d = float(consensus_distance(x, self.topology.rail_group,
+                                         timeout_s=self.options.timeout_s))
+        if not self.sharded or self.intra is None:
+            return d
+        # Each rank measured its own parts: squared distances add up over the node's parts.
+        sq = torch.tensor([d * d], dtype=torch.float64, device=self.topology.control_device())
+        all_reduce(sq, self.topology.intra_group, "sum", timeout_s=self.options.timeout_s,
+                   link="intra", operation="consensus distance")
+        return float(sq.item()) ** 0.5
 
     def state(self) -> dict[str, Any]:
         """The gossip's state (with ``wait_free``, a drain first: every rank of the rail must

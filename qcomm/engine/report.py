@@ -34,19 +34,23 @@ def _schedule(options: CommOptions, gamma: float | None) -> str:
 
 
 def layout_line(topology: Topology, options: CommOptions, ddp_intra: bool, gossiped: int,
-                gamma: float | None = None) -> tuple[int, str]:
+                gamma: float | None = None, *, sharded: bool = False) -> tuple[int, str]:
     """(logging level, the sentence) that says how this job communicates: nodes and ranks,
     what is averaged how on which link, and the gossip's schedule. One node is a warning:
-    nothing crosses a slow link then."""
+    nothing crosses a slow link then. ``gossiped``: elements in this rank's flat buffer
+    (with ``sharded``, FSDP2's parameters, its local parts only)."""
     L, N = topology.procs_per_node, topology.num_nodes
-    intra = ("DDP in backward" if ddp_intra else
+    intra = ("FSDP2's reduce-scatter" if sharded else "DDP in backward" if ddp_intra else
              f"{options.intra_bits}-bit" if options.intra_bits else "fp32")
+    carried = ("each local rank's FSDP2 shard gossiped between nodes on its rail (rank 0's: "
+               f"{gossiped} parameters)" if sharded
+               else f"{gossiped} parameters gossiped between nodes")
     if N > 1:
+        share = "" if sharded else f", each local rank carrying 1/{L} of them on its rail"
         return logging.INFO, (
             f"qcomm: {_count(N, 'node')} x {_count(L, 'rank')}; gradients averaged inside "
-            f"each node ({intra}); {gossiped} parameters gossiped between nodes in "
-            f"{options.bits}-bit messages over a {options.graph} graph, each local rank "
-            f"carrying 1/{L} of them on its rail; {_schedule(options, gamma)}")
+            f"each node ({intra}); {carried} in {options.bits}-bit messages over a "
+            f"{options.graph} graph{share}; {_schedule(options, gamma)}")
     return logging.WARNING, (
         f"qcomm: 1 node x {_count(L, 'rank')}: gradients are averaged inside the node "
         f"({intra}) and nothing is compressed, since no link between nodes exists. To emulate "
@@ -54,13 +58,14 @@ def layout_line(topology: Topology, options: CommOptions, ddp_intra: bool, gossi
 
 
 def log_layout(topology: Topology, options: CommOptions, ddp_intra: bool,
-               gossiped: int, gamma: float | None = None) -> None:
+               gossiped: int, gamma: float | None = None, *, sharded: bool = False) -> None:
     """On rank 0, once: :func:`layout_line` on logger ``qcomm``. Where logging was never
     configured (no handler on the way to the root logger) Python would drop an INFO record,
     so the line goes to stderr instead: a user sees what qcomm detected either way."""
     if topology.rank != 0:
         return
-    level, line = layout_line(topology, options, ddp_intra, gossiped, gamma)
+    level, line = layout_line(topology, options, ddp_intra, gossiped, gamma,
+                              sharded=sharded)
     if log.hasHandlers():
         log.log(level, line)
     else:

@@ -8,10 +8,12 @@ checkpoints.
 """
 
 from qcomm.engine.gradients import NonFiniteGradientError
+from qcomm.engine.sharded import ShardedParamsError
 from qcomm.sgd.assgd import ASSGD
 from qcomm.sgd.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from qcomm.sgd.checkpoint_file import CheckpointError, UnsafeCheckpointError
 from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
 
 __all__ = ["ASSGD", "CheckpointError", "HierarchicalOptimizer", "NonFiniteGradientError",
-           "UnsafeCheckpointError", "checkpoint_path", "load_checkpoint", "save_checkpoint"]
+           "ShardedParamsError", "UnsafeCheckpointError", "checkpoint_path", "load_checkpoint",
+           "save_checkpoint"]
