@@ -64,6 +64,7 @@ from qcomm.kernels import backend as codec_backends
 from qcomm.kernels import reference
 from qcomm.kernels.backend import backend_name
 from qcomm.kernels.wire_format import SUPPORTED_BITS, split_payload
+from qcomm.validation import did_you_mean
 
 OPS = ("quantize", "accumulate")
 IMPLS = ("qcomm", "kernel", "reference", "baseline", "eager", "compiled")
@@ -572,7 +573,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                   ("--ops", args.ops, OPS), ("--impls", args.impls, IMPLS)):
         bad = [v for v in values if v not in allowed]
         if bad:
-            p.error(f"{name}: {bad} not in {list(allowed)}")
+            p.error(f"{name}: {bad} not in {list(allowed)}{did_you_mean(bad[0], allowed)}")
     if ("baseline" in args.impls) != (args.baseline is not None):
         p.error("the baseline row needs --baseline PATH, and --baseline needs the row")
     if args.threads is not None and args.threads < 1:

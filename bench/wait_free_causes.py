@@ -273,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in scenarios if s not in SCENARIOS] + [v for v in variants
                                                          if v not in VARIANTS]
     if bad:
-        ap.error(f"unknown scenario or variant {bad}")
+        # this checkout's qcomm: the run exits here, before --qcomm chooses one
+        from qcomm.validation import did_you_mean
+
+        ap.error(f"unknown scenario or variant {bad}"
+                 f"{did_you_mean(bad[0], [*SCENARIOS, *VARIANTS])}")
     args.marks = [int(m) for m in args.marks.split(",") if m]
     if not args.marks or max(args.marks) > args.steps or min(args.marks) < 1:
         ap.error("--marks must be steps in [1, --steps]")

@@ -52,15 +52,19 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The repository root last (bench.progress), so an installed qcomm is not shadowed.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mnist1d_model import ConvNet, accuracy, make_mnist1d
 
 import qcomm
+from bench.progress import progress
 from qcomm.collectives.hierarchical import HierarchicalAllreduce
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.sgd import ASSGD, HierarchicalOptimizer
 from qcomm.testing.multiprocess import run_world
+from qcomm.validation import did_you_mean
 
 REPO = Path(__file__).resolve().parents[1]
 NETNS = REPO / "bench" / "cluster" / "netns.sh"
@@ -95,8 +99,9 @@ class Config:
         names = [n.strip() for n in self.optimizers.split(",") if n.strip()]
         unknown = [n for n in names if n not in table]
         if unknown or not names:
+            hint = did_you_mean(unknown[0], table) if unknown else ""
             raise ValueError(f"optimizers must be a comma list of {sorted(table)}, "
-                             f"got {self.optimizers!r}")
+                             f"got {self.optimizers!r}{hint}")
         return [table[n] for n in names]
 
 
@@ -200,11 +205,9 @@ def _worker(rank: int, world: int, cfg: Config, data: dict) -> dict:
     after the other would each meet a different load."""
     methods = [_Method(m, rank, world, cfg, data) for pair in cfg.pairs() for m in pair]
     bar = None
-    if rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(cfg.epochs * m.steps_per_epoch for m in methods), desc="training",
-                   unit="step", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+    if rank == 0:  # a bar on a terminal, a line now and then in a redirected log
+        bar = progress(sum(cfg.epochs * m.steps_per_epoch for m in methods), "training",
+                       unit="step", dynamic_ncols=True, mininterval=0.5)
     for epoch in range(cfg.epochs):
         for m in methods:
             m.train_epoch(epoch, bar)

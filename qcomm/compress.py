@@ -50,7 +50,7 @@ from qcomm.kernels.wire_format import (
     split_payload,
 )
 from qcomm.seeds import draw_seed
-from qcomm.validation import check_seed, check_tensor
+from qcomm.validation import check_instance, check_seed, check_tensor
 
 __all__ = [
     "WIRE_FORMAT_VERSION",
@@ -364,8 +364,7 @@ def dequantize(packed: Packed, *, out: torch.Tensor | None = None,
     Raises:
         NonFiniteError: the payload carries a non-finite scale; ``out`` is unchanged.
     """
-    if not isinstance(packed, Packed):
-        raise TypeError(f"packed must be a qcomm.compress.Packed, got {type(packed).__name__}")
+    check_instance("packed", packed, Packed, what="a qcomm.compress.Packed")
     device = packed.payload.device
     if out is None:
         dtype = packed.dtype if dtype is None else dtype

@@ -11,37 +11,20 @@ For users who keep ``DistributedDataParallel``::
 
 Each gradient bucket is averaged with :class:`qcomm.collectives.hierarchical.
 HierarchicalAllreduce`: full precision inside a node, ``bits``-bit payloads with error feedback
-between nodes (each local rank carries one shard on its rail), all-gather inside the node.
-Between nodes, from 3 nodes on, the shard goes through a quantized reduce-scatter (each node
-owns a chunk, decodes the nodes' payloads of it and re-quantizes their mean with a second
-residual) and an all-gather of the owners' chunks: a node sends about two payloads per bucket
-whatever the node count, where an all-gather of every node's payload sends N - 1
-(``rail_collective``; :mod:`qcomm.collectives.rail`).
+between nodes (from 3 nodes on a quantized reduce-scatter + all-gather, about two payloads per
+node and bucket whatever the node count: :mod:`qcomm.collectives.rail`), all-gather inside the
+node. As PowerSGD's hook, it takes a ``process_group`` (None: the default group) and a warm-up,
+``start_iter`` (full-precision iterations, as ``start_powerSGD_iter``), and returns a future
+that completes when the communication does, so the rest of the backward pass runs meanwhile.
 
-What PowerSGD's hook offers, this one offers too:
+One worker thread per state launches every collective of the state's groups, in bucket order,
+and resolves each bucket's future from its handle: neither the hook nor a future callback
+waits. The state follows PyTorch's ``PowerSGDState``: runtime objects are created lazily at
+the first hook call, and pickling keeps the hyperparameters, the iteration count and the
+error-feedback residuals, never a process group or a thread.
 
-* ``process_group``: the group DDP averages over (None: the default group);
-* a warm-up, ``start_iter`` (PowerSGD's ``start_powerSGD_iter``): the first ``start_iter``
-  iterations average in full precision with DDP's own allreduce, which also lets DDP rebuild
-  its buckets before any error-feedback residual is created for them;
-* a future that completes when the communication does, so the rest of the backward pass runs
-  while a bucket is in flight.
-
-How the future completes without blocking anything. A hierarchical mean runs in three dependent
-stages (intra-node reduce-scatter, rail all-gather, intra-node all-gather), and collectives on
-one process group must be issued in the same order on every rank. The hook therefore hands each
-bucket to one worker thread per state, which issues every collective of the state's groups, in
-bucket order (DDP calls the hook in bucket order on every rank), waits on the
-:class:`~qcomm.collectives.handles.Handle` and resolves the bucket's future from the handle's
-completion (or failure). Neither the hook nor any future callback waits; the groups belong to
-the state alone, so no other thread issues collectives on them. DDP waits on the futures at the
-end of backward, as for its own allreduce.
-
-The state object follows PyTorch's ``PowerSGDState``: hyperparameters apart from runtime
-objects, runtime objects created lazily on the first hook call (every rank calls the hook for
-bucket 0 at the same point of the first backward, so creating the process groups there is
-safe), and pickling keeps the hyperparameters, the iteration count and the error-feedback
-residuals but never a process group or a thread.
+Why one worker thread, and the state's rules in full: docs/design.md, section "The DDP hook's
+worker thread and state".
 """
 
 # No "from __future__ import annotations": DDP checks the hook's annotations at runtime
@@ -58,6 +41,7 @@ import torch.distributed as dist
 from qcomm.compress import QuantSpec
 from qcomm.validation import (
     check_bucket_mb,
+    check_instance,
     check_int,
     check_seed,
     check_timeout,
@@ -102,6 +86,12 @@ class HierarchicalQuantState:
         iter: iterations completed (counted when DDP's last bucket of an iteration is hooked).
         stats: :class:`qcomm.collectives.stats.CommStats` of bytes sent per level, or None
             before the first quantized bucket (warm-up allreduces are DDP's bytes, not counted).
+
+    Raises:
+        ValueError: a bad node layout (``procs_per_node`` not dividing the world size, or
+            torchrun's ``LOCAL_*`` variables at odds with the ranks), here when
+            torch.distributed is initialized, else at the first hook call (before any
+            warm-up iteration); TypeError/ValueError for a bad argument, named.
     """
 
     # Hyperparameters: the only fields that survive pickling, with the residuals and `iter`.
@@ -144,6 +134,22 @@ class HierarchicalQuantState:
         self._allreduce: Any = None
         self._pending: dict | None = None
         self._worker: _Worker | None = None
+        self._layout_checked = False
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """Check the node layout (``procs_per_node`` dividing the world size, torchrun's
+        ``LOCAL_*`` variables) as soon as the job is known: here at construction under an
+        initialized torch.distributed, else at the first hook call. The groups are still made
+        at the first quantized bucket, but a bad layout must not wait for it: after a warm-up
+        of ``start_iter`` iterations it would end a run that already spent them. Makes no
+        collective and no group."""
+        if self._layout_checked or not (dist.is_available() and dist.is_initialized()):
+            return
+        from qcomm.collectives.topology import Topology
+
+        Topology(self.procs_per_node)  # raises ValueError naming the numbers
+        self._layout_checked = True
 
     @property
     def warming_up(self) -> bool:
@@ -237,8 +243,7 @@ def _from_comm(comm: Any, given: dict[str, Any]) -> tuple:
     options must too: the hook averages every iteration exactly, they would change nothing."""
     from qcomm.engine.options import CommOptions
 
-    if not isinstance(comm, CommOptions):
-        fail("comm", "a CommOptions or None", comm, TypeError)
+    check_instance("comm", comm, CommOptions, allow_none=True, what="a CommOptions")
     defaults = HierarchicalQuantState.__init__.__kwdefaults__
     both = [k for k, v in given.items()
             if (v is not None if k == "procs_per_node" else v != defaults[k])]
@@ -257,7 +262,8 @@ def _from_comm(comm: Any, given: dict[str, Any]) -> tuple:
 
 class _Worker:
     """One thread that averages buckets in the order they were submitted: it is the only
-    issuer of collectives on the state's process groups (see the module docstring)."""
+    issuer of collectives on the state's process groups (why: docs/design.md, "The DDP hook's
+    worker thread and state")."""
 
     def __init__(self, allreduce: Any, timeout_s: float | None) -> None:
         self._allreduce = allreduce
@@ -335,8 +341,9 @@ def hierarchical_quantized_hook(state: HierarchicalQuantState,
     state_dict` starts, as DDP does, on the initial layout for one iteration: that iteration
     uses the residuals saved for the initial layout, the next ones those of the rebuilt layout.
     """
-    if not isinstance(state, HierarchicalQuantState):
-        raise TypeError(f"state must be a HierarchicalQuantState, got {type(state).__name__}")
+    check_instance("state", state, HierarchicalQuantState,
+                   what="a qcomm.hooks.HierarchicalQuantState")
+    state._check_layout()  # a state made before init_process_group: at its first bucket
     tensor = bucket.buffer()
     if state.warming_up:
         fut = _allreduce_fp(state, tensor)

@@ -1,10 +1,9 @@
 """Every random stream of qcomm comes from one seed, through one derivation tree: this module.
 
-Stochastic rounding needs random numbers that are reproducible (a resumed run, the in-memory
-world and Gloo must give the same bytes) and independent between messages (two ranks, two
-calls or two rounds must not round alike, or their errors add up instead of averaging out).
-So every message gets its own 64-bit *message seed*, derived from the user's seed and the
-message's coordinates, and the codec draws element ``i``'s number from ``(message seed, i)``::
+Stochastic rounding needs random numbers that are reproducible and independent between
+messages, so every message gets its own 64-bit *message seed*, derived from the user's seed and
+the message's coordinates, and the codec draws element ``i``'s number from ``(message seed, i)``
+(why, and why the hashes are three: docs/design.md, "The seed tree")::
 
     seed S  (CommOptions.seed, HierarchicalQuantState(seed=...), ...: an int in [0, 2**64))
     │
@@ -24,20 +23,8 @@ message's coordinates, and the codec draws element ``i``'s number from ``(messag
           key  = stream_key(M, i >> 32)                                     lowbias32 chain
           bits = mix32(mix32((i mod 2**32) ^ key) + key);  uniform = (bits >> 8) * 2**-24
 
-The three hashes on the way are not one family, for a historical reason: each was introduced
-with its layer, and checkpoints saved by earlier versions hold gossip states whose rounds in
-flight were quantized with these very streams (a resumed run must reproduce them bit for bit).
-They are kept as they are and documented here; what matters is that each level mixes all of
-its inputs into 64 (or, per 2**32 elements, 32) well-mixed bits:
-
-* ``derive``: the splitmix64 finalizer (Steele, Lea and Flood 2014) applied along the chain
-  ``x <- f(x ^ f(part))``;
-* ``gossip_message_seed``: BLAKE2b with an 8-byte digest of a text key;
-* ``stream_key`` / ``mix32``: Chris Wellons' "lowbias32", a bijection on 32-bit words with
-  strong avalanche, cheap in uint32 arithmetic on every device.
-
-The seal of a gossip message (:mod:`qcomm.collectives.gossip.integrity`) keys its checksum with
-:func:`seal_key`, the same splitmix64 finalizer; it is a key, not a random stream.
+The hashes are kept as they are (checkpoints hold rounds quantized with these streams).
+:func:`seal_key` keys a gossip message's seal: a key, not a random stream.
 """
 
 from __future__ import annotations

@@ -15,18 +15,19 @@ This module is the bottom layer of qcomm: it imports only the standard library a
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 import operator
-from collections.abc import Collection
+import re
+from collections.abc import Collection, Iterable
 from typing import NoReturn, TypeVar
 
 import torch
 
-__all__ = ["SEED_BITS", "SEED_MAX", "check_bucket_mb", "check_choice", "check_fragments",
-           "check_gamma", "check_instance", "check_int", "check_outer_lr", "check_outer_momentum",
-           "check_real", "check_seed", "check_staleness", "check_tensor", "check_timeout",
-           "describe", "fail"]
+__all__ = ["SEED_BITS", "SEED_MAX", "check_bucket_mb", "check_choice", "check_instance",
+           "check_int", "check_real", "check_seed", "check_tensor", "check_timeout", "describe",
+           "did_you_mean", "fail"]
 
 SEED_BITS = 64
 SEED_MAX = (1 << SEED_BITS) - 1
@@ -40,13 +41,42 @@ def describe(value: object) -> str:
     ``repr`` would be a page long (tensors, modules)."""
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, type):  # "<class 'torch.nn.modules.linear.Linear'>" hides that it is one
+        return f"the class {value.__qualname__}"
     text = repr(value)
     return text if len(text) <= 80 else f"a {type(value).__name__}"
 
 
-def fail(name: str, what: str, value: object, exc: type[Exception] = ValueError) -> NoReturn:
-    """Raise ``exc("<name> must be <what>, got <value>")``."""
-    raise exc(f"{name} must be {what}, got {describe(value)}")
+def fail(name: str, what: str, value: object, exc: type[Exception] = ValueError, *,
+         hint: str = "") -> NoReturn:
+    """Raise ``exc("<name> must be <what>, got <value><hint>")``.
+
+    Args:
+        name (str): the argument's name.
+        what (str): what it must be.
+        value (object): what it was (shown by :func:`describe`).
+        exc (type[Exception]): the exception to raise.
+        hint (str): appended to the message, e.g. :func:`did_you_mean`'s.
+    """
+    raise exc(f"{name} must be {what}, got {describe(value)}{hint}")
+
+
+def did_you_mean(value: object, names: Iterable[object]) -> str:
+    """``"; did you mean 'continue'?"`` when ``value`` is a string close to one of the string
+    ``names`` (a near miss, by :func:`difflib.get_close_matches`), else ``""``.
+
+    Args:
+        value (object): the name that was refused.
+        names (Iterable[object]): the accepted ones (those that are not strings are passed
+            over: a number has no near miss).
+
+    Returns:
+        str: the tail of the message that refuses ``value``.
+    """
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, [n for n in names if isinstance(n, str)], n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _interval(kind: str, low: float | None, high: float | None, low_open: bool,
@@ -125,7 +155,8 @@ def check_real(name: str, value: object, *, low: float | None = None,
 def check_choice(name: str, value: object, choices: Collection[T], *,
                  allow_none: bool = False) -> T | None:
     """``value`` if it is one of ``choices`` (or None when allowed), else ValueError listing
-    them (and None, when allowed: a choice has no "kind" apart from its value)."""
+    them (and None, when allowed: a choice has no "kind" apart from its value), and the
+    nearest choice to a misspelled one (:func:`did_you_mean`)."""
     if value is None and allow_none:
         return None
     try:
@@ -136,7 +167,8 @@ def check_choice(name: str, value: object, choices: Collection[T], *,
         ok = False
     if not ok:
         listed = tuple(choices)
-        fail(name, f"one of {listed}" + (" or None" if allow_none else ""), value)
+        fail(name, f"one of {listed}" + (" or None" if allow_none else ""), value,
+             hint=did_you_mean(value, listed))
     return value  # type: ignore[return-value]
 
 
@@ -147,10 +179,32 @@ def check_instance(name: str, value: object, cls: type[T] | tuple[type, ...], *,
     if value is None and allow_none:
         return None
     if not isinstance(value, cls):
-        names = what or "a " + " or ".join(
-            f"{c.__module__}.{c.__qualname__}" for c in (cls if isinstance(cls, tuple) else (cls,)))
+        classes = cls if isinstance(cls, tuple) else (cls,)
+        names = what or "a " + " or ".join(f"{c.__module__}.{c.__qualname__}" for c in classes)
+        fail_instance(name, value, classes, names)
         fail(name, names + (" or None" if allow_none else ""), value, TypeError)
     return value
+
+
+def fail_instance(name: str, value: object, cls: type | tuple[type, ...], what: str) -> None:
+    """Raise TypeError when ``value`` is the class ``cls`` (or a subclass) where one of its
+    instances is expected (``torch.nn.Linear`` for ``torch.nn.Linear(4, 2)``, ``SGD`` for
+    ``SGD(params)``), naming the call that was probably meant:
+    ``"<name> must be a <Kind> instance, got the class <Name>; did you mean <Name>(...)?"``.
+    ``what`` is how the expected kind is called ("a torch.nn.Module"). Returns otherwise: the
+    caller raises its own message for any other value."""
+    classes = cls if isinstance(cls, tuple) else (cls,)
+    if not (isinstance(value, type) and issubclass(value, classes)):
+        return
+    if re.fullmatch(r"an? [\w.]+", what):  # one kind, named as the caller names it
+        kind = what
+    else:  # "a X or None", "one of ...": the expected class this one derives from
+        base = next(c for c in classes if issubclass(value, c))
+        qualified = f"{base.__module__}.{base.__qualname__}"
+        kind = f"{'an' if qualified[0] in 'aeiou' else 'a'} {qualified}"
+    called = value.__qualname__
+    raise TypeError(f"{name} must be {kind} instance, got the class {called}; "
+                    f"did you mean {called}(...)?")
 
 
 def check_seed(value: object, name: str = "seed") -> int:
@@ -175,6 +229,7 @@ def check_tensor(name: str, value: object, *, dtypes: Collection[torch.dtype] | 
             place"), appended to that message.
     """
     if not isinstance(value, torch.Tensor):
+        fail_instance(name, value, torch.Tensor, "a torch.Tensor")
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if dtypes is not None and value.dtype not in dtypes:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
@@ -192,10 +247,10 @@ def check_tensor(name: str, value: object, *, dtypes: Collection[torch.dtype] | 
     return value
 
 
-
 # ---------------------------------------------------------------------------------------------
 # the limits of options that several constructors take (CommOptions, CompressedGossip, the
-# bucketed means, the DDP hook's state): defined once, so they cannot drift apart
+# bucketed means, the DDP hook's state): defined once, so they cannot drift apart. The gossip's
+# own options are checked in qcomm.collectives.gossip.options.
 
 
 def check_timeout(value: object, name: str = "timeout_s", *, allow_none: bool = False
@@ -208,33 +263,3 @@ def check_bucket_mb(value: object, name: str = "bucket_mb") -> float:
     """A bucket size in MiB: a finite float > 0."""
     return check_real(name, value, low=0, low_open=True)  # type: ignore[return-value]
 
-
-def check_staleness(value: object, name: str = "staleness") -> int:
-    """Gossip rounds in flight: an int >= 0."""
-    return check_int(name, value, low=0)  # type: ignore[return-value]
-
-
-def check_gamma(value: object, name: str = "gamma", *, allow_none: bool = False
-                ) -> float | None:
-    """CHOCO's consensus step: a float in (0, 1] (None: the default for bits and staleness)."""
-    return check_real(name, value, low=0, high=1, low_open=True, allow_none=allow_none)
-
-
-def check_outer_momentum(value: object, name: str = "outer_momentum") -> float:
-    """Nesterov momentum of the gossip's outer step: a float in [0, 1)."""
-    return check_real(name, value, low=0, high=1, high_open=True)  # type: ignore[return-value]
-
-
-def check_outer_lr(value: object, name: str = "outer_lr") -> float:
-    """Learning rate of the gossip's outer step: a float in (0, 2] (1 with momentum 0: none)."""
-    return check_real(name, value, low=0, high=2, low_open=True)  # type: ignore[return-value]
-
-
-def check_fragments(value: object, divides: int, divides_name: str,
-                    name: str = "fragments") -> int:
-    """A number of fragments: an int >= 1 dividing ``divides`` (named ``divides_name``)."""
-    what = f"an int >= 1 dividing {divides_name}={divides}"
-    n = check_int(name, value, low=1, what=what)
-    if divides % n:  # type: ignore[operator]
-        fail(name, what, value)
-    return n  # type: ignore[return-value]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -159,6 +160,54 @@ def test_state_validation_and_pickle_without_groups() -> None:
     assert state.warming_up and state.iter == 0
     with pytest.raises(TypeError, match="HierarchicalQuantState"):
         hierarchical_quantized_hook(object(), None)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def fake_world_of_4() -> Iterator[None]:
+    """torch.distributed initialized in this process as rank 0 of 4, with torch's fake
+    backend (collectives return at once, nothing is sent): a job whose size is known."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+NOT_DIVISIBLE = ("every node must have the same number of ranks: world_size=4 is not divisible "
+                 "by procs_per_node=3")
+
+
+def test_a_bad_node_layout_raises_when_the_state_is_made(fake_world_of_4: None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under an initialized job the layout is checked at construction, whatever the warm-up
+    (it used to wait for the first quantized bucket, ``start_iter`` iterations in)."""
+    with pytest.raises(ValueError, match=NOT_DIVISIBLE):
+        HierarchicalQuantState(3, start_iter=100)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # torchrun's, when procs_per_node is None
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match=NOT_DIVISIBLE):
+        HierarchicalQuantState(start_iter=100)
+    state = HierarchicalQuantState(2, start_iter=100)
+    assert state._allreduce is None  # checked without making a group (not collective)
+
+
+def test_a_state_made_before_init_checks_its_layout_at_the_first_warm_up_bucket() -> None:
+    """Made before ``init_process_group`` (the job unknown), a state is checked at the first
+    hook call, a warm-up bucket, before DDP's allreduce runs."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    state = HierarchicalQuantState(3, start_iter=100)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        ddp.register_comm_hook(state, hierarchical_quantized_hook)
+        with pytest.raises(ValueError, match=NOT_DIVISIBLE):
+            ddp(torch.randn(3, 4)).sum().backward()
+        assert state.iter == 0
+    finally:
+        dist.destroy_process_group()
 
 
 def _grads(model: torch.nn.Module, rank: int, step: int) -> list[torch.Tensor]:

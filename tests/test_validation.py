@@ -26,6 +26,7 @@ from qcomm.validation import (
     check_real,
     check_seed,
     check_tensor,
+    did_you_mean,
 )
 
 LONE = Topology(1, rank=0, world_size=1)
@@ -161,3 +162,27 @@ def test_normal_forms_are_returned() -> None:
     assert check_real("x", 1) == 1.0 and type(check_real("x", np.float32(0.5))) is float
     assert check_int("n", None, allow_none=True) is None
     assert check_real("x", None, allow_none=True) is None
+
+
+@pytest.mark.parametrize(("value", "names", "hint"), [
+    ("continu", ("raise", "continue"), "; did you mean 'continue'?"),
+    ("metropolice", ("uniform", "metropolis"), "; did you mean 'metropolis'?"),
+    ("Ring", ("ring", "exponential", "complete"), "; did you mean 'ring'?"),
+    ("star", ("ring", "exponential", "complete"), ""),  # far from every name
+    ("ignore", ("raise", "continue"), ""),
+    (3, (1, 2, 4, 8), ""),  # a number has no near miss
+    ("4", (1, 2, 4, 8), ""),
+    (None, ("a", "b"), ""),
+])
+def test_did_you_mean_names_only_a_near_miss(value: object, names: tuple, hint: str) -> None:
+    assert did_you_mean(value, names) == hint
+
+
+def test_a_choice_names_the_nearest_one() -> None:
+    with pytest.raises(ValueError) as info:
+        check_choice("on_peer_loss", "continu", ("raise", "continue"))
+    assert str(info.value) == ("on_peer_loss must be one of ('raise', 'continue'), got "
+                               "'continu'; did you mean 'continue'?")
+    with pytest.raises(ValueError) as info:
+        check_choice("m", "x", ("a", "b"), allow_none=True)
+    assert str(info.value) == "m must be one of ('a', 'b') or None, got 'x'"

@@ -55,7 +55,9 @@ if __package__ in (None, ""):
 
 from bench.cluster import methods as M
 from bench.cluster import training as T
+from bench.cluster import worker_flags as F
 from bench.cluster import workloads as W
+from bench.progress import note, progress
 
 HERE = Path(__file__).resolve().parent
 NETNS = HERE / "netns.sh"
@@ -603,27 +605,15 @@ def workload_command(workload: str, method: str, args: argparse.Namespace, data:
                      out_json: Path, layout: str) -> list[str]:
     """workload.py's arguments for one run on ``layout`` (its tag, e.g. ``"2x2"``: which
     ``--time-budget`` applies)."""
-    s = settings(workload, args)
+    values = {**vars(args), **settings(workload, args)}  # the workload's where left out
     seconds = args.time_budget[layout] if args.time_budget else None
     if seconds == FASTEST:
         budget = ["--until-fastest"]
     else:
         budget = (["--time-budget", f"{seconds:g}"] if seconds else []) + \
-            (["--max-steps", str(args.max_steps)] if args.max_steps else [])
+            F.command_line(values, ("max_steps",))
     return [str(WORKLOAD), "--workload", workload, "--method", method, "--data", str(data), *budget,
-            "--out", str(out_json), "--width", str(s["width"]), "--depth", str(s["depth"]),
-            "--batch", str(s["batch"]), "--lr", str(s["lr"]), "--momentum", str(s["momentum"]),
-            "--weight-decay", str(s["weight_decay"]), "--steps", str(s["steps"]),
-            "--warmup", str(args.warmup), "--seed", str(args.seed),
-            "--powersgd-rank", str(args.powersgd_rank),
-            "--localsgd-period", str(args.localsgd_period),
-            "--diloco-sync-every", str(args.diloco_sync_every),
-            "--streaming-fragments", str(args.streaming_fragments),
-            "--streaming-delay", str(args.streaming_delay),
-            *(["--profile"] if args.profile else []),
-            *(["--pg-timeout", f"{args.pg_timeout:g}"] if args.pg_timeout is not None else []),
-            *(["--kill-node", str(args.kill_node), "--kill-at", f"{args.kill_at:g}"]
-              if args.kill_node is not None else [])]
+            "--out", str(out_json), *F.command_line(values, F.PASSED_ON)]
 
 
 def run_one(cluster: str, layout: T.Layout, cmd_args: list[str], timeout: int, out_json: Path,
@@ -758,44 +748,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="The methods: all, a family (torch, torchft, qcomm) or a comma list.")
     p.add_argument("--repeats", type=int, default=3,
                    help="Runs per cell; the table shows their median and [min-max].")
-    p.add_argument("--steps", type=int, default=None,
-                   help="Timed steps per run; the workload's when left out (mnist1d 600, "
-                        "charlm 400).")
-    p.add_argument("--warmup", type=int, default=5,
-                   help="Untimed steps before the window (they train too).")
-    p.add_argument("--width", type=int, default=None,
-                   help="The model's width; the workload's when left out (mnist1d 512, charlm "
-                        "128).")
-    p.add_argument("--depth", type=int, default=None,
-                   help="Hidden layers or transformer blocks; the workload's when left out.")
-    p.add_argument("--batch", type=int, default=None,
-                   help="The batch per rank; the workload's when left out (mnist1d 32, charlm "
-                        "8).")
-    p.add_argument("--lr", type=float, default=None,
-                   help="The learning rate; the workload's when left out (mnist1d 0.05, "
-                        "charlm 3e-3).")
-    p.add_argument("--momentum", type=float, default=None,
-                   help="SGD's momentum; the workload's when left out (mnist1d 0.9).")
-    p.add_argument("--weight-decay", type=float, default=None,
-                   help="AdamW's weight decay; the workload's when left out (charlm 0.1).")
-    p.add_argument("--seed", type=int, default=0, help="The seed of data, weights and batches.")
+    # workload.py's flags, passed on to every run (declared once, in worker_flags.py)
+    F.add_flags(p, ("steps", "warmup", "width", "depth", "batch", "lr", "momentum",
+                    "weight_decay", "seed"))
     p.add_argument("--num-samples", type=int, default=12000,
                    help="MNIST-1D samples generated (80%% for training).")
     p.add_argument("--target", type=float, default=None,
                    help="The quality whose first reaching is the time to target; the "
                         "workload's when left out (mnist1d test accuracy 0.70, charlm "
                         "validation loss 1.90).")
-    p.add_argument("--powersgd-rank", type=int, default=4,
-                   help="The rank of PowerSGD's low-rank approximation.")
-    p.add_argument("--localsgd-period", type=int, default=8,
-                   help="Steps between post-local SGD's parameter averages.")
-    p.add_argument("--diloco-sync-every", type=int, default=16,
-                   help="DiLoCo's inner steps per outer round.")
-    p.add_argument("--streaming-fragments", type=int, default=4,
-                   help="Streaming DiLoCo's number of fragments; it must divide "
-                        "--diloco-sync-every.")
-    p.add_argument("--streaming-delay", type=int, default=1,
-                   help="Streaming DiLoCo's fragment_sync_delay, in inner steps.")
+    F.add_flags(p, ("powersgd_rank", "localsgd_period", "diloco_sync_every",
+                    "streaming_fragments", "streaming_delay"))
     p.add_argument("--delay-ms", type=float, default=None,
                    help="One-way latency between nodes, ms: the nodes are joined by the "
                         "delayline forwarder (netns.sh) instead of the bridge. Left out: the "
@@ -812,21 +775,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "steps (the fastest node does a lockstep run's work, on any machine); "
                         "SECONDS per node for every layout, or LAYOUT=SECONDS,... one per "
                         "layout (e.g. 4x1=8,2x2=16).")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="With --time-budget: the most steps a node takes (default 100 x steps: the "
-                        "budget decides).")
-    p.add_argument("--kill-node", type=int, default=None,
-                   help="Lose this node in every run: all its processes (ranks and torchrun "
-                        "agent) are killed with SIGKILL at --kill-at of the run. 1 or more "
-                        "(node 0 hosts the rendezvous store), and a node of every layout.")
-    p.add_argument("--kill-at", type=float, default=None,
-                   help="When --kill-node dies, a fraction strictly between 0 and 1: after step "
-                        "round(F x steps) of that node, or F x --time-budget seconds into the "
-                        "timed window for the methods with a per-node budget.")
-    p.add_argument("--pg-timeout", type=float, default=None,
-                   help="Seconds a collective (and torchft's quorum) may wait before it fails; "
-                        "with --kill-node, the longest a survivor stays blocked on the lost "
-                        "node. Left out: workload.py's default (300).")
+    # unset: a healthy sweep passes no timeout on (and its summary records none)
+    F.add_flags(p, ("max_steps", "kill_node", "kill_at", "pg_timeout"), unset=("pg_timeout",))
     p.add_argument("--timeout", type=int, default=900, help="The seconds allowed per run.")
     p.add_argument("--agree", type=float, default=0.05,
                    help="Largest relative difference allowed between the two byte counts.")
@@ -836,8 +786,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Exit 1 unless every applicable, available run finished and bytes "
                         "agree.")
     p.add_argument("--no-plots", action="store_true", help="Write no PNG plots.")
-    p.add_argument("--profile", action="store_true",
-                   help="cProfile every rank's timed steps (runs/<run>.json.prof<rank>.txt).")
+    F.add_flags(p, ("profile",))
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -936,11 +885,10 @@ def make_data(sweep: Sweep, args: argparse.Namespace) -> None:
     sweep.targets = {w: settings(w, args)["target"] for w in sweep.workloads}
 
 
-def run_sweep(sweep: Sweep, args: argparse.Namespace,
-              bars: Any) -> dict[Cell, list[dict[str, Any]]]:
+def run_sweep(sweep: Sweep, args: argparse.Namespace) -> dict[Cell, list[dict[str, Any]]]:
     """Every run: per (layout, rate) one cluster, built, used for every repetition of every
     (workload, method), and removed, also on failure, Ctrl-C or SIGTERM. Returns each cell's
-    repetitions (``bars``: tqdm's class, for the progress bars)."""
+    repetitions. Progress on stderr (:func:`bench.progress.progress`: bars on a terminal)."""
 
     # SIGTERM (e.g. from a CI timeout) must run the `finally` that removes the cluster.
     def on_term(signum: int, _frame: Any) -> None:
@@ -949,8 +897,8 @@ def run_sweep(sweep: Sweep, args: argparse.Namespace,
     signal.signal(signal.SIGTERM, on_term)
     netns("clean")
     reps: dict[Cell, list[dict[str, Any]]] = {}
-    overall = bars(total=len(sweep.combos) * len(sweep.workloads) * len(sweep.names)
-                   * args.repeats, desc="runs", position=0, leave=True)
+    overall = progress(len(sweep.combos) * len(sweep.workloads) * len(sweep.names)
+                       * args.repeats, "runs", position=0, leave=True)
     for lay, rate in sweep.combos:
         cluster = secrets.token_hex(3)
         tag = lay.tag
@@ -964,7 +912,7 @@ def run_sweep(sweep: Sweep, args: argparse.Namespace,
                     for name in sweep.names:
                         cell = (w, tag, rate, name)
                         overall.set_description(f"{w} {tag} {rate} {name} #{rep + 1}")
-                        row = run_cell(sweep, args, bars, cluster, lay, cell, rep)
+                        row = run_cell(sweep, args, cluster, lay, cell, rep)
                         if row is not None:
                             reps.setdefault(cell, []).append(row)
                         overall.update(1)
@@ -974,7 +922,7 @@ def run_sweep(sweep: Sweep, args: argparse.Namespace,
     return reps
 
 
-def run_cell(sweep: Sweep, args: argparse.Namespace, bars: Any, cluster: str,
+def run_cell(sweep: Sweep, args: argparse.Namespace, cluster: str,
              layout: T.Layout, cell: Cell, rep: int) -> dict[str, Any] | None:
     """Repetition ``rep`` of ``cell`` on the cluster: the run's row (summarized), or why it
     failed; for a method that cannot run here, why, in the first repetition only (None in the
@@ -989,13 +937,12 @@ def run_cell(sweep: Sweep, args: argparse.Namespace, bars: Any, cluster: str,
     stem = f"{w}_{tag}_{rate}_{name}_r{rep + 1}"
     out_json = sweep.outdir / "runs" / f"{stem}.json"
     cmd = workload_command(w, name, args, sweep.data[w], out_json, tag)
-    with bars(total=settings(w, args)["steps"], desc=f"  {name}", position=1,
-              leave=False) as bar:
+    with progress(settings(w, args)["steps"], f"  {name}", position=1, leave=False) as bar:
         rc, tail = run_one(cluster, layout, cmd, args.timeout, out_json,
                            sweep.outdir / "runs" / f"{stem}.log", bar,
                            (args.slow_nodes, args.slowdown), args.kill_node)
     if rc != 0 or not out_json.exists():
-        bars.write(f"{stem}: FAILED (exit {rc}); log {sweep.outdir}/runs/{stem}.log\n{tail}")
+        note(f"{stem}: FAILED (exit {rc}); log {sweep.outdir}/runs/{stem}.log\n{tail}")
         return {**base, "status": f"failed (exit {rc})"}
     row = summarize_run(json.loads(out_json.read_text()), sweep.targets[w])
     return {**row, "rate": rate}
@@ -1090,14 +1037,11 @@ def main(argv: list[str] | None = None) -> int:
         print("compare.py: needs root (netns.sh creates network namespaces, a bridge and tc "
               "qdiscs); run it as root or with sudo", file=sys.stderr)
         return 1
-    # Imported here, before any file is written: --help and the tests do without it.
-    from tqdm import tqdm
-
     sweep = plan(args)
     env = environment()
     announce(args, env)
     make_data(sweep, args)
-    reps = run_sweep(sweep, args, tqdm)
+    reps = run_sweep(sweep, args)
     rows = [{**aggregate(cell_reps), "rate": cell[2]} for cell, cell_reps in reps.items()]
     print_tables(rows, args)
     checks = print_targets(rows, sweep)

@@ -27,6 +27,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.cluster import training as T
+from bench.cluster import worker_flags as F
 from bench.cluster import workloads as W
 
 
@@ -36,19 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="The workload whose DDP curve to compute.")
     p.add_argument("--ranks", type=int, default=4,
                    help="Ranks of the DDP job it stands for (4: the 2x2 and 4x1 layouts).")
-    p.add_argument("--steps", type=int, default=None,
-                   help="Timed steps; default: the workload's budget.")
-    p.add_argument("--warmup", type=int, default=5,
-                   help="Steps before the timed window (workload.py's --warmup); they train "
-                        "too, and the printed step counts from the window's start.")
-    p.add_argument("--every", type=int, default=25, help="Steps between evaluations.")
-    p.add_argument("--lr", type=float, default=None, help="Learning rate; default: the "
-                   "workload's.")
-    p.add_argument("--seed", type=int, default=0, help="Seed of weights and batches.")
-    p.add_argument("--heads", type=int, default=4, help="Attention heads (transformer).")
-    p.add_argument("--context", type=int, default=64, help="Context (transformer).")
-    p.add_argument("--eval-windows", type=int, default=256,
-                   help="Validation windows (transformer).")
+    # workload.py's flags: the same batches and model as its ranks (declared in worker_flags.py)
+    F.add_flags(p, ("steps", "warmup"))
+    p.add_argument("--every", type=int, default=25,
+                   help="Steps between evaluations (the printed step counts from the timed "
+                        "window's start).")
+    F.add_flags(p, ("lr", "seed", "heads", "context", "eval_windows"))
     return p.parse_args(argv)
 
 

@@ -246,8 +246,24 @@ def parse_methods(spec: str) -> list[str]:
     unknown = [n for n in names if n not in METHODS]
     if unknown:
         raise ValueError(f"methods: unknown {unknown}; known: {list(METHODS)}, or all or a "
-                         f"family {list(FAMILIES)}")
+                         f"family {list(FAMILIES)}{near_miss(unknown[0])}")
     return names
+
+
+def near_miss(name: str) -> str:
+    """``"; did you mean 'assgd-4'?"`` for a misspelled method, family or ``all``, else ``""``.
+
+    Args:
+        name (str): the name that is no method.
+
+    Returns:
+        str: the tail of the message refusing ``name``.
+    """
+    # qcomm.validation words every "did you mean" alike; it imports torch, which the registry
+    # does not need until a name is refused.
+    from qcomm.validation import did_you_mean
+
+    return did_you_mean(name, [*METHODS, *FAMILIES, "all"])
 
 
 def availability(name: str) -> tuple[bool, str]:
@@ -643,7 +659,8 @@ BUILDERS: dict[str, Callable[[Any, Config], Built]] = {
 def build(name: str, module, cfg: Config) -> Built:
     """Build method ``name`` around ``module`` (collective: call on every rank)."""
     if name not in METHODS:
-        raise ValueError(f"method must be one of {list(METHODS)}, got {name!r}")
+        raise ValueError(f"method must be one of {list(METHODS)}, got {name!r}"
+                         f"{near_miss(name)}")
     ok, why = availability(name)
     if not ok:
         raise RuntimeError(f"method {name}: {why}")

@@ -2,7 +2,9 @@
 method's time to several targets (an easy one every method reaches, the usual one, one near the
 best final quality) and its quality at fixed wall-clock budgets, each as the median over the
 repetitions with its [min-max] spread; then, per column, who is first, by how much, whether the
-spreads are apart (else it is a tie) and how much margin the win has.
+spreads are apart (else it is a tie) and how much margin the win has. Then each method's quality
+at equal work: when the nodes have taken a given number of steps each on average (nodes at
+different paces, as wait-free ones, have seen the same samples as a lockstep run there).
 
     python bench/cluster/verdicts.py OUT/healthy/summary.json [--json OUT/verdicts.json]
 
@@ -139,8 +141,20 @@ def cell_figures(row: dict[str, Any], goals: Goals) -> dict[str, Any]:
     finals = [r["final"] for r in row.get("per_repeat") or []
               if r.get("status", "ok") == "ok" and r.get("final") is not None]
     final = Spread.of(finals or ([row["final"]] if row.get("final") is not None else []), lower)
+    work = {int(m): Spread.of(got, lower) if (got := [q for c in curves if (
+        q := quality_at_work(c, int(m), metric)) is not None]) else None
+        for m in row.get("quality_at_steps") or {}}
     return {"method": row["method"], "metric": metric, "times": times, "fractions": fractions,
-            "quality": quality, "final": final}
+            "quality": quality, "final": final, "work": work}
+
+
+def quality_at_work(curve: Sequence[dict[str, float]], steps: int,
+                    metric: str) -> float | None:
+    """The quality of the first snapshot at which the nodes have taken ``steps`` steps each on
+    average (a curve point's ``step``: the mean over the nodes), None when the run stopped
+    short of it: the same samples seen, however they fell between the nodes."""
+    point = next((p for p in curve if p["step"] >= steps - 1e-9), None)
+    return None if point is None else point[metric]
 
 
 def judge(spreads: dict[str, Spread | None], kind: str = "time") -> dict[str, Any]:
@@ -255,6 +269,7 @@ def cell_table(rows: Sequence[dict[str, Any]], goals: Goals) -> tuple[str, list[
         lines.append("| " + " | ".join(cols) + " |")
     verdicts = verdict_row(figs, goals, acc)
     lines.append(row_line("**verdict**", verdicts))
+    lines += work_lines(figs, q_spec, q_scale)
     ours = [f for f in figs if is_qcomm(f["method"])]
     peers = [f for f in figs if not is_qcomm(f["method"])]
     if ours and peers:
@@ -265,6 +280,21 @@ def cell_table(rows: Sequence[dict[str, Any]], goals: Goals) -> tuple[str, list[
         lines.append(row_line("**qcomm vs the best peer**", against))
         verdicts += against
     return "\n".join(lines), verdicts
+
+
+def work_lines(figs: Sequence[dict[str, Any]], spec: str, scale: float) -> list[str]:
+    """The quality at equal work (the nodes' mean steps) of every method, as table lines after
+    a blank one; none when the summary has no marks. A method whose nodes step at different
+    paces ends (at the fastest node's steps) with fewer steps on average: "-" past its end."""
+    marks = sorted({m for f in figs for m in f["work"]})
+    if not marks:
+        return []
+    head = ["method", *[f"at {m} steps each" for m in marks]]
+    out = ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for f in figs:
+        cells = [f["work"][m].text(spec, scale) if f["work"].get(m) else "-" for m in marks]
+        out.append("| " + " | ".join([f["method"], *cells]) + " |")
+    return out
 
 
 def report(summary: dict[str, Any], goals: dict[str, Goals] | None = None) -> tuple[str, dict]:

@@ -69,12 +69,13 @@ if __package__ in (None, ""):
 
 from bench.cluster import methods as M
 from bench.cluster import training as T
+from bench.cluster import worker_flags as F
 from bench.cluster import workloads as W
 
 
 def _method_name(name: str) -> str:
     if name not in M.METHODS:
-        raise argparse.ArgumentTypeError(f"unknown method {name!r}")
+        raise argparse.ArgumentTypeError(f"unknown method {name!r}{M.near_miss(name)}")
     return name
 
 
@@ -462,72 +463,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", required=True,
                    help="The workload's data file, an npz written by compare.py.")
     p.add_argument("--out", required=True, help="The JSON file rank 0 writes.")
-    p.add_argument("--width", type=int, default=None,
-                   help="The model's width (MLP hidden units or transformer width); the "
-                        "workload's when left out.")
-    p.add_argument("--depth", type=int, default=None,
-                   help="Hidden layers (MLP) or blocks (transformer); the workload's when left "
-                        "out.")
-    p.add_argument("--heads", type=int, default=4, help="Attention heads of the transformer.")
-    p.add_argument("--context", type=int, default=64,
-                   help="Characters per training window of the transformer.")
-    p.add_argument("--eval-windows", type=int, default=256,
-                   help="How many fixed validation windows the loss is measured on.")
-    p.add_argument("--batch", type=int, default=None,
-                   help="Samples (or windows) per rank and step; the workload's when left out.")
-    p.add_argument("--lr", type=float, default=None, help="The learning rate; the workload's when "
-                   "left out.")
-    p.add_argument("--momentum", type=float, default=None,
-                   help="SGD's momentum; the workload's when left out.")
-    p.add_argument("--weight-decay", type=float, default=None,
-                   help="AdamW's weight decay; the workload's when left out.")
-    p.add_argument("--steps", type=int, default=None,
-                   help="Timed steps; the workload's number when left out.")
-    p.add_argument("--warmup", type=int, default=5,
-                   help="Untimed steps before the window (they train too).")
+    # the flags compare.py and ddp_reference.py take too: declared once, in worker_flags.py
+    F.add_flags(p, ("width", "depth", "heads", "context", "eval_windows", "batch", "lr",
+                    "momentum", "weight_decay", "steps", "warmup"))
     p.add_argument("--baseline-steps", type=int, default=20,
                    help="Compute-only steps timed before training starts.")
     p.add_argument("--snapshots", type=int, default=0,
                    help="Parameter snapshots evaluated after the run; 0: 60 for mnist1d(-bn), 30 "
                         "for charlm (its evaluation costs more).")
-    p.add_argument("--seed", type=int, default=0, help="The seed of weights and batches.")
-    p.add_argument("--powersgd-rank", type=int, default=4,
-                   help="The rank of PowerSGD's low-rank approximation.")
-    p.add_argument("--localsgd-period", type=int, default=8,
-                   help="Steps between the parameter averages of post-local SGD.")
-    p.add_argument("--diloco-sync-every", type=int, default=16,
-                   help="DiLoCo's inner steps per outer round (streaming: each fragment once "
-                        "per round).")
-    p.add_argument("--streaming-fragments", type=int, default=4,
-                   help="Streaming DiLoCo's number of fragments; it must divide "
-                        "--diloco-sync-every.")
-    p.add_argument("--streaming-delay", type=int, default=1,
-                   help="Streaming DiLoCo's fragment_sync_delay: inner steps a fragment's "
-                        "allreduce overlaps.")
+    F.add_flags(p, ("seed", "powersgd_rank", "localsgd_period", "diloco_sync_every",
+                    "streaming_fragments", "streaming_delay"))
     p.add_argument("--time-budget", type=float, default=None,
                    help="Seconds of training per node for methods whose nodes may take "
                         "different numbers of steps (wait-free gossip, names ending in -wf); "
                         "other methods take --steps steps on every rank. Left out: every "
                         "method takes --steps steps.")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="With --time-budget: the most steps a node takes (default 100 x --steps: "
-                        "the budget decides).")
+    F.add_flags(p, ("max_steps",))
     p.add_argument("--until-fastest", action="store_true",
                    help="Instead of --time-budget: every node of a method whose nodes may take "
                         "different numbers of steps trains until the first node has taken "
                         "--steps steps (the same work as a lockstep run, for the fastest node).")
-    p.add_argument("--pg-timeout", type=float, default=300.0,
-                   help="Seconds any collective may take before the run fails.")
-    p.add_argument("--kill-node", type=int, default=None,
-                   help="Kill every process of this node (1 or more: node 0 hosts the "
-                        "rendezvous store) with SIGKILL at --kill-at of the run, as if the "
-                        "machine were lost; the survivors record what they did.")
-    p.add_argument("--kill-at", type=float, default=None,
-                   help="When node --kill-node dies, a fraction in (0, 1): after step "
-                        "round(F x steps), or F x --time-budget seconds into the window for a "
-                        "per-node budget.")
-    p.add_argument("--profile", action="store_true",
-                   help="cProfile the timed steps; top functions go to OUT.prof<rank>.txt.")
+    F.add_flags(p, ("pg_timeout", "kill_node", "kill_at", "profile"))
     args = p.parse_args(argv)
     if (args.kill_node is None) != (args.kill_at is None):
         p.error("--kill-node and --kill-at go together")

@@ -84,7 +84,13 @@ def parse_workloads(spec: str) -> list[str]:
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown or not names:
-        raise ValueError(f"workload: unknown {unknown or spec!r}; known: {list(WORKLOADS)}")
+        hint = ""
+        if unknown:
+            # imported here: qcomm.validation imports torch, which the registry does not need
+            from qcomm.validation import did_you_mean
+
+            hint = did_you_mean(unknown[0], WORKLOADS)
+        raise ValueError(f"workload: unknown {unknown or spec!r}; known: {list(WORKLOADS)}{hint}")
     return names
 
 

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from qcomm.validation import fail, fail_instance
+
 if TYPE_CHECKING:
     from qcomm.collectives.links import MessageStreams, Transport
     from qcomm.collectives.stats import CommStats
@@ -170,6 +172,9 @@ def resolve_group(group: Any) -> CommGroup:
     group)."""
     if isinstance(group, CommGroup):
         return group
+    if isinstance(group, type):  # never a handle; the wrapper would take it and fail much later
+        fail_instance("group", group, CommGroup, "a qcomm.collectives.group.CommGroup")
+        fail("group", "a CommGroup, a torch.distributed process group or None", group, TypeError)
     if _bare_groups is None:
         raise RuntimeError("no world takes bare group handles: import qcomm.collectives, whose "
                            "torch.distributed world registers itself")

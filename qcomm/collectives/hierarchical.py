@@ -5,36 +5,24 @@ Per flat bucket of ``n`` elements, with ``L`` ranks per node and ``N`` nodes:
 1. intra-node reduce-scatter: the bucket, zero-padded to ``L * s`` elements, is cut into ``L``
    shards of ``s``; local rank i gets the node's mean of shard i (summed in float32, in
    local-rank order, divided by L);
-2. rail allreduce of that shard, across the N nodes (the ranks with local rank i):
-   with a spec, through the codec with error feedback (:mod:`.rail`): below 3 nodes every node
-   all-gathers the N payloads of the shard and decodes their mean; from 3 nodes on a quantized
-   reduce-scatter (each node owns a chunk: it decodes the N payloads of its chunk, re-quantizes
-   their mean with its own residual) then an all-gather of the owners' chunks, so a node sends
-   about ``2 P`` bytes whatever N instead of ``(N - 1) P`` (``rail_collective`` chooses);
-   without a spec, reduce-scatter + all-gather at full precision;
+2. rail allreduce of that shard, across the N nodes (the ranks with local rank i): with a spec,
+   through the codec with error feedback (:mod:`.rail`: an all-gather of the N payloads below 3
+   nodes, a quantized reduce-scatter + all-gather from 3 nodes on; ``rail_collective``
+   chooses); without a spec, reduce-scatter + all-gather at full precision;
 3. intra-node all-gather of the L shards, and the bucket is copied back into the tensors.
 
-Shards are equal, and with a spec block-aligned (``s`` a multiple of ``spec.block_size``, of
-``N * spec.block_size`` for the reduce-scatter form), so the codec's blocks of a shard are blocks
-of the bucket and every payload has the same length.
-Without a spec ``s`` is a multiple of ``N`` (equal sub-shards on the rail).
+Shards are equal, and with a spec block-aligned, so every payload has the same length. Every
+rank ends with bit-identical values (each element is reduced once, by fixed owners, in a fixed
+order, then copied). Each node's ``L`` NICs (one per rail) carry ``1/L`` of the inter-node
+traffic each. Bytes are counted per level as in :mod:`qcomm.collectives.intra`.
 
-Every rank ends with bit-identical values (each element is reduced once, by fixed owners, in a
-fixed order, then copied). Each node's ``N`` NICs (one per rail) carry ``1/L`` of the inter-node
-traffic each. Bytes are counted per level as in :mod:`qcomm.collectives.intra`:
-reduce-scatter and all-gather of ``c`` bytes per chunk over ``P`` ranks each send
-``(P - 1) * c`` per rank. Per rank and bucket, with element size ``e``:
-``intra = 2 * (L - 1) * s * e`` (L > 1), ``inter = (N - 1) * packed_nbytes(s, spec)`` with a
-spec in the all-gather form, ``2 * (N - 1) * packed_nbytes(s / N, spec)`` in the reduce-scatter
-form, ``2 * (N - 1) * (s / N) * e`` without a spec (N > 1).
+Accuracy: without a spec, the exact mean up to float32 rounding of the sums; with a spec, error
+feedback carries each call's rounding into the next, so the running sum of results tracks the
+running sum of exact means within ``(1/N) sum_k |residual_k|`` (plus the owners' residuals in
+the reduce-scatter form).
 
-Accuracy. Without a spec: the exact mean up to float32 rounding of the sums. With a spec,
-nearest rounding and bits >= 2, element j of node k's decoded shard differs from ``v_k = mean_k
-+ residual_k`` by at most ``scale_k / 2`` (``scale_k`` = the block's absmax / (2**(bits-1)-1),
-stored in node k's payload) and error feedback carries that difference into the next call, so
-``result = exact mean + (1/N) sum_k (residual_k before - residual_k after)``: the running sum of
-results tracks the running sum of exact means within ``(1/N) sum_k |residual_k|``. The
-reduce-scatter form adds the owner's residual of each chunk to both (see :mod:`.rail`).
+In full (the shard sizes, the bytes per level, the accuracy bound): docs/design.md, sections
+"Stages, shards and bytes" and "Accuracy".
 """
 
 from __future__ import annotations

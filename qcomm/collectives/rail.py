@@ -5,31 +5,24 @@ Every node k holds ``v_k`` (its node mean of the shard, ``s`` float32 elements);
 end with the same approximation of ``(1/N) sum_k v_k`` on every node. ``P`` is the payload of
 the whole shard, ``packed_nbytes(s, spec)``.
 
-* **all-gather** (one stage): node k quantizes ``v_k + e_k`` (error feedback, residual ``e_k``
-  of ``s`` elements), the N payloads are all-gathered and every node decodes their mean. A node
-  sends ``(N - 1) P`` bytes: it grows with N.
-* **reduce-scatter + all-gather** (two stages): the shard is cut into N chunks of ``c = s / N``
-  elements (block-aligned, so a chunk's payload is a slice of the shard's: its codes and its
-  scales). Node k quantizes ``v_k + e_k`` once and sends chunk j's payload to node j (an
-  all-to-all); node j, the owner of chunk j, decodes the N payloads it received into their mean
-  ``m_j`` (one fused dequantize-accumulate), quantizes ``m_j + f_j`` with its own residual
-  ``f_j`` (error feedback at the second stage, ``c`` elements) and all-gathers that payload; every
-  node decodes the N chunk payloads, joined into one shard payload. A node sends
-  ``2 (N - 1) / N * P`` bytes: at most ``2 P`` whatever N. At N = 2 it sends what the
-  all-gather sends, with one more round trip and a second rounding, so the all-gather stays
-  there.
+* **all-gather** (one stage): node k quantizes ``v_k + e_k`` (error feedback, residual ``e_k``),
+  the N payloads are all-gathered and every node decodes their mean. A node sends
+  ``(N - 1) P`` bytes: it grows with N.
+* **reduce-scatter + all-gather** (two stages): the shard is cut into N block-aligned chunks
+  (a chunk's payload is a slice of the shard's). Node k quantizes ``v_k + e_k`` once and sends
+  chunk j's payload to node j (an all-to-all); node j, the chunk's owner, decodes the N payloads
+  into their mean ``m_j``, quantizes ``m_j + f_j`` with its own residual ``f_j`` and all-gathers
+  that payload; every node decodes the N chunk payloads. A node sends ``2 (N - 1) / N * P``
+  bytes, at most ``2 P`` whatever N; at N = 2 the all-gather stays (same bytes, one round trip
+  and one rounding fewer).
 
-Accuracy of the two-stage form (exact arithmetic apart from the codec): with ``e'``, ``f'`` the
-residuals after the call, chunk j's result is ``(1/N) sum_k (v_k + e_k - e'_k) + f_j - f'_j``:
-the running sum of results tracks the running sum of exact means within ``(1/N) sum_k |e_k| +
-|f_j|``, both residuals bounded by one quantization step (with nearest rounding, bits >= 2, half
-a step of the block's scale). Stochastic rounding keeps each stage unbiased.
+Error feedback at both stages: the running sum of results tracks the running sum of exact means
+within ``(1/N) sum_k |e_k| + |f_j|``. Non-finite input fails every node of the rail the same
+way and changes no residual: each stage quantizes with ``commit=False`` and the caller commits
+the residuals only after the whole operation succeeded.
 
-Non-finite input fails every node of the rail the same way and loses nothing: a payload with a
-NaN scale is sent anyway, so the owner's decode fails, its second payload is poisoned in turn,
-every node's final decode fails, and no residual changes: each stage quantizes with
-``commit=False`` and the caller commits the residuals only after the whole operation succeeded,
-which every member of the rail learns alike (they decode the same payloads).
+In full (each stage, the accuracy of the two-stage form, how a NaN travels): docs/design.md,
+section "The rail's two forms".
 """
 
 from __future__ import annotations

@@ -10,26 +10,20 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from qcomm.collectives.gossip.graphs import GRAPHS
-from qcomm.collectives.gossip.mixing import MIXINGS
-from qcomm.collectives.gossip.wait_free import ON_PEER_LOSS as PEER_LOSS_MODES
+from qcomm.collectives.gossip.options import GRAPHS, MIXINGS, OPTION_CHECKS, check_fragments
+from qcomm.collectives.gossip.options import ON_PEER_LOSS as PEER_LOSS_MODES
 from qcomm.compress import QuantSpec
 from qcomm.kernels.wire_format import SUPPORTED_BITS
 from qcomm.validation import (
     check_bucket_mb,
     check_choice,
-    check_fragments,
-    check_gamma,
     check_instance,
     check_int,
-    check_outer_lr,
-    check_outer_momentum,
-    check_seed,
-    check_staleness,
-    check_timeout,
+    did_you_mean,
 )
 
 __all__ = ["GRAPHS", "MIXINGS", "NONFINITE_MODES", "PEER_LOSS_MODES",
@@ -124,28 +118,41 @@ class CommOptions:
     max_backlog: int = 64
     on_peer_loss: str = "raise"
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> CommOptions:
+        # Before the generated __init__, whose TypeError for an unknown keyword names no
+        # option near it: CommOptions(stalenes=2), dataclasses.replace and from_kwargs all
+        # come through here.
+        cls._refuse_unknown(kwargs)
+        return super().__new__(cls)
+
+    @classmethod
+    def _refuse_unknown(cls, names: Iterable[str]) -> None:
+        """Raise TypeError for the first name that is no option, listing the options and the
+        nearest one (:func:`~qcomm.validation.did_you_mean`).
+
+        Args:
+            names (Iterable[str]): keyword names given for options.
+        """
+        fields = sorted(cls.__dataclass_fields__)
+        unknown = sorted(set(names) - set(fields))
+        if unknown:
+            raise TypeError(f"unknown communication option {unknown[0]!r}; accepted: "
+                            f"{', '.join(fields)}{did_you_mean(unknown[0], fields)}")
+
     def __post_init__(self) -> None:
-        # The shared checks of qcomm.validation: the same limits and wording as the gossip and
-        # the allreduces that receive these values.
-        check_choice("bits", self.bits, SUPPORTED_BITS)
-        self.gossip_spec  # noqa: B018 -- QuantSpec checks block_size and rounding by name
-        check_choice("graph", self.graph, GRAPHS)
-        check_choice("mixing", self.mixing, MIXINGS)
-        check_staleness(self.staleness)
-        check_gamma(self.gamma, allow_none=True)
+        # Every option is checked by the one function that checks it wherever it is taken:
+        # QuantSpec's for bits, block_size and rounding, the gossip's (OPTION_CHECKS) for those
+        # the gossip members take too, so a bad value reads the same whichever class got it.
+        self.gossip_spec  # noqa: B018 -- QuantSpec checks bits, block_size and rounding
+        for name, check in OPTION_CHECKS.items():
+            check(getattr(self, name))
         check_int("sync_every", self.sync_every, low=1)
         check_fragments(self.fragments, self.sync_every, "sync_every")
-        check_outer_momentum(self.outer_momentum)
-        check_outer_lr(self.outer_lr)
         check_choice("intra_bits", self.intra_bits, SUPPORTED_BITS, allow_none=True)
         check_int("procs_per_node", self.procs_per_node, low=1, allow_none=True)
         check_bucket_mb(self.bucket_mb)
         check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_MODES)
-        check_timeout(self.timeout_s)
-        check_seed(self.seed)
         check_instance("wait_free", self.wait_free, bool, what="True or False")
-        check_int("max_backlog", self.max_backlog, low=1)
-        check_choice("on_peer_loss", self.on_peer_loss, PEER_LOSS_MODES)
         if self.on_peer_loss == "continue" and not self.wait_free:
             raise ValueError("on_peer_loss='continue' needs wait_free=True: a node that waits "
                              "for its neighbours' rounds cannot go on without one")
@@ -174,16 +181,20 @@ class CommOptions:
                     ) -> CommOptions:
         """Build from an optimizer's keyword arguments, over ``base`` (a CommOptions whose
         fields the keywords replace; None: the defaults): an unknown name raises TypeError
-        listing the accepted ones. Everything is validated again."""
+        naming the nearest accepted one when it looks misspelled, and listing them all.
+        Everything is validated again.
+
+        Args:
+            kwargs (dict[str, Any]): option names and values.
+            base (CommOptions | None): the options the keywords replace fields of.
+
+        Returns:
+            CommOptions: the options, checked.
+        """
         if base is not None and not isinstance(base, CommOptions):
             raise TypeError(f"comm must be a CommOptions (or None), got {type(base).__name__}")
-        fields = set(cls.__dataclass_fields__)
-        unknown = sorted(set(kwargs) - fields)
-        if unknown:
-            raise TypeError(f"unknown communication option {unknown[0]!r}; accepted: "
-                            f"{', '.join(sorted(fields))}")
-        out = {} if base is None else {f: getattr(base, f) for f in fields}
-        return cls(**{**out, **kwargs})
+        out = {} if base is None else {f: getattr(base, f) for f in cls.__dataclass_fields__}
+        return cls(**{**out, **kwargs})  # an unknown name is refused in __new__
 
     @property
     def round_period(self) -> int:

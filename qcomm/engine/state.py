@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from qcomm.collectives.topology import Topology
 from qcomm.engine.options import WIRE_FIELDS, CommOptions
+from qcomm.validation import check_choice
 
 __all__ = ["STATE_FORMAT", "WORLD_CHANGE_MODES", "EngineStateFile", "check_loadable",
            "geometry"]
@@ -103,9 +104,7 @@ def check_loadable(state: object, options: CommOptions, topology: Topology | Non
         ValueError: a malformed entry, another rank's entry, different wire options, or a
             geometry change under ``"error"`` (both world sizes named).
     """
-    if on_world_size_change not in WORLD_CHANGE_MODES:
-        raise ValueError(f"on_world_size_change must be one of {WORLD_CHANGE_MODES}, "
-                         f"got {on_world_size_change!r}")
+    check_choice("on_world_size_change", on_world_size_change, WORLD_CHANGE_MODES)
     if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS:
         raise ValueError(f"the 'qcomm' entry is not a qcomm engine state of format "
                          f"{READABLE_FORMATS}")

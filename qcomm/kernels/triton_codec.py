@@ -13,21 +13,13 @@ Each program owns ``ROWS`` whole quantization blocks as a ``[ROWS, BLOCK_SIZE]``
 (``ROWS * BLOCK_SIZE`` = :data:`TILE_ELEMS` or one block if larger), so block reductions are
 reductions along axis 1 and never cross programs.
 
-Bit-exactness with the CPU reference rests on a few rules, each applied below where it matters:
-
-* Every kernel is launched with ``enable_fp_fusion=False``: the reference rounds ``q * scale``
-  before subtracting it, an FMA would not.
-* fp32 divisions use ``tl.math.div_rn`` (IEEE round to nearest); plain ``/`` is approximate
-  on CUDA. The 1-bit mean divides in fp64, where ``/`` is IEEE already.
-* Rounding to an integer is ``(t + 1.5 * 2**23) - 1.5 * 2**23``, and floor is derived from it
-  (no libdevice call, whose flush-to-zero reflection could differ from the CPU on subnormals).
-* bfloat16 conversions are done on the bits (exact widening, round-to-nearest-even narrowing,
-  NaN -> 0x7FC0 like torch), because Triton's interpreter truncates and mishandles subnormals
-  when it converts fp32 <-> bf16 itself.
-* The 1-bit mean sums in fp64 in the fixed pairwise tree of
-  :func:`qcomm.kernels.reference.pairwise_sum_f64`.
-* Element indices are int64 (``pid.to(tl.int64)`` times the tile): tensors past 2**31 elements
-  work; per-element offsets inside a tile stay int32.
+Bit-exactness with the CPU reference rests on a few rules, each applied below where it matters
+(why each is needed: docs/wire_format.md, "Bit-exactness of the Triton kernels"): launches with
+``enable_fp_fusion=False`` (no FMA); fp32 divisions by ``tl.math.div_rn`` (the 1-bit mean
+divides in fp64); rounding to an integer by ``(t + 1.5 * 2**23) - 1.5 * 2**23``, floor derived
+from it; bfloat16 conversions on the bits; the 1-bit mean summed in fp64 in the pairwise tree
+of :func:`qcomm.kernels.reference.pairwise_sum_f64`; int64 element indices (tensors past 2**31
+elements), int32 offsets inside a tile.
 """
 
 from __future__ import annotations

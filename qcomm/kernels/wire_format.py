@@ -1,91 +1,30 @@
 """The qcomm wire format: one spec, one byte layout, shared by every backend.
 
 A message quantizes ``numel`` float values with a :class:`QuantSpec` into ONE contiguous
-``uint8`` payload whose length is a pure function of ``(numel, spec)``, so peers need no header.
+``uint8`` payload whose length is a pure function of ``(numel, spec)``, so peers need no header::
 
-Byte layout of a payload (``nblocks = ceil(numel / block_size)``)::
+    [packed codes, padded to a multiple of 4 bytes][one float32 scale per block, little-endian]
 
-    [0, codes_nbytes)                    packed codes, element i at bit (i * bits) of the stream:
-                                         byte (i * bits) // 8, bit offset (i * bits) % 8; the
-                                         low bits of a byte hold the lower element index. Codes
-                                         of padding elements (i >= numel) and alignment bytes
-                                         are 0.
-    [codes_nbytes, codes_nbytes + 4 * nblocks)
-                                         one float32 scale per block, little-endian.
+Element i's code is at bit ``i * bits`` of the code stream, the low bits of a byte holding the
+lower index; ``codes_nbytes = 4 * ceil(numel * bits / 32)``, ``ceil(numel / block_size)``
+blocks. Codes (``L = 2 ** (bits - 1) - 1``):
 
-``codes_nbytes = 4 * ceil(numel * bits / 32)``: the codes are padded to a multiple of 4 bytes so
-the scales are 4-byte aligned (a float32 view of them is legal on every device).
-
-Codes (``L = 2 ** (bits - 1) - 1``):
-
-* ``bits`` 4 and 8: symmetric per-block absmax. ``scale`` is ``absmax / L`` rounded to nearest,
-  then raised by one ulp if ``fl(scale * L) < absmax`` (so the top level reaches absmax; this
-  matters for subnormal scales, whose rounding error is large), then lowered by one ulp if
-  ``fl(scale * L)`` overflows (absmax == FLT_MAX at 8 bits, the only such float32). The level
-  ``q = round(v / scale)``, clamped to ``[-L, L]`` (``fl(v / scale)`` can exceed L by an ulp), is
-  stored as the unsigned code ``q + L`` in ``[0, 2L]``; ``D(code) = (code - L) * scale``. A block
-  of zeros has ``scale = 0`` and decodes to zeros.
-* ``bits == 2``: all four codes are levels, ``{-1, -1/3, 1/3, 1} * scale`` with ``scale =
-  absmax`` (stored as is, no rounding). See "The 2-bit code" below.
-* ``bits == 1``: ``scale`` is the block's mean absolute value, summed pairwise in float64 in a
-  fixed tree order (so every backend gets the same bits) and divided by the number of real
-  elements of the block; code 1 means ``+scale`` (``v >= 0``), code 0 means ``-scale``.
+* ``bits`` 4 and 8: symmetric per-block absmax, the level ``q = round(v / scale)`` clamped to
+  ``[-L, L]`` and stored as ``q + L``; ``scale`` is ``absmax / L`` rounded to nearest, moved by
+  one ulp where ``fl(scale * L)`` falls short of absmax or overflows;
+* ``bits == 2``: all four codes are levels, ``{-1, -1/3, 1/3, 1} * absmax``;
+* ``bits == 1``: the sign times the block's mean absolute value (float64, fixed pairwise tree).
 
 A block whose input holds NaN or +-Inf gets a NaN scale: that is how the caller finds non-finite
-input without another pass over the data.
+input without another pass over the data. Stochastic rounding draws ``r`` in ``[0, 1)`` from
+:mod:`qcomm.kernels.counter_hash` of ``(seed, element index)``. Every operation and rounding is
+specified, so every backend writes the same bytes.
 
-Stochastic rounding uses ``q = floor(t) + (r < t - floor(t))`` with ``t = v / scale`` and ``r`` in
-``[0, 1)`` drawn from :mod:`qcomm.kernels.counter_hash` of ``(seed, element index)``.
+:data:`WIRE_FORMAT_VERSION` numbers the byte layout and the arithmetic; a payload carries no
+header, so peers (and saved payloads) must agree on it.
 
-The 2-bit code
---------------
-A symmetric code with levels ``-L..L`` uses three of the four 2-bit codes (ternary ``{-1, 0, 1}
-* absmax``); on N(0, 1) in blocks of 128 its relative error under stochastic rounding is 1.12,
-worse than sending nothing. Version 2 of the format uses all four, equally spaced::
-
-    code        0     1            2           3
-    level       -1    -fl(1/3)     +fl(1/3)    +1          fl(1/3) = 0x3EAAAAAB = 1/3 + u/6
-    D(code) = fl(level * scale)                            (one float32 multiply, as 4 and 8 bits)
-
-``scale = absmax`` exactly, so the top level reaches absmax and ``D`` never overflows: the ulp
-bump and the overflow lowering of 4 and 8 bits have nothing to correct and do not apply. The
-level of a code is also ``fl((code - 1.5) * fl(2/3))``, exactly (``fl(2/3) = 2 fl(1/3)``, and
-``1.5 * fl(2/3)`` rounds to 1). The encoder places ``v`` on the grid of codes, ``k`` in
-``[0, 3]``, in three float32 operations in this order (each rounded to nearest even, no fused
-multiply-add)::
-
-    t = fl(v / scale)        (t = 0 when scale == 0)
-    h = fl(t * 1.5)
-    k = fl(h + 1.5)
-
-Nearest rounding sends ``round_half_even(k)``; stochastic rounding sends
-``floor(k) + (r < k - floor(k))``, ``r`` as above (``k - floor(k)`` is exact). No clamp is
-needed: IEEE rounding is monotone, so ``|v| <= scale`` gives ``|t| <= 1``, ``|h| <= 1.5`` and
-``0 <= k <= 3`` (the codes of 4 and 8 bits need theirs because their scale is rounded).
-A block of zeros has ``scale = 0`` and decodes to (signed) zeros.
-
-Error bounds (``u = 2**-24``; ``s = scale``; ``Delta = 2 s / 3`` the spacing of the levels). With
-``kappa = 1.5 v / s + 1.5``, the exact grid position: ``|t - v/s| <= u`` (``|t| <= 1``), the
-product adds ``<= u |h| <= 1.5 u`` and the sum ``<= ulp(k) / 2 <= 2 u`` (``k < 4``), so
-``|k - kappa| <= 1.5 u + 1.5 u + 2 u = 5 u``. The affine map ``A(c) = (c - 1.5) Delta`` has
-``A(kappa) = v`` and ``A(c) = D(c)`` at the outer codes; at the inner ones
-``|fl(fl(1/3) s) - s/3| <= (u/6) s + u (1/3 + u/6) s = (u/2 + u**2/6) s`` (plus ``2**-150`` if
-subnormal), i.e. ``(3/4 + u/4) u Delta``. Hence
-
-* nearest: ``|c - kappa| <= 1/2 + 5 u``, so
-  ``|D(c) - v| <= s/3 + (23/6 + u/6) u s + 2**-150 <= s/3 + 4 u s + 2**-150``;
-* stochastic: ``P(c = floor(k) + 1)`` differs from ``k - floor(k)`` by less than ``2**-24``
-  (``r`` is a multiple of it), so ``|E[D(c)] - v| <= Delta (2**-24 + 6 u) + 2**-149``, and each
-  draw is one of the two levels around ``v``: ``|D(c) - v| <= Delta (1 + 6 u) + 2**-150``.
-
-:mod:`qcomm.testing.properties` checks these bounds (``QcommCodec.level_slack = 6``: the
-``5.75 + u/4`` above, rounded up).
-
-Versions
---------
-:data:`WIRE_FORMAT_VERSION` numbers the byte layout and the arithmetic above; a payload carries
-no header, so peers (and saved payloads) must agree on it. 1: the first format (2-bit codes
-ternary). 2: the four-level 2-bit code; bits 1, 4 and 8 give the same bytes as in version 1.
+The full specification: docs/wire_format.md, sections "Byte layout", "Codes", "The 2-bit code"
+(its arithmetic and error bounds) and "Versions".
 """
 
 from __future__ import annotations
@@ -98,7 +37,7 @@ import torch
 from qcomm.validation import check_choice, check_instance, check_int, fail
 
 WIRE_FORMAT_VERSION = 2
-"""Version of the byte layout and arithmetic of a payload (see the module docstring)."""
+"""Version of the byte layout and arithmetic of a payload (docs/wire_format.md, "Versions")."""
 
 # The constants of the arithmetic below, one source for every backend (the Triton kernels
 # import them as constexprs).

@@ -55,9 +55,12 @@ class ASSGD(HierarchicalOptimizer):
     gradients must be dense (a sparse gradient raises TypeError, in one process too); the
     parameters that require a gradient at the first distributed step are the ones
     communicated (unfreezing one later raises); ``add_param_group`` is refused after that
-    step; ``differentiable=True`` needs a single process. Bad hyperparameters raise
-    ValueError/TypeError in qcomm's wording (``"<name> must be <what>, got <value>"``), not
-    always SGD's.
+    step; ``differentiable=True`` needs a single process. A hyperparameter SGD checks itself
+    (a negative lr, momentum or weight_decay, an lr tensor of several elements, nesterov
+    without momentum or with dampening) raises SGD's own error, word for word, in added and
+    loaded param groups too; what SGD lets through (a wrong kind, NaN or +Inf, dampening
+    outside [0, 1]) raises ValueError/TypeError in qcomm's wording
+    (``"<name> must be <what>, got <value>"``).
     """
 
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,

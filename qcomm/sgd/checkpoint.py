@@ -46,9 +46,7 @@ def save_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
             tuples, dicts) loads with torch's safe loader; other objects are saved too, with a
             warning: loading them needs ``trusted=True``.
     """
-    if not isinstance(optimizer, HierarchicalOptimizer):
-        raise TypeError(f"optimizer must be a qcomm.sgd.HierarchicalOptimizer (or ASSGD), "
-                        f"got {type(optimizer).__name__}")
+    _check_subjects(optimizer, model)
     rank, _ = _rank_world()
     state = optimizer.state_dict()
     geometry = state[STATE_KEY]
@@ -96,6 +94,7 @@ def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
 
     Nothing is changed when an error is raised: not the model, the optimizer or the RNG.
     """
+    _check_subjects(optimizer, model)
     if on_world_size_change not in WORLD_CHANGE_MODES:
         raise ValueError(f"on_world_size_change must be one of {WORLD_CHANGE_MODES}, "
                          f"got {on_world_size_change!r}")
@@ -123,6 +122,14 @@ def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
     if restore_rng:
         torch.set_rng_state(payload["rng"])
     return payload["extra"]
+
+
+def _check_subjects(optimizer: object, model: object) -> None:
+    """TypeError unless ``optimizer`` is a HierarchicalOptimizer and ``model`` a module (or
+    None), before any file is touched (a class for either is named as such)."""
+    check_instance("optimizer", optimizer, HierarchicalOptimizer,
+                   what="a qcomm.sgd.HierarchicalOptimizer")  # ASSGD is one
+    check_instance("model", model, torch.nn.Module, allow_none=True, what="a torch.nn.Module")
 
 
 def _choose_file(directory: str | os.PathLike, rank: int, world: int,

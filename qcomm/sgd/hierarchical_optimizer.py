@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from qcomm.collectives.topology import Topology
 from qcomm.engine import AveragingEngine, CommOptions
 from qcomm.engine.options import user_stacklevel
+from qcomm.validation import check_instance
 
 __all__ = ["STATE_KEY", "HierarchicalOptimizer"]
 
@@ -102,9 +103,7 @@ class HierarchicalOptimizer(Optimizer):
 
     def __init__(self, optimizer: Optimizer, *, layout: Topology | None = None,
                  comm: CommOptions | None = None, **comm_options: Any) -> None:
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, "
-                            f"got {type(optimizer).__name__}")
+        check_instance("optimizer", optimizer, Optimizer, what="a torch.optim.Optimizer")
         if isinstance(optimizer, HierarchicalOptimizer):
             raise TypeError("optimizer is already a HierarchicalOptimizer; wrap the inner "
                             "torch optimizer once")

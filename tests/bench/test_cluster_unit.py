@@ -68,6 +68,26 @@ def test_parse_methods(spec, want):
 def test_parse_methods_rejects_unknown_names_and_lists_the_known():
     with pytest.raises(ValueError, match=r"unknown.*'nope'.*ddp"):
         M.parse_methods("ddp,nope")
+    with pytest.raises(ValueError) as info:
+        M.parse_methods("ddp,nope")
+    assert "did you mean" not in str(info.value)  # no name is near it
+
+
+@pytest.mark.parametrize(("name", "near"), [
+    ("dpp", "ddp"), ("torchft-diloc", "torchft-diloco"), ("qcom", "qcomm"), ("al", "all"),
+])
+def test_a_misspelled_method_names_the_nearest(name, near):
+    with pytest.raises(ValueError, match=rf"unknown \['{name}'\].*; did you mean '{near}'\?$"):
+        M.parse_methods(f"ddp,{name}")
+    with pytest.raises(ValueError, match=rf"got '{name}'; did you mean '{near}'\?$"):
+        M.build(name, None, None)
+    import argparse
+
+    from bench.cluster import workload as WL
+
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match=rf"unknown method '{name}'; did you mean '{near}'\?$"):
+        WL._method_name(name)
 
 
 def test_availability_torch_always_qcomm_by_module(monkeypatch):

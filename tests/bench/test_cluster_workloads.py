@@ -57,6 +57,11 @@ def test_parse_workloads():
         W.parse_workloads("cifar")
     with pytest.raises(ValueError, match="known"):
         W.parse_workloads(" ")
+    with pytest.raises(ValueError, match=r"unknown \['mnist-1d'\].*; did you mean 'mnist1d'\?$"):
+        W.parse_workloads("charlm,mnist-1d")
+    with pytest.raises(ValueError) as info:
+        W.parse_workloads("cifar")
+    assert "did you mean" not in str(info.value)
 
 
 def test_mlp_size_is_the_documented_one():

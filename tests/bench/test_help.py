@@ -31,7 +31,8 @@ SCRIPTS = sorted(p for p in [*REPO.glob("bench/*.py"), *REPO.glob("bench/cluster
                  if p.name != "__init__.py")
 LIBRARIES = {"bench/common.py", "bench/cluster/charlm.py", "bench/cluster/corpus.py",
              "bench/cluster/methods.py", "bench/cluster/torchft_methods.py",
-             "bench/cluster/training.py", "bench/cluster/workloads.py"}
+             "bench/cluster/training.py", "bench/cluster/worker_flags.py",
+             "bench/cluster/workloads.py", "bench/progress.py"}
 # Where the documentation shows commands to run: the fenced bash blocks of the guides. The
 # records of past runs (bench/RESULTS.md, bench/results/) show the commands of their commit.
 DOCS = sorted([REPO / "README.md", REPO / "bench/README.md", REPO / "bench/cluster/README.md",

@@ -170,6 +170,13 @@ def test_the_baseline_row_needs_its_file() -> None:
         _load_bench().parse_args(["--impls", "baseline"])
 
 
+def test_a_misspelled_implementation_names_the_nearest(capsys) -> None:
+    with pytest.raises(SystemExit):
+        _load_bench().parse_args(["--impls", "qcom"])
+    assert "['qcom'] not in" in (err := capsys.readouterr().err)
+    assert err.rstrip().endswith("; did you mean 'qcomm'?")
+
+
 def test_targets_pass_and_fail() -> None:
     bench = _load_bench()
     n = 64 << 20

@@ -165,3 +165,26 @@ def test_a_file_that_is_no_summary_is_refused_by_name(tmp_path: Path, content: s
         path.write_text(content)
     r = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True)
     assert r.returncode == 2 and "summary:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_quality_at_equal_work_reads_the_nodes_mean_steps() -> None:
+    # a wait-free run: its points carry the nodes' mean step, below the fastest node's
+    curve = [{"step": s, "fastest_step": f, "time_s": t, "test_acc": q}
+             for s, f, t, q in [(0.0, 0, 0.0, 0.1), (7.5, 10, 1.0, 0.4), (10.25, 14, 1.5, 0.5)]]
+    assert V.quality_at_work(curve, 10, "test_acc") == 0.5     # not the point at fastest 10
+    assert V.quality_at_work(curve, 11, "test_acc") is None    # the run stopped short
+    lockstep = [_curve([(0.0, 0.1), (1.0, 0.45)])] * 2          # steps 0 and 10
+    waitfree = [curve, [{**p, "test_acc": p["test_acc"] + 0.02} for p in curve]]
+    rows = [{**_row("lockstep", lockstep, [0.45, 0.45]), "quality_at_steps": {"10": 0.45}},
+            {**_row("wait-free", waitfree, [0.5, 0.52]),
+             "quality_at_steps": {"10": 0.4, "20": None}}]
+    md, _ = V.cell_table(rows, GOALS)
+    lines = md.splitlines()
+    at = lines.index("| method | at 10 steps each | at 20 steps each |")
+    assert lines[at + 2] == "| lockstep | 45.0 | - |"
+    assert lines[at + 3] == "| wait-free | 51.0 [50.0-52.0] | - |"
+
+
+def test_a_summary_without_step_marks_has_no_equal_work_table() -> None:
+    md, _ = V.cell_table(_summary()["rows"], GOALS)
+    assert "steps each" not in md

@@ -43,3 +43,10 @@ def test_the_lagged_mixing_oracles_need_the_earlier_checkout(capsys) -> None:
     with pytest.raises(SystemExit):
         C.main(["--variants", "matched", "--steps", "4", "--marks", "4", "--seeds", "1"])
     assert "--qcomm" in capsys.readouterr().err
+
+
+def test_a_misspelled_variant_names_the_nearest(capsys) -> None:
+    with pytest.raises(SystemExit):
+        C.main(["--variants", "lockstp"])
+    assert "unknown scenario or variant ['lockstp']; did you mean 'lockstep'?" in (
+        capsys.readouterr().err)

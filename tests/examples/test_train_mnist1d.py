@@ -111,6 +111,15 @@ def test_rates_parse_as_the_emulated_link_spells_them():
         demo.parse_rate("100 Mbit/s")
 
 
+def test_a_misspelled_optimizer_names_the_nearest():
+    assert demo.Config(optimizers="adamw, sgd").pairs() == [("adamw-qcomm", "adamw"),
+                                                            ("assgd", "sgd")]
+    with pytest.raises(ValueError, match=r"got 'sgd,adamv'; did you mean 'adamw'\?$"):
+        demo.Config(optimizers="sgd,adamv").pairs()
+    with pytest.raises(ValueError, match=r"got 'lion'$"):
+        demo.Config(optimizers="lion").pairs()
+
+
 def test_emulated_link_needs_root(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert any("root" in p for p in demo.emulation_problems())

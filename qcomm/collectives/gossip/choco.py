@@ -2,56 +2,30 @@
 
 Per member i (a node's shard on one rail), in fp32 buffers the size of the shard:
 
-* ``hat_own``: i's *fresh* public copy x_hat_i, holding every round i started. The next message
-  is ``q = Q(x - hat_own)`` and ``hat_own += D(q)`` at once, so the quantization error is carried
-  to the next round: this IS error feedback (the residual ``x - hat_own`` is never lost), and no
+* ``hat_own``: i's *fresh* public copy x_hat_i, holding every round i started. Compressing
+  against it (``q = Q(x - hat_own)``, ``hat_own += D(q)`` at once) IS error feedback, so no
   :class:`~qcomm.compress.ErrorFeedback` is stacked on top (it would count the error twice).
-* ``hat_pub``: x_hat_i as the neighbours know it, holding exactly the rounds ``<= t - staleness``
-  at step t. It is built from the *decoded payload*, the same values the neighbours decode.
-* ``mix_acc``: ``m_i = sum_j w_ij hat_pub_j`` (j in N(i) and j = i), kept as one weighted
-  accumulator: applying a round adds ``w_ii D(q_i) + sum_j w_ij D(q_j)`` with one
-  ``dequant_accumulate`` over the K + 1 payloads. Since rows of W sum to 1,
-  ``sum_j w_ij (hat_pub_j - hat_pub_i) = m_i - hat_pub_i``, so the mixing step
-  ``x += gamma * (m_i - hat_pub_i)`` needs 3 buffers whatever the degree, not one per neighbour.
-  Average preservation: ``sum_i (m_i - hat_pub_i) = sum_j (sum_i w_ij - 1) hat_pub_j = 0`` because
-  the *columns* of W sum to 1 too (W doubly stochastic), and because every member's public copies
-  hold the same rounds. In fp32 it holds up to rounding: about ``1e-7 * |x| * rounds``.
+* ``hat_pub``: x_hat_i as the neighbours know it (the rounds ``<= t - staleness`` at step t),
+  built from the decoded payload, the same values the neighbours decode.
+* ``mix_acc``: ``m_i = sum_j w_ij hat_pub_j`` (j in N(i) and j = i), one weighted accumulator:
+  3 buffers whatever the degree. W is doubly stochastic, so mixing preserves the members'
+  average (up to fp32 rounding).
 
 Step t (``t = rounds_started``) of :meth:`CompressedGossip.step`:
 
-1. start round t: ``q = Q(x - hat_own)`` (stochastic-rounding seed a hash of
-   ``(seed, t, member)``), ``hat_own += D(q)``, non-blocking exchange of q with the neighbours
-   (receives posted before sends);
+1. start round t: ``q = Q(x - hat_own)``, ``hat_own += D(q)``, non-blocking exchange of q with
+   the neighbours (receives posted before sends);
 2. apply round ``t - staleness``, waiting for it if needed (:class:`PeerTimeoutError` past
    ``timeout_s``): ``hat_pub += D(q_i)``, ``mix_acc += sum_j w_ij D(q_j)``;
 3. mix: ``x += gamma * (mix_acc - hat_pub)``.
 
-With staleness 0 this is synchronous CHOCO-SGD exactly (compress after the local update, mix after
-the exchange). With staleness tau, round t has the caller's next tau compute phases to travel.
-Round t - tau is applied at step t exactly, never earlier even if it has arrived: "applied no later
-than t + tau" allows it, and it makes runs reproducible bit for bit (the same numbers in the
-in-process simulator, over Gloo, and after a checkpoint restore).
+With staleness 0 this is synchronous CHOCO-SGD exactly. Round t - staleness is applied at step
+t exactly, never earlier, so runs are reproducible bit for bit. Progress while the caller
+computes: non-blocking ``isend``/``irecv`` that Gloo's own threads carry out, no thread of ours.
 
-Why two copies: compressing against a delayed x_hat_i would count the same difference twice
-(the own message of round t would be compressed again before round t is applied) and diverges;
-mixing with an own copy fresher than the neighbours' copies of it would break the antisymmetry
-of the mixing term, and with it the preservation of the average. docs/design.md gives the
-argument in full.
-
-Default gamma (:func:`default_gamma`): about half the largest gamma that converged when
-measured with the in-process simulator (:mod:`qcomm.collectives.memory.simulate`, the same
-code path as over Gloo) on a ring of 4, an exponential graph of 8 and a ring of 8, so that a
-graph or data a little harsher than those still converges. It shrinks with staleness (a stale
-correction overshoots sooner) and is smallest at 1 bit, where the sign code, not the step,
-limits the rate. Gamma is validated to (0, 1] only: larger values within it are not refused,
-since divergence depends on the graph and the data (the measurement is evidence, not proof).
-The table and how to re-measure it (``bench/tune_gamma.py``): docs/gossip_tuning.md.
-
-Progress while the caller computes: non-blocking ``isend``/``irecv`` posted from the caller's
-thread, which Gloo's own I/O threads carry out, and no communication thread of ours. A thread
-competes for the GIL and the cores with the caller's codec work and serializes rounds, while
-non-blocking ops need no second process group (``new_group`` is collective) and keep the run
-deterministic; the measurement (``bench/gossip_progress.py``) is in docs/gossip_tuning.md.
+In full: docs/design.md, "CompressedGossip's buffers and step" (and why two copies);
+docs/gossip_tuning.md, "The default gamma" (:func:`default_gamma`, from :mod:`.gamma`) and
+"Progress while the caller computes: non-blocking operations, not a thread".
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ re-measure it (``bench/tune_gamma.py``): docs/gossip_tuning.md.
 from __future__ import annotations
 
 from qcomm.kernels.wire_format import SUPPORTED_BITS
-from qcomm.validation import check_choice, check_staleness
+from qcomm.validation import check_choice
+
+from .options import check_staleness
 
 __all__ = ["default_gamma"]
 

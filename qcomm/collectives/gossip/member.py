@@ -8,22 +8,21 @@ import torch
 from qcomm.collectives.stats import CommStats
 from qcomm.compress import QuantSpec
 from qcomm.kernels.wire_format import check_spec
-from qcomm.validation import (
+from qcomm.validation import check_instance, check_int
+
+from .codec import GossipCodec
+from .gamma import default_gamma
+from .options import (
     check_fragments,
     check_gamma,
-    check_instance,
-    check_int,
+    check_graph,
+    check_mixing,
     check_outer_lr,
     check_outer_momentum,
     check_seed,
     check_staleness,
     check_timeout,
 )
-
-from .codec import GossipCodec
-from .gamma import default_gamma
-from .graphs import check_graph
-from .mixing import check_mixing
 
 __all__ = ["GossipMember"]
 
@@ -42,14 +41,15 @@ class GossipMember:
                              fragments: int, outer_momentum: float, outer_lr: float,
                              round_period: int, stats: CommStats | None,
                              first_step: int = 0) -> None:
-        """Check the hyperparameters with the limits every layer shares, then fix them."""
+        """Check the hyperparameters with the functions of :mod:`.options` (``CommOptions``
+        checks the same options with the same functions), then fix them."""
         self.graph = check_graph(graph)
         self.mixing = check_mixing(mixing)
         self.spec = check_spec(spec)
         self.numel = check_int("numel", numel, low=1)
         self.staleness = check_staleness(staleness)
-        self.gamma = check_gamma(default_gamma(spec.bits, self.staleness) if gamma is None
-                                 else gamma)
+        gamma = check_gamma(gamma)
+        self.gamma = default_gamma(spec.bits, self.staleness) if gamma is None else gamma
         self.timeout_s = check_timeout(timeout_s)
         self.seed = check_seed(seed)
         self.fragments = check_fragments(fragments, self.numel, "numel")

@@ -1,59 +1,32 @@
 """Wait-free compressed gossip: CHOCO where no node ever waits for a neighbour's round.
 
-The bounded-staleness gossip (:mod:`.choco`) applies round ``t - staleness`` at round t and
-waits for it: every node runs at its slowest neighbour's pace, ``staleness`` rounds later. Here
-each member counts its own rounds and each neighbour's separately, and takes whatever its
-neighbours have sent whenever a round of its own is due:
+The bounded-staleness gossip (:mod:`.choco`) waits for round ``t - staleness`` at round t, so
+every node runs at its slowest neighbour's pace. Here each member counts its own rounds and each
+neighbour's separately, and takes whatever its neighbours have sent whenever a round is due:
 
-* member i sends ``q = Q(x - hat_own)`` every round (``hat_own += D(q)``, error feedback as in
-  CHOCO), on an ordered stream to each neighbour (:mod:`.streams`);
+* member i sends ``q = Q(x - hat_own)`` every round (error feedback as in CHOCO), on an ordered
+  stream to each neighbour (:mod:`.streams`);
 * it keeps one copy per neighbour j of ``x_hat_j``, holding exactly the messages of j it has
-  taken, every one once and in order (the seal of each message names its round and sender, so
-  a message out of order fails verification), one at a time (each may owe a mirror term);
-* the mixing is paired, so that it moves no mass between members whatever their paces and
-  delays. At its round t member i mixes fragment f (below) with each neighbour j whose copy it
-  holds: with ``D = copy_j[f] - own[f]``, ``own`` its own copy holding its rounds up to the one
-  that sent f (version v), it adds ``gamma * w * D`` (w: the edge's weight) and owes
-  ``-gamma * w/2 * D`` back; its message of round t carries the fragment, v and, per
-  neighbour, how many of j's rounds that copy held (its *ack*). When j applies the message it
-  owes the mirror, ``-gamma * w/2 * D`` from the same two versions: ``copy_i[f]`` at v less
-  ``hat_own_j[f]`` at the ack (each rebuilt from the fresh copy less the later messages of f).
-  What is owed is added at the next round. At one pace with timely messages the half owed back
-  and the neighbour's mirror cancel, and the mixing is the bounded-staleness mode's;
-* the fragment mixed at round t is that of round ``t - s``, s the smallest lag at least
-  ``staleness`` at which every neighbour's message of that round has arrived: both copies of
-  a term then hold the same rounds of it whenever the link allows.
+  taken, every one once and in order (a message's seal names its round and sender);
+* the mixing is paired: each term a member adds with a neighbour's copy has a mirror that the
+  neighbour adds when the message arrives (from the versions it names: the fragment, the own
+  version and an *ack*), so mixing moves no mass between members whatever their paces.
 
-Nothing bounds the lag in rounds: a node twice as fast sends twice as many rounds, and its
-neighbours apply them in batches. What is bounded is memory (``max_backlog`` messages per
-neighbour sent and not yet taken; beyond it the sender waits) and silence (a neighbour not
-heard from for ``timeout_s`` is a :class:`~qcomm.collectives.errors.PeerTimeoutError`).
-
-The average. Each term and its mirror cancel, so the members' average of ``x`` plus what they
-owe moves only by their local updates, whatever the delays and paces: no member's progress is
-undone by mixing with a late copy, and the average is that of every step taken (docs/engine.md,
-"Wait-free gossip", has the measurements). So a member that takes fewer steps weighs in by its
-steps: with data that differ between members, training ends at the optimum of the data
-weighted by each member's share of the steps, as asynchronous SGD does. :meth:`drain`, a
-collective, brings every copy up to date; :meth:`settle` then adds what is owed, and the
-engine's exact average follows.
-
-A lost neighbour (``on_peer_loss="continue"``): when a neighbour's stream fails (a broken
-connection, or silence past ``timeout_s``) the member drops it for good and the graph closes over
-the gap: on each side it links to the nearest member it does not know to be lost (in member order,
-cyclic), unless that one is a neighbour already. The new neighbours greet each other with a hello
-(their round count, drains and their ``hat_own``, sent whole), so each starts with an exact copy of
-the other, and the new edge is mixed from then on (paired as any other). Every edge keeps the
-graph's edge weight (on a regular graph all edges have one weight, so an edge's two ends agree
-without asking anyone): the weights stay symmetric and the survivors' average is preserved from the
-drop on, as before it. Both ends of a lost member decide the same link without a coordinator; a
-member that linked to one that is lost too finds out the same way and moves on.
-:meth:`survivors_sum` sums a vector over the live members along the closed ring.
-``on_peer_loss="raise"`` (default) raises the stream's error instead.
+Nothing bounds the lag in rounds; memory is bounded (``max_backlog`` messages per neighbour
+sent and not yet taken; beyond it the sender waits) and so is silence (``timeout_s``, then a
+:class:`~qcomm.collectives.errors.PeerTimeoutError`). The members' average of ``x`` plus what
+they owe moves only by their local updates, so each member weighs in by its steps.
+:meth:`drain`, a collective, brings every copy up to date; :meth:`settle` then adds what is
+owed, and the engine's exact average follows. ``on_peer_loss="continue"`` drops a failed
+neighbour for good and closes the graph over the gap (:meth:`survivors_sum` sums over the live
+members); ``"raise"`` (default) raises the stream's error.
 
 Round schedule (the one clock): :meth:`end_step` is called once per local step; a round is
-due at the last step of every ``round_period`` steps and carries fragment ``t % fragments`` of
-``x``; it mixes the fragment of round ``t - staleness``.
+due at the last step of every ``round_period`` steps, carries fragment ``t % fragments`` of
+``x`` and mixes the fragment of a round ``staleness`` or more rounds back.
+
+In full: docs/engine.md, "Wait-free gossip: `wait_free=True`" (the paired mixing, which
+fragment is mixed, the average) and "A lost node: `on_peer_loss="continue"`".
 """
 
 from __future__ import annotations
@@ -71,11 +44,7 @@ from qcomm.collectives.links import MessageStreams
 from qcomm.collectives.stats import CommStats
 from qcomm.compress import WIRE_FORMAT_VERSION, QuantSpec, packed_nbytes
 from qcomm.seeds import gossip_message_seed, seal_key
-from qcomm.validation import (
-    check_choice,
-    check_int,
-    check_seed,
-)
+from qcomm.validation import check_seed
 
 from .choco import _check_group
 from .codec import check_state_buffers
@@ -83,6 +52,7 @@ from .graphs import neighbours
 from .integrity import SEAL_NBYTES, bad_messages, judge, message_facts, seal_, sealed
 from .member import GossipMember
 from .mixing import mixing_matrix
+from .options import ON_PEER_LOSS, check_max_backlog, check_on_peer_loss
 
 __all__ = ["GOODBYE_ROUND", "HELLO_ROUND", "MARKER_ROUND", "ON_PEER_LOSS", "WaitFreeGossip"]
 
@@ -95,7 +65,6 @@ HELLO_ROUND = 1 << 60
 ACK_NBYTES = 8  # an int64 per member in every message: its ack
 MARKER_ROUND = 1 << 61
 GOODBYE_ROUND = 1 << 62
-ON_PEER_LOSS = ("raise", "continue")
 
 
 class WaitFreeGossip(GossipMember):
@@ -139,8 +108,8 @@ class WaitFreeGossip(GossipMember):
             timeout_s=timeout_s, seed=seed, fragments=fragments,
             outer_momentum=outer_momentum, outer_lr=outer_lr, round_period=round_period,
             stats=stats, first_step=first_step)
-        self.max_backlog = check_int("max_backlog", max_backlog, low=1)
-        self.on_peer_loss = check_choice("on_peer_loss", on_peer_loss, ON_PEER_LOSS)
+        self.max_backlog = check_max_backlog(max_backlog)
+        self.on_peer_loss = check_on_peer_loss(on_peer_loss)
         self.group = resolve_group(group)
         self.group_ranks, self.member = _check_group(group_ranks, self.group)
         self.size = len(self.group_ranks)
@@ -208,7 +177,7 @@ class WaitFreeGossip(GossipMember):
             return None
         t = self.rounds_started
         mixed = self._fragment_to_mix(t)
-        return sorted({t % self.fragments} | ({mixed} if mixed is not None else set())
+        return sorted({t % self.fragments} | ({mixed[0]} if mixed is not None else set())
                       | self._owed_fragments)
 
     # -----------------------------------------------------------------------------------------
@@ -369,9 +338,10 @@ class WaitFreeGossip(GossipMember):
 
     def _apply_pending(self) -> None:
         """Apply every verified message to its sender's copy and owe the mirror of each term
-        its sender added with this member's copy (module docstring): per stream and fragment,
-        one decode of the messages together, whatever their number (a slow member takes many
-        at a time, and its time per message must not grow with its lag)."""
+        its sender added with this member's copy (docs/engine.md, "Wait-free gossip"): per
+        stream and fragment, one decode of the messages together, whatever their number (a
+        slow member takes many at a time, and its time per message must not grow with its
+        lag)."""
         for k, msgs in enumerate(self._pending):
             if not msgs:
                 continue

@@ -22,15 +22,11 @@ wait for what is not there fails at once, and a stream message becomes visible
 ``delay(src, dst)`` clock units after it was sent. A stepped world has point-to-point gossip
 only: a collective needs every member inside it at once.
 
-Arithmetic is the same as over Gloo where the tests compare bytes: all-gather and all-to-all
-copy, so what is computed from their output is identical; :meth:`MemoryGroup.all_reduce` sums
-in member order, which equals Gloo's result bit for bit for two members (``a + b``) and is a
-fixed, documented order for more.
-
 Every collective is synchronous (two barrier waits) and returns a completed work object; a
 member that does not arrive within ``timeout_s`` breaks the barrier for everyone and each
 waiting member raises :class:`~qcomm.collectives.errors.PeerTimeoutError`;
-:meth:`MemoryWorld.abort` breaks every wait at once.
+:meth:`MemoryWorld.abort` breaks every wait at once. The bytes are Gloo's where the tests
+compare them: docs/design.md, section "The in-memory world's arithmetic".
 """
 
 from __future__ import annotations

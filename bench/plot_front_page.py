@@ -1,0 +1,306 @@
+"""The front page's figure: test accuracy against wall-clock seconds for every method of one
+recorded emulated-cluster cell (by default MNIST-1D, 4 nodes x 1 process, 100 Mbit/s).
+
+    python bench/plot_front_page.py                      # -> docs/img/time_to_accuracy.png
+    python bench/plot_front_page.py --out /tmp/f.png --results bench/results/2026-12-02-who-wins
+
+It reads what ``bench/cluster/compare.py`` (or ``decisive.py``, which runs it) recorded: a sweep
+JSON file with ``rows``, one row per (workload, layout, rate, method) with the curve of the
+repetition whose time to target is the median (``curve``) and every repetition's curve
+(``per_repeat``). ``--results`` is such a file, or a folder searched (recursively) for the one
+healthy sweep (no slow node, no added latency, no lost node) that holds the cell. Nothing is
+run; only matplotlib is needed (the ``bench`` extra).
+
+One curve per method: bold, the median repetition; faint, every repetition. A dotted line at
+the sweep's target (65% test accuracy for MNIST-1D); the legend names each method as a user
+knows it, ordered by time to the target, with that time. The time axis is logarithmic: on
+the default cell DDP takes 25 times as long as the fastest method. The script prints the
+figure's caption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_RESULTS = REPO / "bench/results/2026-12-02-who-wins"
+DEFAULT_OUT = REPO / "docs/img/time_to_accuracy.png"
+
+# The names a user knows, with a fixed colour each. A key is a method id of
+# bench/cluster/methods.py, or the start of ids that go on with "-" and a setting.
+KNOWN: tuple[tuple[str, str, str], ...] = (
+    ("ddp-powersgd", "DDP + PowerSGD hook", "#8c564b"),
+    ("ddp", "PyTorch DDP", "#4d4d4d"),
+    ("localsgd", "local SGD", "#1f77b4"),
+    ("torchft-streaming-diloco", "streaming DiLoCo (torchft)", "#9467bd"),
+    ("torchft-diloco", "DiLoCo (torchft)", "#2ca02c"),
+    ("assgd-2-h16f4-g80-m9-o5-n-ddp", "qcomm SLOW_LINK", "#d62728"),
+    ("qcomm-hier-4-h2f2-g100-n-ddp", "qcomm ADAMW_SLOW_LINK", "#d62728"),
+    ("qcomm-hook", "qcomm DDP hook", "#ff7f0e"),
+)
+# The method ids of the peers (torch and torchft); every other method is one of qcomm's.
+PEERS = ("ddp", "localsgd", "torchft")
+OTHER_COLOURS = ("#e377c2", "#bcbd22", "#17becf", "#7f7f7f", "#aec7e8", "#ffbb78")
+QUALITY = {"test_acc": ("test accuracy (%)", 100.0), "val_loss": ("validation loss", 1.0)}
+WORKLOAD_NAMES = {"mnist1d": "MNIST-1D", "mnist1d-bn": "MNIST-1D (BatchNorm)",
+                  "charlm": "charlm"}
+
+
+@dataclass
+class Series:
+    """One method's curves in the figure."""
+
+    method: str
+    label: str  # the legend's text
+    colour: str
+    qcomm: bool
+    median: list[tuple[float, float]]  # (seconds, quality) of the median repetition
+    runs: list[list[tuple[float, float]]] = field(default_factory=list)  # every repetition
+    time_to_target: float | None = None  # median over the repetitions; None: never
+    higher_is_better: bool = True  # accuracy; a loss: False
+
+
+def name_of(method: str) -> tuple[str, str | None]:
+    """A method id -> (the name a user knows, its colour or None). The setting beside the name
+    (PowerSGD's rank, local SGD's period) comes from the id; unknown ids (and variants of the
+    known ones, such as "ddp-fp16" or "assgd-4") are shown as they are."""
+    for key, name, colour in KNOWN:
+        if method != key and not method.startswith(key + "-"):
+            continue
+        rest = method[len(key) + 1:]
+        if key == "ddp-powersgd" and rest.startswith("r") and rest[1:].isdigit():
+            return f"{name}, rank {rest[1:]}", colour
+        if key == "localsgd" and rest.startswith("p") and rest[1:].isdigit():
+            return f"{name}, every {rest[1:]} steps", colour
+        if key in ("ddp", *(k for k, _, _ in KNOWN if k.startswith("assgd"))) and rest:
+            break  # another DDP (fp16 hook, ...) or another gossip setting: its id
+        return name, colour
+    return method, None
+
+
+def _healthy(sweep: dict[str, Any]) -> bool:
+    args = sweep.get("args") or {}
+    return (not args.get("slow_nodes") and not args.get("delay_ms") and not args.get("kill_at")
+            and not any(r.get("kill") or r.get("behaviour") for r in sweep.get("rows", [])))
+
+
+def _cell_rows(sweep: dict[str, Any], workload: str, layout: str,
+               rate: str) -> list[dict[str, Any]]:
+    return [r for r in sweep.get("rows", []) if isinstance(r, dict)
+            and r.get("workload", "mnist1d") == workload and r.get("layout") == layout
+            and r.get("rate") == rate]
+
+
+def find_sweep(results: Path, workload: str, layout: str,
+               rate: str) -> tuple[Path, dict[str, Any]]:
+    """The sweep file that holds the cell: ``results`` itself, or the one healthy sweep of the
+    folder ``results`` that does. Raises ValueError (naming ``--results``) otherwise."""
+    cell = f"{workload} {layout} {rate}"
+    if results.is_file():
+        candidates = [results]
+    elif results.is_dir():
+        candidates = sorted(results.rglob("*.json"))
+    else:
+        raise ValueError(f"--results {results}: no such file or folder")
+    found = []
+    for path in candidates:
+        try:
+            sweep = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            if results.is_file():
+                raise ValueError(f"--results {results}: not a JSON file ({e})") from e
+            continue
+        if not isinstance(sweep, dict) or not isinstance(sweep.get("rows"), list):
+            if results.is_file():
+                raise ValueError(f"--results {results}: not a sweep of bench/cluster/compare.py"
+                                 " (no 'rows')")
+            continue
+        if _cell_rows(sweep, workload, layout, rate) and (results.is_file() or _healthy(sweep)):
+            found.append((path, sweep))
+    if not found:
+        where = "in it" if results.is_file() else "in any healthy sweep under it"
+        raise ValueError(f"--results {results}: no rows of the cell {cell} {where}")
+    if len(found) > 1:
+        names = ", ".join(str(p) for p, _ in found)
+        raise ValueError(f"--results {results}: several healthy sweeps hold the cell {cell} "
+                         f"({names}); pass one file")
+    return found[0]
+
+
+def _points(curve: list[dict[str, Any]] | None, metric: str, scale: float) -> list[tuple]:
+    return [(float(p["time_s"]), scale * float(p[metric])) for p in curve or []
+            if p.get(metric) is not None and p.get("time_s") is not None]
+
+
+def series(sweep: dict[str, Any], workload: str, layout: str, rate: str) -> list[Series]:
+    """Every method of the cell, fastest to the target first; then those that never reach it
+    (best final quality first); then those without an ok run (a legend entry, no curve)."""
+    out: list[Series] = []
+    spare = iter(OTHER_COLOURS * 4)
+    for r in _cell_rows(sweep, workload, layout, rate):
+        metric = r.get("metric", "test_acc")
+        scale = QUALITY.get(metric, (metric, 1.0))[1]
+        name, colour = name_of(r["method"])
+        line = Series(method=r["method"], label=name, colour=colour or next(spare),
+                      qcomm=not r["method"].startswith(PEERS), median=[],
+                      higher_is_better=r.get("goal", "max") == "max")
+        out.append(line)
+        if r.get("status") != "ok":
+            line.label = f"{name}: no run finished ({r.get('status')})"
+            continue
+        line.median = _points(r.get("curve"), metric, scale)
+        line.runs = [_points(p.get("curve"), metric, scale) for p in r.get("per_repeat") or []
+                     if p.get("status", "ok") == "ok"]
+        t = line.time_to_target = r.get("time_to_target_s")
+        span = (r.get("spread") or {}).get("time_to_target_s")
+        if t is None:
+            line.label = f"{name}: never"
+        elif span and len(line.runs) > 1:
+            line.label = f"{name}: {t:.1f} s [{span[0]:.1f}-{span[1]:.1f}]"
+        else:
+            line.label = f"{name}: {t:.1f} s"
+
+    def order(s: Series) -> tuple:
+        final = s.median[-1][1] if s.median else 0.0
+        return (not s.median, s.time_to_target is None, s.time_to_target or 0.0,
+                -final if s.higher_is_better else final)
+
+    return sorted(out, key=order)
+
+
+def title_of(sweep: dict[str, Any], workload: str, layout: str, rate: str) -> str:
+    nodes, _, procs = layout.partition("x")
+    where = f"{nodes} nodes" + (f" x {procs} processes" if procs not in ("", "1") else "")
+    speed = rate.replace("gbit", " Gbit/s").replace("mbit", " Mbit/s")
+    cpus = (sweep.get("environment") or {}).get("cpus")
+    emulated = f"emulated on {cpus} CPU cores" if cpus else "emulated cluster"
+    return (f"{WORKLOAD_NAMES.get(workload, workload)}, {where}, {speed} between nodes "
+            f"({emulated})")
+
+
+def target_of(sweep: dict[str, Any], workload: str) -> float | None:
+    args = sweep.get("args") or {}
+    target = (sweep.get("targets_quality") or {}).get(workload, args.get("target"))
+    return None if target is None else float(target)
+
+
+def figure(lines: list[Series], title: str, target: float | None, metric: str = "test_acc"):
+    """The matplotlib Figure (Agg) of ``lines``; its legend holds one entry per Series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    ylabel, scale = QUALITY.get(metric, (metric, 1.0))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ends = [pts[-1][0] for s in lines for pts in [s.median, *s.runs] if pts]
+    xmax = max(ends, default=10.0) * 1.1
+    xmin = 0.5
+    for s in lines:
+        for pts in s.runs:
+            pts = [p for p in pts if p[0] > 0]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=s.colour, lw=0.8,
+                    alpha=0.3, zorder=2)
+        pts = [p for p in s.median if p[0] > 0]  # none: a legend entry alone
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=s.colour,
+                lw=2.6 if s.qcomm else 1.8, label=s.label, zorder=4 if s.qcomm else 3)
+        if s.time_to_target is not None and target is not None:
+            ax.plot([s.time_to_target], [scale * target], "o", color=s.colour, ms=5, zorder=5)
+    if target is not None:
+        ax.axhline(scale * target, color="black", lw=0.9, ls=":", zorder=1)
+        ax.annotate(f"target {scale * target:g}%" if metric == "test_acc" else
+                    f"target {target:g}", xy=(xmin, scale * target), xytext=(4, 4),
+                    textcoords="offset points", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlim(xmin, xmax)
+    ticks = [t for t in (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000) if xmin <= t <= xmax]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    if metric == "test_acc":
+        ys = [p[1] for s in lines for pts in [s.median, *s.runs] for p in pts if p[0] >= xmin]
+        ax.set_ylim(max(0.0, 5 * (min(ys, default=0.0) // 5)), 5 * (max(ys, default=100) // 5 + 1))
+    ax.set_xlabel("wall-clock seconds (log scale)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="major", color="#dddddd", lw=0.6)
+    n = max((len(s.runs) for s in lines), default=1)
+    goal = (f"{scale * target:g}%" if metric == "test_acc" else f"{target:g}") if target else "?"
+    heading = f"seconds to {goal}, median of {n} runs [min-max]" if n > 1 else f"seconds to {goal}"
+    legend = ax.legend(title=heading, fontsize=8,
+                       title_fontsize=8, loc="lower right", framealpha=0.95)
+    legend.set_zorder(6)
+    fig.tight_layout()
+    return fig
+
+
+def caption(sweep_path: Path, target: float | None, repeats: int,
+            metric: str = "test_acc") -> str:
+    """What the figure shows, in words: for the page that shows it."""
+    what = "Test accuracy" if metric == "test_acc" else QUALITY.get(metric, (metric,))[0]
+    if target is None:
+        goal = "the target"
+    else:
+        goal = f"{100 * target:g}% test accuracy" if metric == "test_acc" else f"{target:g}"
+    return (f"{what} of the nodes' average model against wall-clock seconds (log scale), "
+            f"one colour per method. Bold: the repetition with the median time to {goal} "
+            f"(of {repeats}); faint: every repetition; dots: where the bold curve first reaches "
+            f"the target (dotted line). Each peer at the best setting of its own grid. Data: "
+            f"{sweep_path}.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
+                   help="A sweep JSON file of bench/cluster/compare.py, or a folder searched "
+                        "for the one healthy sweep of the cell (default "
+                        f"{DEFAULT_RESULTS.relative_to(REPO)}).")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help=f"The PNG to write (default {DEFAULT_OUT.relative_to(REPO)}; its folder "
+                        "is created).")
+    p.add_argument("--workload", default="mnist1d", help="The cell's workload (mnist1d).")
+    p.add_argument("--layout", default="4x1",
+                   help="The cell's layout, NODESxPROCS (default 4x1).")
+    p.add_argument("--rate", default="100mbit",
+                   help="The cell's inter-node rate, as the sweep names it (default 100mbit).")
+    p.add_argument("--dpi", type=int, default=100,
+                   help="Pixels per inch of the 8 x 4.5 in figure (default 100).")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        path, sweep = find_sweep(args.results, args.workload, args.layout, args.rate)
+    except ValueError as e:
+        parser.error(str(e))
+    lines = series(sweep, args.workload, args.layout, args.rate)
+    rows = _cell_rows(sweep, args.workload, args.layout, args.rate)
+    metric = rows[0].get("metric", "test_acc")
+    target = target_of(sweep, args.workload)
+    fig = figure(lines, title_of(sweep, args.workload, args.layout, args.rate), target, metric)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=args.dpi)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    repeats = round(statistics.median([r.get("repeats_ok") or 1 for r in rows]))
+    try:
+        shown = path.resolve().relative_to(REPO)
+    except ValueError:
+        shown = path
+    print(caption(shown, target, repeats, metric))
+    print(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The shape of the source, checked on every ``.py`` file under ``qcomm/`` with :mod:`ast`:
+module docstrings stay short (the long explanations live in ``docs/``), functions stay short,
+and every ``docs/...md`` page a module docstring names exists."""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "qcomm"
+MAX_MODULE_DOCSTRING_LINES = 30
+MAX_FUNCTION_LINES = 80
+DOC_PATH = re.compile(r"docs/[\w/.-]+\.md")
+
+
+@cache
+def _modules() -> tuple[tuple[str, ast.Module], ...]:
+    """Every module of the package, parsed once: (path relative to the repository, tree)."""
+    return tuple((path.relative_to(REPO).as_posix(), ast.parse(path.read_text(), str(path)))
+                 for path in sorted(PACKAGE.rglob("*.py")))
+
+
+def _module_docstring(tree: ast.Module) -> ast.Expr | None:
+    first = tree.body[0] if tree.body else None
+    if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)):
+        return first
+    return None
+
+
+def _lines(node: ast.AST) -> int:
+    return node.end_lineno - node.lineno + 1  # type: ignore[attr-defined, operator]
+
+
+def test_the_package_has_modules() -> None:
+    assert len(_modules()) > 10, f"no modules found under {PACKAGE}"
+
+
+def test_no_module_docstring_is_longer_than_30_lines() -> None:
+    too_long = [f"{path}: module docstring of {_lines(doc)} lines"
+                for path, tree in _modules()
+                if (doc := _module_docstring(tree)) and _lines(doc) > MAX_MODULE_DOCSTRING_LINES]
+    assert not too_long, (f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (move the "
+                          "long explanations to docs/):\n" + "\n".join(too_long))
+
+
+def test_no_function_is_longer_than_80_lines() -> None:
+    too_long = [f"{path}:{node.lineno}: {node.name} has {_lines(node)} lines"
+                for path, tree in _modules() for node in ast.walk(tree)
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and _lines(node) > MAX_FUNCTION_LINES]
+    assert not too_long, (f"functions over {MAX_FUNCTION_LINES} lines:\n"
+                          + "\n".join(too_long))
+
+
+def test_every_docs_page_a_module_docstring_names_exists() -> None:
+    missing = [f"{path}: names {page}, which does not exist"
+               for path, tree in _modules() if (doc := _module_docstring(tree))
+               for page in sorted(set(DOC_PATH.findall(doc.value.value)))  # type: ignore[attr-defined]
+               if not (REPO / page).is_file()]
+    assert not missing, "module docstrings name missing docs pages:\n" + "\n".join(missing)
