@@ -704,3 +704,42 @@ def test_peer_variant_names_set_config_fields(name, want):
     assert M.peer_variant(name) == want
     if want is not None:
         assert name in M.METHODS and M.resolve(name) == want
+
+
+def _stop_votes(tmp_path, steps: int, flag_at: int | None) -> tuple[int, list[int]]:
+    """timed_steps of a fake node of two ranks (rank 1: no snapshots) that ends at the fastest
+    node's steps: the steps it took and the steps at which its ranks voted on stopping."""
+    import types
+
+    from bench.cluster import workload as WL
+
+    votes: list[int] = []
+    flag = tmp_path / "o.fastest"
+    taken = [0]
+
+    def node_any(stop: bool) -> bool:
+        votes.append(taken[0])
+        return stop
+
+    def train_step(i: int) -> tuple[float, float]:
+        taken[0] += 1
+        if flag_at is not None and taken[0] == flag_at:
+            flag.touch()   # another node took its steps first
+        return 0.0, 0.0
+
+    here = types.SimpleNamespace(rank=1, node=0, keeps_snapshots=False)
+    args = types.SimpleNamespace(steps=steps, snapshots=4, profile=False, warmup=0)
+    built = types.SimpleNamespace(node_any=node_any)
+    timed = WL.timed_steps(args, here, built, train_step, None, 1000, None, tmp_path / "m",
+                           fastest=(flag, 1.0))
+    return timed.steps, votes
+
+
+def test_a_node_votes_on_stopping_every_few_steps_and_at_its_last(tmp_path):
+    every = 4
+    steps, votes = _stop_votes(tmp_path, 10, None)
+    assert steps == 10 and votes == [0, 4, 8, 10]   # at its own --steps, whatever the phase
+    (tmp_path / "b").mkdir()
+    steps, votes = _stop_votes(tmp_path / "b", 100, 6)
+    assert steps == 8 and votes == [0, 4, 8]         # the flag is seen at the next vote
+    assert all(v % every == 0 for v in votes)
