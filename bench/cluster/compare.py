@@ -616,18 +616,26 @@ def workload_command(workload: str, method: str, args: argparse.Namespace, data:
             "--out", str(out_json), *F.command_line(values, F.PASSED_ON)]
 
 
+def launch_command(cluster: str, layout: T.Layout, cmd_args: list[str], timeout: int,
+                   log: Path, slow: tuple[int, float] = (0, 1.0), lost: int | None = None,
+                   equal_cpu: bool = False) -> list[str]:
+    """netns.sh's command that launches one run on the cluster (see :func:`run_one`)."""
+    return ["bash", str(NETNS), "launch", "--id", cluster, "--nodes", str(layout.nodes),
+            "--procs", str(layout.procs), "--timeout", str(timeout),
+            "--slow-nodes", str(slow[0]), "--slowdown", str(slow[1]),
+            *(["--lost-node", str(lost)] if lost is not None else []),
+            *(["--equal-cpu"] if equal_cpu else []),
+            "--logdir", str(log.parent / log.stem), "--", *cmd_args]
+
+
 def run_one(cluster: str, layout: T.Layout, cmd_args: list[str], timeout: int, out_json: Path,
             log: Path, bar: Any, slow: tuple[int, float] = (0, 1.0),
-            lost: int | None = None) -> tuple[int, str]:
+            lost: int | None = None, equal_cpu: bool = False) -> tuple[int, str]:
     """Launch one run on the cluster (``slow``: the last ``slow[0]`` nodes capped to
     ``1 / slow[1]`` of the others' CPU; ``lost``: the node the run kills, whose end is no
     failure); stream node 0's progress into ``bar``."""
     out_json.unlink(missing_ok=True)
-    cmd = ["bash", str(NETNS), "launch", "--id", cluster, "--nodes", str(layout.nodes),
-           "--procs", str(layout.procs), "--timeout", str(timeout),
-           "--slow-nodes", str(slow[0]), "--slowdown", str(slow[1]),
-           *(["--lost-node", str(lost)] if lost is not None else []),
-           "--logdir", str(log.parent / log.stem), "--", *cmd_args]
+    cmd = launch_command(cluster, layout, cmd_args, timeout, log, slow, lost, equal_cpu)
     # torchrun of this interpreter's environment (netns.sh looks for TORCHRUN first).
     torchrun = Path(sys.executable).with_name("torchrun")
     extra = {"TORCHRUN": str(torchrun)} if torchrun.exists() else {}
@@ -766,6 +774,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-nodes", type=int, default=0,
                    help="Slow the last K nodes of every layout down with a CPU cap (a cgroup "
                         "quota, see netns.sh); 0: every node at full speed.")
+    p.add_argument("--equal-cpu", action="store_true",
+                   help="Cap every node at cores / nodes of this machine's CPU (identical "
+                        "machines: no node takes another's share); not with --slow-nodes.")
     p.add_argument("--slowdown", type=float, default=2.0,
                    help="How much slower a slow node computes: 2 is half speed.")
     p.add_argument("--time-budget", default=None,
@@ -790,6 +801,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.equal_cpu and args.slow_nodes:
+        p.error("--equal-cpu gives every node the same CPU quota: it does not go with "
+                f"--slow-nodes {args.slow_nodes}")
     check_kill(p, args)
     if args.time_budget is not None:
         try:
@@ -940,7 +954,8 @@ def run_cell(sweep: Sweep, args: argparse.Namespace, cluster: str,
     with progress(settings(w, args)["steps"], f"  {name}", position=1, leave=False) as bar:
         rc, tail = run_one(cluster, layout, cmd, args.timeout, out_json,
                            sweep.outdir / "runs" / f"{stem}.log", bar,
-                           (args.slow_nodes, args.slowdown), args.kill_node)
+                           (args.slow_nodes, args.slowdown), args.kill_node,
+                           args.equal_cpu)
     if rc != 0 or not out_json.exists():
         note(f"{stem}: FAILED (exit {rc}); log {sweep.outdir}/runs/{stem}.log\n{tail}")
         return {**base, "status": f"failed (exit {rc})"}

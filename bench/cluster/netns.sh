@@ -25,7 +25,7 @@
 # Usage (root only):
 #   netns.sh up     --id ID --nodes N --rate RATE [--burst 256kb] [--delay-ms D] [--owner PID]
 #   netns.sh launch --id ID --nodes N --procs P [--timeout S] [--port PORT] [--logdir DIR] \
-#                   [--slow-nodes K --slowdown S] [--lost-node K] \
+#                   [--slow-nodes K --slowdown S | --equal-cpu] [--lost-node K] \
 #                   -- SCRIPT [ARGS...]          # one torchrun per node, in its namespace
 #
 # A planned node loss (--lost-node K, K >= 1; the script kills node K, e.g. workload.py
@@ -41,7 +41,8 @@
 # processes 1/S of the CPU a process of the other nodes gets: with C cores, N nodes of P
 # single-threaded processes, a fast process gets f = min(1, C / ((N-K) P + K P / S)) cores and
 # a slow node P f / S. A real CPU cap, not a sleep: the slow node's compute, codec work and
-# Python overhead all slow down, as on a slower machine.
+# Python overhead all slow down, as on a slower machine. --equal-cpu instead caps every node at
+# C / N cores: identical machines, none taking another's share of the shared cores.
 #   netns.sh counters --id ID --nodes N          # "k tx_bytes rx_bytes" of each node's qceth0
 #   netns.sh down   --id ID
 #   netns.sh clean                               # remove clusters whose owner process is gone
@@ -354,7 +355,7 @@ reap_survivors() {
 }
 
 cmd_launch() {
-    local id="" nodes="" procs="" tmo=600 port="" logdir="" slow=0 slowdown=1 lost=""
+    local id="" nodes="" procs="" tmo=600 port="" logdir="" slow=0 slowdown=1 lost="" equal=0
     while [ $# -gt 0 ]; do
         case "$1" in
         --id) id=$2; shift 2 ;;
@@ -366,6 +367,7 @@ cmd_launch() {
         --slow-nodes) slow=$2; shift 2 ;;
         --slowdown) slowdown=$2; shift 2 ;;
         --lost-node) lost=$2; shift 2 ;;
+        --equal-cpu) equal=1; shift ;;
         --) shift; break ;;
         *) die "launch: unknown argument '$1'" ;;
         esac
@@ -374,6 +376,8 @@ cmd_launch() {
         die "--lost-node must be an integer in [1, nodes) (node 0 hosts the rendezvous store), got '$lost'"
     [[ "$slow" =~ ^[0-9]+$ ]] && [ "$slow" -lt "${nodes:-0}" ] ||
         die "--slow-nodes must be an integer in [0, nodes) (one node at least stays fast), got '$slow'"
+    [ "$equal" = 0 ] || [ "$slow" = 0 ] ||
+        die "--equal-cpu gives every node the same CPU quota: it does not go with --slow-nodes"
     [[ "$slowdown" =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
         die "--slowdown must be a number >= 1 (2: half speed), got '$slowdown'"
     # Integer arithmetic in thousandths: slowdown S -> S1000.
@@ -412,6 +416,14 @@ cmd_launch() {
             cgroups+=("$cg")
             # The shell joins the cgroup, then becomes the node's launcher: everything the node
             # starts inherits the cap.
+            wrap=(bash -c 'echo $$ >"$0/cgroup.procs" && exec "$@"' "$cg")
+        elif [ "$equal" = 1 ]; then
+            # Identical machines: every node capped at cores / nodes, so that no node's
+            # processes take another's share of the shared cores.
+            local cg
+            cg=$(cpu_cgroup "$id" "$k")
+            make_slow_cgroup "$cg" "$cores" "$nodes"
+            cgroups+=("$cg")
             wrap=(bash -c 'echo $$ >"$0/cgroup.procs" && exec "$@"' "$cg")
         fi
         local -a cmd=("${wrap[@]}" ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$IFACE" OMP_NUM_THREADS=1

@@ -743,3 +743,15 @@ def test_a_node_votes_on_stopping_every_few_steps_and_at_its_last(tmp_path):
     steps, votes = _stop_votes(tmp_path / "b", 100, 6)
     assert steps == 8 and votes == [0, 4, 8]         # the flag is seen at the next vote
     assert all(v % every == 0 for v in votes)
+
+
+def test_equal_cpu_caps_every_node_and_refuses_slow_nodes(tmp_path, capsys):
+    args = C.parse_args(["--layouts", "4x1", "--equal-cpu"])
+    cmd = C.launch_command("abc", T.Layout(4, 1), ["w.py"], 60, tmp_path / "r.log",
+                           equal_cpu=args.equal_cpu)
+    assert "--equal-cpu" in cmd and cmd[cmd.index("--") + 1:] == ["w.py"]
+    plain = C.launch_command("abc", T.Layout(4, 1), ["w.py"], 60, tmp_path / "r.log")
+    assert "--equal-cpu" not in plain
+    with pytest.raises(SystemExit):
+        C.parse_args(["--equal-cpu", "--slow-nodes", "1"])
+    assert "does not go with --slow-nodes 1" in capsys.readouterr().err
