@@ -144,14 +144,18 @@ class NodeGossip:
         mask[list(changed)] = 1
         all_reduce(mask, self.topology.intra_group, "max", timeout_s=self.options.timeout_s,
                    link="intra", operation="the round's changed fragments")
-        union = [f for f in range(F) if mask[f]]
+        union = mask.nonzero().flatten().tolist()   # one host read, whatever F
         if by_range:   # only the fragments the round read were copied in: load the others
-            flat, base = self.flat, self._index * self.flat.shard_numel
             for f in set(union) - set(changed):
-                frag = self.gossip.fragment(f)
-                flat.load_range(base + frag.start, base + frag.stop)
-                shard[frag].copy_(flat.flat[base + frag.start: base + frag.stop])
+                self._load_fragment(shard, f)
         return union
+
+    def _load_fragment(self, shard: torch.Tensor, f: int) -> None:
+        """Fragment f of this rank's shard, from the parameters into ``flat`` and ``shard``."""
+        flat, frag = self.flat, self.gossip.fragment(f)
+        base = self._index * flat.shard_numel
+        flat.load_range(base + frag.start, base + frag.stop)
+        shard[frag].copy_(flat.flat[base + frag.start: base + frag.stop])
 
     def _load_shard(self) -> tuple[torch.Tensor, bool]:
         """This rank's shard, current in the fragments the round reads, and whether only those
@@ -164,11 +168,8 @@ class NodeGossip:
         reads = gossip.fragments_read_next() if self.options.fragments > 1 else None
         if reads is not None and flat.ranges_ok:
             # Only the fragments the round sends and mixes are copied in.
-            base = rank * flat.shard_numel
             for f in reads:
-                frag = gossip.fragment(f)
-                flat.load_range(base + frag.start, base + frag.stop)
-                shard[frag].copy_(flat.flat[base + frag.start: base + frag.stop])
+                self._load_fragment(shard, f)
             return shard, True
         flat.load_from_params()
         shard.copy_(flat.shard(rank))
