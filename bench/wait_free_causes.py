@@ -14,7 +14,9 @@ about 8 ms on the emulated cluster):
 
 * ``healthy``: every member at full speed, messages visible the next tick;
 * ``latency``: messages visible 6 ticks after they were sent (50 ms each way);
-* ``slow``: the last member at half speed, messages visible the next tick.
+* ``slow``: the last member at half speed, messages visible the next tick;
+* ``slow4``, ``slow8``: the last member 4 and 8 times slower (a straggler far behind, where
+  a fast neighbour takes many rounds per round of it).
 
 Variants: ``lockstep`` (bounded staleness 1: a round waits for its neighbours' previous round,
 so its steps are those of a healthy run whatever the scenario), ``wait-free`` (the code as it
@@ -49,7 +51,8 @@ from types import SimpleNamespace
 from typing import Any
 
 SCENARIOS = {"healthy": {"delay": 1, "slow": 1.0}, "latency": {"delay": 6, "slow": 1.0},
-             "slow": {"delay": 1, "slow": 2.0}}
+             "slow": {"delay": 1, "slow": 2.0}, "slow4": {"delay": 1, "slow": 4.0},
+             "slow8": {"delay": 1, "slow": 8.0}}
 VARIANTS = ("lockstep", "wait-free", "no-late", "no-outer", "lockstep-no-outer", "mean-kept",
             "matched")
 SLOW_LINK = {"bits": 2, "sync_every": 16, "fragments": 4, "gamma": 0.8, "rounding": "nearest",

@@ -136,6 +136,10 @@ class WaitFreeGossip(GossipMember):
         self._live = [True] * len(self.peers)     # not lost
         self._greeted = [True] * len(self.peers)  # its copy is set up (a new one: hello)
         self._acked = [0] * len(self.peers)       # own rounds it held when it last mixed
+        # per fragment: its messages the copy held at this member's last term on it, and how
+        # many terms used the copy as it holds them (_fresh)
+        self._termed = [[0] * self.fragments for _ in self.peers]
+        self._terms_on_copy = [[0] * self.fragments for _ in self.peers]
         self._mix_weights: tuple | None = None    # cached (who is mixed, weights, their sum)
         self.lost: set[int] = set()               # members known to be lost
         self.losses: list[dict] = []              # what was dropped, when, why
@@ -467,7 +471,7 @@ class WaitFreeGossip(GossipMember):
         bounded = self._codec.encode(diff, message[:self.nbytes],
                                      gossip_message_seed(self.seed, t, self.member))
         mix = self._fragment_to_mix(t)
-        paired = self._mixable() if mix is not None else []
+        paired = self._fresh(mix[0]) if mix is not None else []
         self._write_header(message, paired, mix)
         seal_(message, t, self.member)
         failures = streams.send(message)
@@ -484,6 +488,7 @@ class WaitFreeGossip(GossipMember):
             return sorted(changed)  # nothing to mix yet
         # The terms of the neighbours the acks name, whatever the failures just handled: a
         # neighbour that got this message adds their mirrors.
+        self._count_terms(paired, mix[0])
         self._mix(x, *mix, paired)
         self._forget_acknowledged()
         return sorted(changed | {mix[0]})
@@ -491,6 +496,38 @@ class WaitFreeGossip(GossipMember):
     def _mixable(self) -> list[int]:
         """The streams whose neighbour this member mixes with now: live, copy set up."""
         return [k for k in self._live_streams() if self._greeted[k]]
+
+    def _held(self, k: int, f: int) -> int:
+        """How many messages of fragment f neighbour k's copy holds (its rounds r below
+        ``received[k]`` with ``r % fragments == f``)."""
+        return (self.received[k] - f + self.fragments - 1) // self.fragments
+
+    def _terms_per_copy(self) -> int:
+        """How many terms may use one neighbour's copy of a fragment before it changes: m with
+        ``degree (m + 1) gamma w / 2 <= 1/2`` (at least 1): a slow member's own terms and the
+        mirrors its fast neighbours owe it then move it by at most half the way per round."""
+        degree = max(1, len(self._live_streams()))
+        return max(1, int(1.0 / (degree * self.gamma * self._edge_weight)) - 1)
+
+    def _fresh(self, f: int) -> list[int]:
+        """The mixable neighbours this member pairs a term on fragment f with: those whose copy
+        of f has changed since the last term on it, or has served fewer than
+        :meth:`_terms_per_copy` terms. Each term owes the neighbour a mirror; a member n times
+        faster than its neighbour would otherwise owe it n mirrors per round of its own, and
+        with n gamma w / 2 past 1 the pair's difference grows instead of shrinking (a member
+        20 times faster at gamma 0.3 on a ring). Capped, the neighbour's terms and mirrors per
+        round of its own add up to at most half the way, whatever the paces, and nobody
+        waits."""
+        cap = self._terms_per_copy()
+        return [k for k in self._mixable()
+                if self._held(k, f) > self._termed[k][f] or self._terms_on_copy[k][f] < cap]
+
+    def _count_terms(self, paired: list[int], f: int) -> None:
+        for k in paired:
+            held = self._held(k, f)
+            if held > self._termed[k][f]:
+                self._termed[k][f], self._terms_on_copy[k][f] = held, 0
+            self._terms_on_copy[k][f] += 1
 
     @property
     def _kept(self) -> int:
@@ -647,6 +684,8 @@ class WaitFreeGossip(GossipMember):
         self._live.append(True)
         self._greeted.append(False)
         self._acked.append(self.rounds_started)  # the hello's copy holds these rounds
+        self._termed.append([0] * self.fragments)
+        self._terms_on_copy.append([0] * self.fragments)
         self._recent.append(deque())
         self._inbox.append(deque())
         self._pending.append([])
@@ -904,6 +943,8 @@ class WaitFreeGossip(GossipMember):
                 # the live neighbours (after a loss, not the graph's), per neighbour
                 "peers": [self.peers[k] for k in live],
                 "received": [self.received[k] for k in live],
+                "termed": [list(self._termed[k]) for k in live],
+                "terms_on_copy": [list(self._terms_on_copy[k]) for k in live],
                 "recent": [[(r, b.clone()) for r, b in self._recent[k]] for k in live],
                 "own_sent": [(r, m.clone()) for r, m, _ in self._own_sent],
                 "owed_fragments": sorted(self._owed_fragments),
@@ -979,6 +1020,11 @@ class WaitFreeGossip(GossipMember):
         self.peers = [int(p) for p in state["peers"]]
         self.peer_ranks = [self.group_ranks[p] for p in self.peers]
         self.received = [int(r) for r in state["received"]]
+        # saved before terms were counted: every copy counts as not mixed with yet
+        unmixed = [[0] * self.fragments for _ in self.peers]
+        self._termed = [[int(c) for c in row] for row in state.get("termed", unmixed)]
+        self._terms_on_copy = [[int(c) for c in row]
+                               for row in state.get("terms_on_copy", unmixed)]
         # Saved after a drain: every neighbour had applied every own round, so its acks from
         # now on hold them all; the own messages kept rebuild the own copy's versions.
         self._acked = [self.rounds_started] * len(self.peers)
