@@ -9,6 +9,9 @@ Launch it with torchrun; one line per machine (README.md, "Run on several machin
     # one machine, 4 processes emulating 2 nodes of 2 (gossip between the two halves)
     torchrun --nproc-per-node 4 examples/train_charlm.py --procs-per-node 2
 
+    # the same with the model sharded inside each node by FSDP2 (each rank gossips its shard)
+    torchrun --nproc-per-node 4 examples/train_charlm.py --procs-per-node 2 --fsdp
+
     # one process, no torchrun: plain AdamW (nothing to communicate)
     python examples/train_charlm.py --steps 50
 
@@ -18,7 +21,8 @@ has, so nothing is downloaded; ``--text FILE`` trains on a file of your own inst
 draws its own random windows of the training text.
 
 The optimizer is ``HierarchicalOptimizer(torch.optim.AdamW(...))``: gradients averaged inside
-each node (``--ddp``: by torch's DDP during backward), AdamW's own update, then compressed
+each node (``--ddp``: by torch's DDP during backward; ``--fsdp``: the model sharded over the
+node's ranks by FSDP2, each rank gossiping its own shard), AdamW's own update, then compressed
 asynchronous gossip of the parameters between nodes. The ranks per node are torchrun's
 ``LOCAL_WORLD_SIZE`` unless ``--procs-per-node`` says otherwise. Backend: Gloo on CPU; on GPU,
 NCCL for CUDA tensors with Gloo for the few CPU tensors (``--backend``).
@@ -43,6 +47,7 @@ import os
 import sys
 import sysconfig
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,6 +186,8 @@ def parameters_sha256(model: nn.Module) -> str:
     parameters."""
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
+        if hasattr(t, "full_tensor"):   # FSDP2: the whole parameter (a collective in the node)
+            t = t.full_tensor()
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -256,6 +263,29 @@ def step_dir(root: str, step: int) -> Path:
     return Path(root) / f"step{step:07d}"
 
 
+def shard_inside_nodes(model: nn.Module, place: Place, procs_per_node: int | None) -> None:
+    """FSDP2 over each node's ranks: every block, then the root, ``fully_shard`` over the
+    "shard" dimension of a ``(nodes, procs_per_node)`` mesh (docs/engine.md, "Sharded models").
+    Collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ppn = procs_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", place.world))
+    mesh = init_device_mesh(place.device.type, (place.world // ppn, ppn),
+                            mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+
+
+def same_start(model: nn.Module, place: Place) -> None:
+    """Rank 0's parameters on every rank: qcomm needs every rank to start from the same
+    ones; the seed gives them on one torch build, rank 0's copy gives them across machines."""
+    if place.distributed:
+        for t in model.state_dict().values():
+            dist.broadcast(t, src=0)
+
+
 def train(args: argparse.Namespace, place: Place, options: dict[str, object]) -> None:
     """Build, (resume,) train, average, report, save. Every rank runs it in lock step."""
     train_tokens, val_tokens = load_text(args.text, args.train_bytes, args.val_bytes)
@@ -263,6 +293,12 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
 
     torch.manual_seed(args.seed)
     model = CharLM(args.width, args.layers, args.heads, args.context).to(place.device)
+    if args.fsdp:   # whole first (one rank's copy on every rank), then each rank keeps its part
+        same_start(model, place)
+        shard_inside_nodes(model, place, args.procs_per_node)
+        # FSDP2 warns that the root's output (the logits) is a view, in case a caller changes
+        # it in place; next_token_loss only reshapes it.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
     opt = HierarchicalOptimizer(
         torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay),
         **options)
@@ -280,11 +316,8 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
             start = int(load_checkpoint(args.resume, opt, model)["step"])
             say(place, f"resumed from {args.resume} at step {start}")
         else:
-            if place.distributed:
-                # qcomm needs every rank to start from the same parameters; the seed gives
-                # them on one torch build, rank 0's copy gives them across machines.
-                for t in model.state_dict().values():
-                    dist.broadcast(t, src=0)
+            if not args.fsdp:
+                same_start(model, place)
             # Different batches on every rank, drawn from the global generator (see
             # random_windows) after the model's initialisation.
             torch.manual_seed(args.seed * 1_000_003 + place.rank + 1)
@@ -406,6 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "speeds).")
     g.add_argument("--ddp", action="store_true",
                    help="Average gradients inside each node with torch DDP during backward.")
+    g.add_argument("--fsdp", action="store_true",
+                   help="Shard the model inside each node with torch's FSDP2 (fully_shard over "
+                        "the node's ranks); each rank gossips its own shard between nodes. "
+                        "Needs torchrun; not with --ddp, --intra-bits, --ckpt-dir or --resume.")
     g.add_argument("--timeout-s", type=float, default=300.0,
                    help="Longest wait for another rank, in seconds, in qcomm and in "
                         "torch.distributed; past it the job fails with an error naming the "
@@ -434,6 +471,16 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.steps, args.log_every, args.batch_size, args.context) < 1 or args.save_every < 0:
         ap.error("--steps, --log-every, --batch-size and --context must be >= 1, "
                  "--save-every >= 0")
+    if args.fsdp:
+        clash = [flag for flag, on in (("--ddp", args.ddp), ("--intra-bits", args.intra_bits),
+                                       ("--ckpt-dir", args.ckpt_dir), ("--resume", args.resume))
+                 if on]
+        if clash:
+            ap.error(f"--fsdp cannot be combined with {', '.join(clash)}: FSDP2 averages the "
+                     "gradients inside the node itself (no DDP, nothing for qcomm to quantize "
+                     "there), and sharded checkpoints are not written yet")
+        if "RANK" not in os.environ:
+            ap.error("--fsdp shards the model over a node's processes: launch with torchrun")
     try:
         options = comm_options(args)
     except (TypeError, ValueError) as e:
