@@ -319,6 +319,19 @@ def test_state_after_a_drain_resumes_bit_exact(gamma: float | None) -> None:
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("bad", [[[-1, 0]], [[0]], [[0, 0], [0, 0], [0, 0]], "0", [[0.5, 0]]])
+def test_saved_term_counts_that_are_not_counts_are_refused_and_change_nothing(bad) -> None:
+    a = WaitFreeSimulator(2, NUMEL, spec=SPEC, fragments=2)
+    a.run(_start(2), 10)
+    a.drain()
+    state = dict(a.members[0].state_dict(), terms_on_copy=bad)
+    m = WaitFreeSimulator(2, NUMEL, spec=SPEC, fragments=2).members[0]
+    before = (m.steps, m.rounds_started, list(m.peers), list(m.received), m._termed)
+    with pytest.raises(ValueError, match=r"state\['terms_on_copy'\] must be 1 lists of 2 ints"):
+        m.load_state_dict(state)
+    assert (m.steps, m.rounds_started, list(m.peers), list(m.received), m._termed) == before
+
+
 def test_state_without_a_drain_is_refused() -> None:
     sim = WaitFreeSimulator(2, NUMEL, spec=SPEC)
     sim.run(_start(2), 3)

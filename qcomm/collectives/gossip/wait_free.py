@@ -523,6 +523,7 @@ class WaitFreeGossip(GossipMember):
                 if self._held(k, f) > self._termed[k][f] or self._terms_on_copy[k][f] < cap]
 
     def _count_terms(self, paired: list[int], f: int) -> None:
+        """Count this round's terms on fragment f with the neighbours ``paired``."""
         for k in paired:
             held = self._held(k, f)
             if held > self._termed[k][f]:
@@ -978,6 +979,21 @@ class WaitFreeGossip(GossipMember):
                              f"{list(getattr(m, 'shape', []))}")
         return m.detach().clone()
 
+    def _saved_counts(self, state: dict, key: str) -> list[list[int]]:
+        """A saved per-neighbour, per-fragment count (``termed``, ``terms_on_copy``),
+        checked: one row of ``fragments`` ints >= 0 per saved neighbour (a state saved before
+        terms were counted has none: every copy counts as not mixed with yet)."""
+        n = len(state["peers"])
+        rows = state.get(key, [[0] * self.fragments for _ in range(n)])
+        ok = isinstance(rows, list) and len(rows) == n and all(
+            isinstance(row, list) and len(row) == self.fragments
+            and all(isinstance(c, int) and c >= 0 for c in row) for row in rows)
+        if not ok:
+            raise ValueError(f"state[{key!r}] must be {n} lists of "
+                             f"{self.fragments} ints >= 0 (one per neighbour and fragment), "
+                             f"got {rows!r}")
+        return [list(row) for row in rows]
+
     def _saved_buffers(self, state: dict) -> dict[str, torch.Tensor | None]:
         """The saved buffers, checked (dtype, shape, device): rounds decode into and from them
         without checking them again. A state without ``owed`` (saved before the mixing was
@@ -1005,6 +1021,8 @@ class WaitFreeGossip(GossipMember):
                     for r, m in state.get("own_sent", [])]
         recent = [[(int(r), self._saved_message(b, self.nbytes)) for r, b in h]
                   for h in state.get("recent", [[] for _ in state["peers"]])]
+        termed = self._saved_counts(state, "termed")
+        terms_on_copy = self._saved_counts(state, "terms_on_copy")
         if slots is not None:
             cfg = state["config"]
             self._slots = slots
@@ -1020,11 +1038,7 @@ class WaitFreeGossip(GossipMember):
         self.peers = [int(p) for p in state["peers"]]
         self.peer_ranks = [self.group_ranks[p] for p in self.peers]
         self.received = [int(r) for r in state["received"]]
-        # saved before terms were counted: every copy counts as not mixed with yet
-        unmixed = [[0] * self.fragments for _ in self.peers]
-        self._termed = [[int(c) for c in row] for row in state.get("termed", unmixed)]
-        self._terms_on_copy = [[int(c) for c in row]
-                               for row in state.get("terms_on_copy", unmixed)]
+        self._termed, self._terms_on_copy = termed, terms_on_copy
         # Saved after a drain: every neighbour had applied every own round, so its acks from
         # now on hold them all; the own messages kept rebuild the own copy's versions.
         self._acked = [self.rounds_started] * len(self.peers)
