@@ -240,7 +240,7 @@ def _read(path: Path, *, trusted: bool, legacy: bool) -> Any:
             "(weights-only) loader refuses: unpickling them could run code from the file. If "
             "you trust the file, pass load_checkpoint(..., trusted=True), or allow the types "
             "with torch.serialization.add_safe_globals." + older, path, types) from None
-    except (RuntimeError, OSError, EOFError, ValueError) as exc:
+    except (RuntimeError, OSError, EOFError, ValueError, IndexError, KeyError) as exc:
         if isinstance(exc, FileNotFoundError):
             raise
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupted): "
