@@ -88,16 +88,16 @@ def test_wait_free_gossip_refuses_a_nonfinite_x_before_sending(bad: float) -> No
     xs = _xs(2)
     sim.run(xs, 2)
     m = sim.members[0]
-    own, owed = m._hat_own.clone(), m._owed.clone()
-    before = (m.steps, m.rounds_started, len(m._own_sent))
+    own, owed = m._hat_own.clone(), m._ledger.owed.clone()
+    before = (m.steps, m.rounds_started, len(m._ledger.own_sent))
     poisoned = xs[0].clone()
     poisoned[3] = bad
     with pytest.raises(NonFiniteError) as info:
         m.end_step(poisoned)
     assert info.value.argument == "x"
     assert sim.boxes.pending(0, 1) == 0
-    assert torch.equal(m._hat_own, own) and torch.equal(m._owed, owed)
-    assert (m.steps, m.rounds_started, len(m._own_sent)) == before
+    assert torch.equal(m._hat_own, own) and torch.equal(m._ledger.owed, owed)
+    assert (m.steps, m.rounds_started, len(m._ledger.own_sent)) == before
     sim.run(xs, 2)  # and the next rounds run
     assert m.rounds_started == before[1] + 2
 
@@ -142,7 +142,7 @@ def test_wait_free_gossip_refuses_a_resealed_nonfinite_message(bad: float) -> No
     xs = _xs(2)
     sim.run(xs, 3)
     m1 = sim.members[1]
-    copies, received = m1._copies.clone(), list(m1.received)
+    copies, received = m1._links.copies.clone(), list(m1.received)
     sim.members[0].prepare()
     sim.members[0].end_step(xs[0])
     message = sim.boxes._queue(0, 1)[-1][1]
@@ -151,7 +151,7 @@ def test_wait_free_gossip_refuses_a_resealed_nonfinite_message(bad: float) -> No
     with pytest.raises(CorruptPayloadError, match="non-finite scale") as info:
         m1.prepare()
     assert info.value.peers == [0]
-    assert torch.equal(m1._copies, copies) and m1.received == received
+    assert torch.equal(m1._links.copies, copies) and m1.received == received
 
 
 def test_an_own_message_with_a_scale_above_2_64_is_decoded_with_the_checks() -> None:
@@ -276,7 +276,7 @@ def test_a_bad_saved_wait_free_state_is_refused_naming_it_and_nothing_loaded(
     fresh = sim.members[0]
     with pytest.raises(error, match=match):
         fresh.load_state_dict(state)
-    assert fresh.rounds_started == 0 and fresh._hat_own is None and fresh._owed is None
+    assert fresh.rounds_started == 0 and fresh._hat_own is None and fresh._ledger.owed is None
 
 
 # ---------------------------------------------------------------------------------------------

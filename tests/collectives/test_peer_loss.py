@@ -47,7 +47,7 @@ def _sim(n: int, **kwargs) -> WaitFreeSimulator:
 
 
 def _live_peers(m: WaitFreeGossip) -> list[int]:
-    return sorted(m.peers[k] for k in m._live_streams())
+    return sorted(m.peers[k] for k in m.membership.live_links())
 
 
 def _kill_and_settle(sim: WaitFreeSimulator, xs: list[torch.Tensor], dead: list[int],
@@ -69,7 +69,7 @@ def _check_ring_closed(sim: WaitFreeSimulator, dead: list[int]) -> None:
         ring = {survivors[pos - 1], survivors[(pos + 1) % len(survivors)]}
         assert set(_live_peers(m)) == ring - {i}
         # every neighbour it now mixes with is one whose copy it set up from a hello or held
-        assert all(m._greeted[k] for k in m._live_streams())
+        assert all(m.membership.greeted[k] for k in m.membership.live_links())
 
 
 @pytest.mark.parametrize("after_sending", [False, True])
@@ -133,11 +133,11 @@ def test_with_raise_the_loss_is_the_named_error_and_nothing_is_applied() -> None
     sim.kill(2)
     m = sim.members[1]
     sim.now += 1  # the messages it sent before dying arrive
-    before = (m._copies.clone(), list(m.received), m.steps)
+    before = (m._links.copies.clone(), list(m.received), m.steps)
     with pytest.raises(PeerLostError) as err:
         m.prepare()
     assert err.value.peers == [2] and err.value.link == "inter"
-    assert torch.equal(m._copies, before[0]) and m.received == before[1]
+    assert torch.equal(m._links.copies, before[0]) and m.received == before[1]
     assert m.steps == before[2]
 
 
@@ -256,10 +256,10 @@ def test_a_state_that_is_not_of_this_group_or_its_survivors_is_refused() -> None
     a.drain()
     st = a.members[4].state_dict()
     b = _sim(3)   # not the 4 survivors
-    before = b.members[2]._slots[:]
+    before = b.members[2].membership.slots[:]
     with pytest.raises(ValueError, match="lost members"):
         b.members[2].load_state_dict(st)
-    assert b.members[2]._slots == before and b.members[2].member == 2
+    assert b.members[2].membership.slots == before and b.members[2].member == 2
 
 
 @pytest.mark.parametrize(("graph", "n", "dead"), [("exponential", 8, [3]),

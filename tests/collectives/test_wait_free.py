@@ -53,7 +53,7 @@ def test_a_slow_member_holds_nobody_back_and_every_message_is_applied_once_in_or
             # Every message of p, once: the counts match, and the copy equals p's own copy
             # (the same payloads summed, some in batches: equal up to float32 rounding).
             assert m.received[k] == other.rounds_started
-            torch.testing.assert_close(m._copies[k], _hat_own(other), rtol=0, atol=1e-5)
+            torch.testing.assert_close(m._links.copies[k], _hat_own(other), rtol=0, atol=1e-5)
 
 
 def test_messages_arriving_three_at_a_time_are_applied_as_one_batch() -> None:
@@ -66,7 +66,7 @@ def test_messages_arriving_three_at_a_time_are_applied_as_one_batch() -> None:
     original = sim.members[0]._apply_pending
 
     def spy() -> None:
-        seen.append([len(msgs) for msgs in sim.members[0]._pending])
+        seen.append([len(msgs) for msgs in sim.members[0]._links.pending])
         original()
 
     sim.members[0]._apply_pending = spy
@@ -75,7 +75,7 @@ def test_messages_arriving_three_at_a_time_are_applied_as_one_batch() -> None:
     assert all(s == [3, 3] for s in seen[1:]), seen
     sim.drain()
     for k, p in enumerate(sim.members[0].peers):
-        torch.testing.assert_close(sim.members[0]._copies[k], _hat_own(sim.members[p]),
+        torch.testing.assert_close(sim.members[0]._links.copies[k], _hat_own(sim.members[p]),
                                    rtol=0, atol=1e-5)
 
 
@@ -230,7 +230,7 @@ def test_a_corrupted_message_raises_and_nothing_is_applied() -> None:
     xs = _start(2)
     sim.run(xs, 3)
     m1 = sim.members[1]
-    copies = m1._copies.clone()
+    copies = m1._links.copies.clone()
     received = list(m1.received)
     # Flip one byte of member 0's next message, in the mailbox.
     sim.members[0].prepare()
@@ -241,7 +241,7 @@ def test_a_corrupted_message_raises_and_nothing_is_applied() -> None:
     with pytest.raises(CorruptPayloadError) as info:
         m1.prepare()
     assert info.value.peers == [0] and "checksum" in str(info.value)
-    assert torch.equal(m1._copies, copies) and m1.received == received
+    assert torch.equal(m1._links.copies, copies) and m1.received == received
 
 
 def test_a_silent_neighbour_is_the_named_timeout_within_the_deadline() -> None:
@@ -285,7 +285,7 @@ def test_threads_at_different_speeds_drain_and_close_cleanly() -> None:
             g.end_step(x)
             time.sleep(0.03 if rank == 0 else 0.005)
         g.drain()
-        out = (g.rounds_started, list(g.received), g._copies.clone())
+        out = (g.rounds_started, list(g.received), g._links.copies.clone())
         g.close()
         return out
 
@@ -326,10 +326,10 @@ def test_saved_term_counts_that_are_not_counts_are_refused_and_change_nothing(ba
     a.drain()
     state = dict(a.members[0].state_dict(), terms_on_copy=bad)
     m = WaitFreeSimulator(2, NUMEL, spec=SPEC, fragments=2).members[0]
-    before = (m.steps, m.rounds_started, list(m.peers), list(m.received), m._termed)
+    before = (m.steps, m.rounds_started, list(m.peers), list(m.received), m._terms.termed)
     with pytest.raises(ValueError, match=r"state\['terms_on_copy'\] must be 1 lists of 2 ints"):
         m.load_state_dict(state)
-    assert (m.steps, m.rounds_started, list(m.peers), list(m.received), m._termed) == before
+    assert (m.steps, m.rounds_started, list(m.peers), list(m.received), m._terms.termed) == before
 
 
 def test_state_without_a_drain_is_refused() -> None:

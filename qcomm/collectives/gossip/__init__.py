@@ -3,7 +3,9 @@
 Split as in SGP: :mod:`.graphs` (who talks to whom), :mod:`.mixing` (weights), :mod:`.transport`
 (one payload per round over Gloo point-to-point), :mod:`.streams` (ordered message streams per
 neighbour), :mod:`.choco` (bounded staleness: every node at its slowest neighbour's pace,
-deterministic), :mod:`.wait_free` (no node waits for a neighbour's round). A member's group
+deterministic), :mod:`.wait_free` (no node waits for a neighbour's round; its membership, who
+is a neighbour now and the protocol that changes it, is :mod:`.membership`). Both modes mix a
+fragment alike (:mod:`.member`). A member's group
 makes its transport or streams (:class:`~qcomm.collectives.group.CommGroup`); n members in one
 process, for tests and tuning, are the in-memory world's simulators
 (:mod:`qcomm.collectives.memory.simulate`).

@@ -181,8 +181,7 @@ class CompressedGossip(GossipMember):
         self._hat_own: torch.Tensor | None = None
         self._hat_pub: torch.Tensor | None = None
         self._mix_acc: torch.Tensor | None = None
-        self._momentum: torch.Tensor | None = None
-        self._anchor: torch.Tensor | None = None
+        self._momentum, self._anchor = None, None  # the outer step's (member.py)
         self._scratch: torch.Tensor | None = None
         self._weights_here: torch.Tensor | None = None  # _weights on the buffers' device
         self._in_flight: deque[_Round] = deque()
@@ -292,18 +291,8 @@ class CompressedGossip(GossipMember):
             return []
         f = due % self.fragments
         frag = self.fragment(f)
-        if self._outer:
-            # Outer Nesterov step on this fragment's progress since its previous mix:
-            # d = x - a; u <- mu u + d; x <- a + lr (d + mu u).
-            a, u, xf = self._anchor[frag], self._momentum[frag], x[frag]
-            d = torch.sub(xf, a, out=self._scratch)
-            u.mul_(self.outer_momentum).add_(d)
-            d.add_(u, alpha=self.outer_momentum)
-            torch.add(a, d, alpha=self.outer_lr, out=xf)
-        correction = torch.sub(self._mix_acc[frag], self._hat_pub[frag], out=self._scratch)
-        x[frag].add_(correction, alpha=self.gamma)
-        if self._outer:
-            self._anchor[frag].copy_(x[frag])
+        self._mix_fragment(x, f, lambda: torch.sub(self._mix_acc[frag], self._hat_pub[frag],
+                                                   out=self._scratch), self.gamma)
         return [f]
 
     def _receive(self, r: _Round) -> None:
@@ -370,9 +359,7 @@ class CompressedGossip(GossipMember):
     # checkpoints
 
     def _config(self) -> dict:
-        return {"numel": self.numel, "size": self.size, "member": self.member,
-                "graph": self.graph, "mixing": self.mixing, "staleness": self.staleness,
-                "spec": (self.spec.bits, self.spec.block_size, self.spec.rounding),
+        return {**super()._config(),
                 **({"fragments": self.fragments} if self.fragments > 1 else {}),
                 **({"outer_momentum": self.outer_momentum} if self.outer_momentum else {}),
                 **({"outer_lr": self.outer_lr} if self.outer_lr != 1 else {})}

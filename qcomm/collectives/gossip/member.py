@@ -1,7 +1,10 @@
 """What every gossip member has, whichever mode: its validated hyperparameters, the step clock
-that says when a round is due, and the fragments a round carries."""
+that says when a round is due, the fragments a round carries, and the mixing of a fragment (the
+outer Nesterov step and the CHOCO correction)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -32,6 +35,10 @@ class GossipMember:
 
     _closed = False
     _hat_own: torch.Tensor | None = None
+    _momentum: torch.Tensor | None = None  # the outer step's, per element
+    _anchor: torch.Tensor | None = None    # x right after each fragment's previous mix
+    size: int
+    member: int
     #: Whether every rail's member changes the same fragments in a round (the node's ranks
     #: then all-gather those without agreeing on them first).
     changes_agree_across_rails = True
@@ -64,6 +71,33 @@ class GossipMember:
         # The clock: local steps ended (end_step calls), from ``first_step`` (a run resumed
         # into a fresh gossip state goes on counting where it was).
         self.steps = check_int("first_step", first_step, low=0)
+
+    def _config(self) -> dict:
+        """The settings a saved state must have been saved with (the modes add theirs)."""
+        return {"numel": self.numel, "size": self.size, "member": self.member,
+                "graph": self.graph, "mixing": self.mixing, "staleness": self.staleness,
+                "spec": (self.spec.bits, self.spec.block_size, self.spec.rounding)}
+
+    def _mix_fragment(self, x: torch.Tensor, f: int, correction: Callable[[], torch.Tensor],
+                      step: float) -> torch.Tensor:
+        """Mix fragment f of ``x`` (float32 ``[numel]``, in place), both modes alike: the outer
+        Nesterov step on the fragment's progress since its previous mix, as DiLoCo and SlowMo
+        take on their averaged deltas (with ``d = x_f - a_f``: ``u = mu u + d; x_f = a_f +
+        lr (d + mu u)``; none with ``outer_lr=1, outer_momentum=0``), then the CHOCO step
+        ``x_f += step * correction()``; the result is the fragment's next anchor. Returns the
+        correction (the mode's consensus term, computed after the outer step)."""
+        xf = x[self.fragment(f)]
+        if self._outer:
+            a, u = self._anchor[self.fragment(f)], self._momentum[self.fragment(f)]
+            d = torch.sub(xf, a)
+            u.mul_(self.outer_momentum).add_(d)
+            d.add_(u, alpha=self.outer_momentum)
+            torch.add(a, d, alpha=self.outer_lr, out=xf)
+        c = correction()
+        xf.add_(c, alpha=step)
+        if self._outer:
+            self._anchor[self.fragment(f)].copy_(xf)
+        return c
 
     def settle(self, x: torch.Tensor) -> None:
         """Add to ``x`` (float32 ``[numel]``, in place) what the mixing owes it and has not

@@ -1,0 +1,347 @@
+"""Who a wait-free gossip member mixes with now, and how each of its links stands.
+
+The gossip (:mod:`.wait_free`) asks it "who are my neighbours now, with which weight" and
+tells it "this link failed"; it keeps:
+
+* the members, numbered as in the run the gossip started in (a job restarted with the survivors
+  only keeps those numbers: its seeds, seals and graph), and each member's index in this run's
+  group (``slots``, -1: lost) and global rank;
+* the links, one per stream k, in the order they were opened: the graph's neighbours first,
+  then the members linked to when a neighbour was lost (the ring closes over the gap). A link
+  is *live* until its neighbour is lost, and *greeted* once the neighbour's copy is set up
+  (a new link starts with a hello: the neighbour's public copy and its counts);
+* the members known to be lost (own losses and those the neighbours' markers name) and what
+  was dropped, when and why;
+* the drain markers sent and received per link.
+
+And it speaks the protocol that changes them: a failed link is dropped and a link opened to
+the nearest live member on each side that is not a neighbour already (the hello: a control
+message, then the opener's round and drain counts and its public copy); a drain marker tells
+the neighbours which members this one knows to be lost; a goodbye ends a member's streams
+cleanly (a member that leaves on purpose is not lost). What a link holds of the gossip itself
+(the neighbour's copy, the messages on their way) stays with the gossip, which the membership
+tells of every link it opens or drops (:class:`LinkOwner`).
+
+Every edge has the graph's edge weight, a closing edge too, so the mixing stays symmetric.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from qcomm.collectives.errors import PeerError
+from qcomm.collectives.links import MessageStreams
+
+from .graphs import neighbours
+from .integrity import sealed
+from .mixing import mixing_matrix
+from .wait_free_message import GOODBYE_ROUND, HELLO_ROUND, MARKER_ROUND, MessageLayout
+
+__all__ = ["LinkOwner", "Membership", "survivors_slots"]
+
+log = logging.getLogger("qcomm")
+
+
+class LinkOwner(Protocol):
+    """What the membership needs of the gossip whose links it keeps."""
+
+    numel: int           # floats of a public copy
+    steps: int           # the clock, for the loss records
+    rounds_started: int  # rounds sent (a hello's copy holds them)
+
+    def link_opened(self, k: int) -> None:
+        """A new link k (its rows of per-link state)."""
+
+    def link_dropped(self, k: int) -> None:
+        """Link k is dropped: nothing more of it is applied."""
+
+    def public_copy(self) -> torch.Tensor:
+        """The member's public copy, float32 ``[numel]`` on the CPU (a hello sends it)."""
+
+    def hello_taken(self, k: int, rounds: int, copy: torch.Tensor) -> None:
+        """Link k's hello: its neighbour's public copy, holding its ``rounds`` rounds."""
+
+
+class Membership:
+    """The members and links of one wait-free gossip member, and its membership protocol
+    (module docstring).
+
+    Args:
+        graph, mixing: the gossip graph and its weights (:mod:`.graphs`, :mod:`.mixing`).
+        group_ranks: the members' global ranks, by index in this run's group.
+        member: this member's index.
+        layout: its messages' layout (control messages are sealed in it).
+        owner: the gossip (:class:`LinkOwner`).
+        streams: the gossip's streams (opened at the first call).
+    """
+
+    def __init__(self, graph: str, mixing: str, group_ranks: list[int], member: int,
+                 layout: MessageLayout, owner: LinkOwner,
+                 streams: Callable[[], MessageStreams]) -> None:
+        self.graph, self.mixing = graph, mixing
+        self.layout, self.owner, self.streams = layout, owner, streams
+        self._run_ranks = list(group_ranks)   # by index in this run's group
+        self.size, self.member = len(group_ranks), member
+        self.group_ranks = list(group_ranks)  # by member number
+        self.slots = list(range(self.size))
+        self.peers = neighbours(graph, member, self.size)
+        self.peer_ranks = [self.group_ranks[p] for p in self.peers]
+        self.edge_weight = self._graph_edge_weight()
+        self.live = [True] * len(self.peers)     # not lost
+        self.greeted = [True] * len(self.peers)  # its copy is set up (a new link: hello)
+        self.markers = [0] * len(self.peers)     # drain markers received
+        self.drains = 0                          # drain markers sent
+        self.lost: set[int] = set()              # members known to be lost
+        self.losses: list[dict] = []             # what was dropped, when, why
+        self._weights: tuple | None = None       # cached (links, weights, their sum)
+
+    @property
+    def rank(self) -> int:
+        """This member's global rank."""
+        return self.group_ranks[self.member]
+
+    def _graph_edge_weight(self) -> float:
+        """The weight of this member's edges in the graph over ``size`` members: every edge of
+        a regular graph has this one, and a new edge after a loss gets it too."""
+        first = neighbours(self.graph, self.member, self.size)[:1]
+        w = mixing_matrix(self.graph, self.size, self.mixing).to(torch.float32)
+        return float(w[self.member, first[0]]) if first else 0.0
+
+    # -----------------------------------------------------------------------------------------
+    # who is there
+
+    def live_links(self) -> list[int]:
+        """The links whose neighbour is not lost."""
+        return [k for k, live in enumerate(self.live) if live]
+
+    def mixable(self) -> list[int]:
+        """The links this member mixes over now: live, the neighbour's copy set up."""
+        return [k for k in self.live_links() if self.greeted[k]]
+
+    def live_peers(self) -> list[int]:
+        """The members at the other end of the live links."""
+        return [self.peers[k] for k in self.live_links()]
+
+    def live_members(self) -> int:
+        """How many members are live, as far as this member knows (itself included)."""
+        return self.size - len(self.lost)
+
+    def nearest_live(self, side: int) -> int | None:
+        """The nearest member on ``side`` (+1: higher indices, cyclic) not known to be lost;
+        None when this member is the only one."""
+        for d in range(1, self.size):
+            j = (self.member + side * d) % self.size
+            if j not in self.lost:
+                return j
+        return None
+
+    def link_to(self, peer: int) -> int:
+        """The live link to member ``peer``."""
+        for k in self.live_links():
+            if self.peers[k] == peer:
+                return k
+        raise RuntimeError(f"no live stream to member {peer}")
+
+    def stream_endpoints(self) -> tuple[int, list[int]]:
+        """This member's index in its process group and its neighbours' (what its streams
+        address)."""
+        return self.slots[self.member], [self.slots[p] for p in self.peers]
+
+    def weights(self, paired: list[int], device: torch.device) -> tuple[torch.Tensor, float]:
+        """float32 ``[links]``: each neighbour's weight in a round's own terms (half the
+        edge's weight for the links ``paired``, 0 for the others), and their sum."""
+        key = (tuple(paired), len(self.peers))
+        cached = self._weights
+        if cached is None or cached[0] != key or cached[1].device != device:
+            w = torch.zeros(len(self.peers), dtype=torch.float32)
+            w[list(paired)] = 0.5 * self.edge_weight
+            self._weights = cached = (key, w.to(device), float(w.sum()))
+        return cached[1], cached[2]
+
+    # -----------------------------------------------------------------------------------------
+    # changes
+
+    def add_link(self, peer: int) -> int:
+        """A new link to member ``peer``, live and waiting for its hello; its index."""
+        self.peers.append(peer)
+        self.peer_ranks.append(self.group_ranks[peer])
+        self.live.append(True)
+        self.greeted.append(False)
+        self.markers.append(0)
+        return len(self.peers) - 1
+
+    def greet(self, k: int, drains: int) -> None:
+        """Link k's hello came: its neighbour has sent ``drains`` markers before it."""
+        self.markers[k] = drains
+        self.greeted[k] = True
+
+    def drop(self, k: int, err: PeerError, *, steps: int, rounds: int) -> dict | None:
+        """Link k failed: its neighbour is lost for good. Returns the loss's record (rank,
+        member, step, round, time, error, detail), None when the link was dropped before."""
+        if not self.live[k]:
+            return None
+        self.live[k] = False
+        peer = self.peers[k]
+        self.lost.add(peer)
+        event = {"rank": self.peer_ranks[k], "member": peer, "step": steps, "round": rounds,
+                 "time": time.time(), "error": type(err).__name__, "detail": str(err)}
+        self.losses.append(event)
+        return event
+
+    def to_link(self, side: int) -> int | None:
+        """The member to open a link to on ``side`` after a loss (the nearest live one), None
+        when it is a live neighbour already."""
+        j = self.nearest_live(side)
+        return j if j is not None and j not in self.live_peers() else None
+
+    def log_loss(self, event: dict, err: PeerError, linked: list[int]) -> None:
+        log.warning("qcomm: rank %d dropped its gossip neighbour rank %d at step %d (%s: %s); "
+                    "%d of %d nodes live as far as it knows%s", self.rank, event["rank"],
+                    event["step"], event["error"], err, self.live_members(), self.size,
+                    f"; linked to rank(s) {linked}" if linked else "")
+
+    def learn(self, told: set[int]) -> None:
+        """Members others say are lost: known lost here too, but for this member's live
+        neighbours (a broken link between two others is theirs)."""
+        self.lost |= told - set(self.live_peers()) - {self.member}
+
+    # -----------------------------------------------------------------------------------------
+    # the protocol
+
+    def lose(self, k: int, err: PeerError) -> None:
+        """Drop link k for good (its neighbour is lost) and open a link to the nearest live
+        member on each side that is not a neighbour already."""
+        event = self.drop(k, err, steps=self.owner.steps, rounds=self.owner.rounds_started)
+        if event is None:
+            return
+        self.owner.link_dropped(k)
+        self.streams().drop(k)
+        linked = []
+        for side in (1, -1):
+            j = self.to_link(side)
+            if j is not None:
+                self.open_link(j)
+                linked.append(self.group_ranks[j])
+        self.log_loss(event, err, linked)
+
+    def open_link(self, peer: int) -> None:
+        """Open a link to ``peer`` and send it the hello: a control message, then two
+        vectors: int64 ``[rounds started, drains]`` and the public copy."""
+        streams = self.streams()
+        k = streams.open(self.slots[peer], self.group_ranks[peer])
+        assert k == len(self.peers), "streams and membership disagree on the link count"
+        self.add_link(peer)
+        self.owner.link_opened(k)
+        err = streams.send_to(k, self.layout.control(HELLO_ROUND))
+        if err is not None:
+            self.lose(k, err)
+            return
+        streams.send_vector(k, torch.tensor([self.owner.rounds_started, self.drains],
+                                            dtype=torch.int64))
+        streams.send_vector(k, self.owner.public_copy())
+
+    def is_hello(self, k: int, message: torch.Tensor) -> bool:
+        """Whether ``message``, the first on link k, is its neighbour's hello."""
+        return self.layout.is_control(message, HELLO_ROUND, self.peers[k])
+
+    def take_hello(self, k: int) -> PeerError | None:
+        """The hello's vectors of link ``k`` (after its control message): its round and drain
+        counts and its public copy, handed to the owner; the stream's error when they do not
+        come."""
+        streams = self.streams()
+        meta = torch.zeros(2, dtype=torch.int64)
+        err = streams.recv_vector(k, meta)
+        copy = torch.zeros(self.owner.numel, dtype=torch.float32)
+        err = err or streams.recv_vector(k, copy)
+        if err is not None:
+            return err
+        rounds, drains = (int(v) for v in meta)
+        self.owner.hello_taken(k, rounds, copy)
+        self.greet(k, drains)
+        return None
+
+    def marker(self) -> torch.Tensor:
+        """This member's next drain marker (it names the members known to be lost)."""
+        m = self.layout.control(MARKER_ROUND + self.drains, self.layout.lost_bits(self.lost))
+        self.drains += 1
+        return m
+
+    def is_marker(self, k: int, message: torch.Tensor) -> bool:
+        """Whether ``message`` is link k's next marker; if so it is counted and the members it
+        names lost are learnt."""
+        if not sealed(message, MARKER_ROUND + self.markers[k], self.peers[k]):
+            return False
+        self.markers[k] += 1
+        self.learn(self.layout.read_lost(message))
+        return True
+
+    def awaiting_markers(self, ended: Callable[[int], bool]) -> list[int]:
+        """The live links whose hello or marker of the last drain has not come (and whose
+        stream has not ended)."""
+        return [k for k in self.live_links()
+                if (not self.greeted[k] or self.markers[k] < self.drains) and not ended(k)]
+
+    def goodbye(self) -> torch.Tensor:
+        return self.layout.control(GOODBYE_ROUND)
+
+    def is_goodbye_from(self, message: torch.Tensor, slot: int) -> bool:
+        """Whether ``message`` from the member at index ``slot`` of the group is its
+        goodbye."""
+        return self.layout.is_control(message, GOODBYE_ROUND, self.slots.index(slot))
+
+    # -----------------------------------------------------------------------------------------
+    # checkpoints
+
+    def state(self) -> dict:
+        """The live links' neighbours, the members known lost and the losses."""
+        return {"peers": self.live_peers(), "lost": sorted(self.lost),
+                "losses": list(self.losses)}
+
+    def restore(self, peers: list[int], lost: list[int], losses: list[dict],
+                slots: list[int] | None, layout: MessageLayout) -> None:
+        """Restore a saved :meth:`state` (``slots``: the saved members' indices in this run's
+        group when this group holds the survivors of a larger run, see
+        :func:`survivors_slots`; then the saved run's size and member number, ``layout``'s,
+        go on)."""
+        self.layout, self._weights = layout, None
+        size, member = layout.size, layout.member
+        if slots is not None:
+            self.slots = slots
+            self.size, self.member = size, member
+            self.group_ranks = [self._run_ranks[s] if s >= 0 else -1 for s in slots]
+            self.edge_weight = self._graph_edge_weight()
+        self.peers = [int(p) for p in peers]
+        self.peer_ranks = [self.group_ranks[p] for p in self.peers]
+        self.live = [True] * len(self.peers)
+        self.greeted = [True] * len(self.peers)
+        self.lost = {int(m) for m in lost}
+        self.losses = [dict(e) for e in losses]
+        # Markers restart with the streams.
+        self.drains, self.markers = 0, [0] * len(self.peers)
+
+
+def survivors_slots(saved: dict, lost: list[int], mine: dict) -> list[int] | None:
+    """When a state saved with config ``saved`` in a run that lost the members ``lost`` is
+    loaded into a group that holds exactly its survivors (in member order, this member at the
+    saved one's place), with config ``mine``: each saved member's index here (-1: lost). None
+    when the state is of this very group.
+
+    Raises:
+        ValueError: the state is of neither this group nor its survivors.
+    """
+    if saved == mine:
+        return None
+    given, saved = saved, dict(saved)
+    size, member = saved.pop("size"), saved.pop("member")
+    live = [m for m in range(size) if m not in set(lost)]
+    if (saved != {k: v for k, v in mine.items() if k not in ("size", "member")}
+            or len(live) != mine["size"] or member not in live
+            or live.index(member) != mine["member"]):
+        raise ValueError(f"state was saved with config {given} "
+                         f"(lost members {lost}), this gossip has {mine}")
+    return [live.index(m) if m in live else -1 for m in range(size)]
