@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "qcomm"
 MAX_MODULE_DOCSTRING_LINES = 30
 MAX_FUNCTION_LINES = 80
+MAX_GOSSIP_CLASS_LINES = 400
 DOC_PATH = re.compile(r"docs/[\w/.-]+\.md")
 
 
@@ -62,3 +63,14 @@ def test_every_docs_page_a_module_docstring_names_exists() -> None:
                for page in sorted(set(DOC_PATH.findall(doc.value.value)))  # type: ignore[attr-defined]
                if not (REPO / page).is_file()]
     assert not missing, "module docstrings name missing docs pages:\n" + "\n".join(missing)
+
+
+def test_no_class_of_the_gossip_is_longer_than_400_lines() -> None:
+    """The gossip's classes each hold one job (the wait-free one is the CHOCO state machine;
+    its membership, inbox and books are classes of their own)."""
+    too_long = [f"{path}: class {node.name} of {_lines(node)} lines"
+                for path, tree in _modules() if path.startswith("qcomm/collectives/gossip/")
+                for node in ast.walk(tree)
+                if isinstance(node, ast.ClassDef) and _lines(node) > MAX_GOSSIP_CLASS_LINES]
+    assert not too_long, (f"gossip classes over {MAX_GOSSIP_CLASS_LINES} lines:\n"
+                          + "\n".join(too_long))

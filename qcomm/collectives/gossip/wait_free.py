@@ -12,25 +12,17 @@ neighbour's separately, and takes whatever its neighbours have sent whenever a r
   neighbour adds when the message arrives (from the versions it names: the fragment, the own
   version and an *ack*), so mixing moves no mass between members whatever their paces.
 
-Nothing bounds the lag in rounds; memory is bounded (``max_backlog`` messages per neighbour
-sent and not yet taken; beyond it the sender waits) and so is silence (``timeout_s``, then a
-:class:`~qcomm.collectives.errors.PeerTimeoutError`). The members' average of ``x`` plus what
-they owe moves only by their local updates, so each member weighs in by its steps.
-:meth:`drain`, a collective, brings every copy up to date; :meth:`settle` then adds what is
-owed, and the engine's exact average follows. ``on_peer_loss="continue"`` drops a failed
-neighbour for good and closes the graph over the gap (:meth:`survivors_sum` sums over the live
-members); ``"raise"`` (default) raises the stream's error.
+Nothing bounds the lag in rounds; memory is bounded (``max_backlog`` messages per neighbour not
+yet taken) and so is silence (``timeout_s``). The members' average of ``x`` plus what they owe
+moves only by their local updates. :meth:`drain` (collective) brings every copy up to date and
+:meth:`settle` adds what is owed. ``on_peer_loss="continue"`` drops a failed neighbour for good
+and closes the graph over the gap; ``"raise"`` (default) raises the stream's error. A round is
+due at the last step of every ``round_period`` steps (:meth:`end_step`, once per local step).
 
-Round schedule (the one clock): :meth:`end_step` is called once per local step; a round is
-due at the last step of every ``round_period`` steps, carries fragment ``t % fragments`` of
-``x`` and mixes the fragment of a round ``staleness`` or more rounds back.
-
-Its parts, each a module: :mod:`.membership` (who is a neighbour now, with which weight, and the
-protocol that changes it: lost members, closing the ring, hellos, markers, goodbyes),
-:mod:`.wait_free_message` (a message's bytes), :mod:`.copies` (each neighbour's copy and the
-messages on their way into it), :mod:`.mirrors` (the paired mixing's books), :mod:`.pace`
-(terms per copy), :mod:`.survivors` (the exact sum over the live members) and
-:mod:`.saved_state` (checks of a saved state). This class is the CHOCO state machine over them.
+This class is the CHOCO state machine; its parts are modules: :mod:`.membership` (who is a
+neighbour now and with which weight; the protocol that changes it), :mod:`.wait_free_message`,
+:mod:`.copies` (each neighbour's copy, its inbox), :mod:`.mirrors` (the paired mixing's books),
+:mod:`.pace`, :mod:`.survivors` (the exact sum over the live members), :mod:`.saved_state`.
 
 In full: docs/engine.md, "Wait-free gossip: `wait_free=True`" (the paired mixing, which
 fragment is mixed, the average) and "A lost node: `on_peer_loss="continue"`".
