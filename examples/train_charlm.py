@@ -6,6 +6,11 @@ Launch it with torchrun; one line per machine (README.md, "Run on several machin
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
         --rdzv-endpoint HOST0:29400 --rdzv-id charlm examples/train_charlm.py --steps 300
 
+    # one torchrun per machine, found through a rendezvous that outlives every machine:
+    python -m qcomm.rendezvous --port 29400 --nodes 2                  # on a machine that stays
+    QCOMM_RENDEZVOUS=HOST:29400 torchrun --standalone --nproc-per-node 1 \
+        examples/train_charlm.py --wait-free --on-peer-loss continue   # on each machine
+
     # one machine, 4 processes emulating 2 nodes of 2 (gossip between the two halves)
     torchrun --nproc-per-node 4 examples/train_charlm.py --procs-per-node 2
 
@@ -27,11 +32,12 @@ asynchronous gossip of the parameters between nodes. The ranks per node are torc
 ``LOCAL_WORLD_SIZE`` unless ``--procs-per-node`` says otherwise. Backend: Gloo on CPU; on GPU,
 NCCL for CUDA tensors with Gloo for the few CPU tensors (``--backend``).
 
-Rank 0 prints the mean training loss of its own batches and the bytes this rank sent between
-nodes every ``--log-every`` steps, and the validation loss before and after training; at the
-end every rank averages the parameters exactly (``average_parameters()``) and prints their
-sha256, the same on every rank. ``--ckpt-dir DIR`` writes ``DIR/step0000100/rank00000.pt``
-and its record ``rank00000.json`` (one pair per rank, every rank at the same step);
+Rank 0 (with the rendezvous, each node's first rank) prints the mean training loss of its own
+batches and the bytes this rank sent between nodes every ``--log-every`` steps, and the
+validation loss before and after training; at the end every rank averages the parameters
+exactly (``average_parameters()``) and prints their sha256, the same on every rank.
+``--ckpt-dir DIR`` writes ``DIR/step0000100/rank00000.pt`` and its record ``rank00000.json``
+(one pair per rank, every rank at the same step);
 ``--resume DIR/step0000100`` goes on from there (on CPU, tests/examples/test_train_charlm.py
 checks that it ends with the bytes of an uninterrupted run).
 """
@@ -56,6 +62,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from qcomm import rendezvous
 from qcomm.collectives import PeerError
 from qcomm.engine import CommOptions
 from qcomm.sgd import HierarchicalOptimizer, checkpoint_path, load_checkpoint, save_checkpoint
@@ -204,21 +211,24 @@ class Place:
     rank: int
     world: int
     device: torch.device
+    speaks: bool = True  # prints the lines every rank of its node would print alike
 
     @property
     def distributed(self) -> bool:
         return self.world > 1
 
 
-def start_processes(backend: str, timeout_s: float) -> Place:
-    """Join torchrun's job (when launched by torchrun) and pick this rank's device.
+def start_processes(backend: str, timeout_s: float, address: str | None = None,
+                    node_id: int | None = None) -> Place:
+    """Join the job (torchrun's, or through the rendezvous at ``address`` with one torchrun
+    per node) and pick this rank's device.
 
     Raises:
         RuntimeError: a GPU backend asked for without enough GPUs on this machine.
     """
-    if "RANK" not in os.environ:  # plain `python train_charlm.py`: one process
+    if "RANK" not in os.environ and address is None:  # plain `python train_charlm.py`
         return Place(0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    local_rank = int(os.environ["LOCAL_RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -235,8 +245,12 @@ def start_processes(backend: str, timeout_s: float) -> Place:
         device = torch.device("cpu")
         pg_backend = "gloo"
     # One timeout bounds every wait, so a machine that dies ends the job instead of hanging it.
+    if address is not None:  # every node its own torchrun: each node's first rank speaks
+        seat = rendezvous.init_process_group(address, backend=pg_backend, node_id=node_id,
+                                             timeout_s=timeout_s)
+        return Place(seat.rank, seat.world_size, device, speaks=local_rank == 0)
     dist.init_process_group(pg_backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return Place(dist.get_rank(), dist.get_world_size(), device)
+    return Place(dist.get_rank(), dist.get_world_size(), device, speaks=dist.get_rank() == 0)
 
 
 def comm_options(args: argparse.Namespace) -> dict[str, object]:
@@ -247,14 +261,15 @@ def comm_options(args: argparse.Namespace) -> dict[str, object]:
                    sync_every=args.sync_every, fragments=args.fragments,
                    outer_momentum=args.outer_momentum, intra_bits=args.intra_bits,
                    procs_per_node=args.procs_per_node, wait_free=args.wait_free,
-                   timeout_s=args.timeout_s, seed=args.seed)
+                   on_peer_loss=args.on_peer_loss, timeout_s=args.timeout_s, seed=args.seed)
     CommOptions.from_kwargs(options)  # ValueError/TypeError naming the bad option
     return options
 
 
 def say(place: Place, text: str) -> None:
-    """Print on rank 0 only: lines every rank would print alike, or rank 0's own figures."""
-    if place.rank == 0:
+    """Print on rank 0 only (with the rendezvous, on each node's first rank): lines every rank
+    would print alike, or that rank's own figures."""
+    if place.speaks:
         print(text, flush=True)
 
 
@@ -349,9 +364,10 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
             if step % args.log_every == 0 or step == args.steps:
                 sent = opt.stats()["bytes_sent"]
                 say(place, f"step {step}/{args.steps}: train loss {running / count:.4f} "
-                           f"(rank 0, mean of {count} steps), sent by rank 0 so far: "
-                           f"{sent['inter']:,} bytes between nodes, {sent['intra']:,} inside "
-                           f"its node; {count / (time.perf_counter() - t0):.1f} steps/s")
+                           f"(rank {place.rank}, mean of {count} steps), sent by rank "
+                           f"{place.rank} so far: {sent['inter']:,} bytes between nodes, "
+                           f"{sent['intra']:,} inside its node; "
+                           f"{count / (time.perf_counter() - t0):.1f} steps/s")
                 running, count, t0 = 0.0, 0, time.perf_counter()
             if args.ckpt_dir and args.save_every and step % args.save_every == 0 \
                     and step < args.steps:
@@ -366,12 +382,16 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
         opt.average_parameters()
         say(place, f"validation loss at step {args.steps}: {evaluate(model, val_windows):.4f} "
                    "(global mean of the parameters)")
-        sent = opt.stats()["bytes_sent"]
+        stats = opt.stats()
+        sent = stats["bytes_sent"]
         totals = torch.tensor([sent["inter"], sent["intra"]], dtype=torch.int64)
-        if place.distributed:
+        if stats.get("dropped_ranks"):  # the whole world's sum would wait for the lost
+            say(place, f"nodes live at the end: {stats['live_nodes']} (ranks dropped: "
+                       f"{stats['dropped_ranks']})")
+        elif place.distributed:
             dist.all_reduce(totals)  # CPU tensor: Gloo moves it under both backends
-        say(place, f"bytes sent by all ranks: {int(totals[0]):,} between nodes, "
-                   f"{int(totals[1]):,} inside nodes")
+            say(place, f"bytes sent by all ranks: {int(totals[0]):,} between nodes, "
+                       f"{int(totals[1]):,} inside nodes")
         print(f"rank {place.rank}: parameters sha256 {parameters_sha256(model)}", flush=True)
         if args.ckpt_dir:
             path = save_checkpoint(step_dir(args.ckpt_dir, args.steps), opt, model,
@@ -443,6 +463,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Shard the model inside each node with torch's FSDP2 (fully_shard over "
                         "the node's ranks); each rank gossips its own shard between nodes. "
                         "Needs torchrun; not with --ddp, --intra-bits, --ckpt-dir or --resume.")
+    g.add_argument("--on-peer-loss", default="raise", choices=("raise", "continue"),
+                   help="continue: a node that dies or falls silent is dropped and the others "
+                        "go on without it (needs --wait-free); raise: the job stops.")
+    g.add_argument("--rendezvous", default=os.environ.get(rendezvous.ENV_VAR),
+                   metavar="HOST:PORT",
+                   help="The job's rendezvous (python -m qcomm.rendezvous), when each node "
+                        f"runs its own torchrun; default ${rendezvous.ENV_VAR}.")
+    g.add_argument("--node-id", type=int, default=None,
+                   help="This node's seat with --rendezvous (default: in order of arrival).")
     g.add_argument("--timeout-s", type=float, default=300.0,
                    help="Longest wait for another rank, in seconds, in qcomm and in "
                         "torch.distributed; past it the job fails with an error naming the "
@@ -483,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--fsdp shards the model over a node's processes: launch with torchrun")
     try:
         options = comm_options(args)
+        if args.rendezvous is not None:
+            rendezvous.parse_address(args.rendezvous, "--rendezvous")
     except (TypeError, ValueError) as e:
         ap.error(str(e))
     rank = os.environ.get("RANK", "0")
@@ -493,7 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("qcomm").setLevel(logging.INFO)
     place = None
     try:
-        place = start_processes(args.backend, args.timeout_s)
+        place = start_processes(args.backend, args.timeout_s, args.rendezvous, args.node_id)
+        rank = str(place.rank)  # the job's rank (with the rendezvous, torchrun's is the node's)
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(logging.Formatter(
+                f"%(asctime)s rank {rank} %(name)s %(levelname)s: %(message)s"))
         if not place.distributed:
             print("one process: plain AdamW, nothing to communicate (launch with torchrun "
                   "for several)", flush=True)

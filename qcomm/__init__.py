@@ -10,7 +10,8 @@ The package in layers, top to bottom; each imports only its own layer and the la
     qcomm.engine       one model's communication: AveragingEngine, CommOptions
     qcomm.collectives  topology, intra-node allreduce, hierarchical allreduce, compressed gossip
     qcomm.compress     the codec: QuantSpec, quantize / dequantize / dequant_accumulate
-    qcomm.kernels      the Triton kernels and the pure-torch reference
+    qcomm.kernels      the Triton kernels and the pure-torch reference  (siblings: neither
+    qcomm.rendezvous   the job's rendezvous, one torchrun per node       imports the other)
     qcomm.seeds        the seed derivation tree (every random stream comes from it)
     qcomm.validation   the argument checks every layer shares
 

@@ -16,6 +16,8 @@ ROOT = Path(qcomm.__file__).resolve().parent
 # Bottom to top. A module belongs to the first entry its dotted name starts with.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("qcomm.validation", "qcomm.seeds")),
+    # Siblings above the foundation: the job's rendezvous and the kernels.
+    ("rendezvous", ("qcomm.rendezvous",)),
     ("kernels", ("qcomm.kernels",)),
     ("compress", ("qcomm.compress",)),
     ("collectives", ("qcomm.collectives",)),
@@ -25,8 +27,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("hooks", ("qcomm.hooks",)),
     ("testing", ("qcomm.testing",)),
 ]
-RANK = {"foundation": 0, "kernels": 1, "compress": 2, "collectives": 3, "engine": 4, "sgd": 5,
-        "hooks": 5, "testing": 6}
+RANK = {"foundation": 0, "rendezvous": 1, "kernels": 1, "compress": 2, "collectives": 3,
+        "engine": 4, "sgd": 5, "hooks": 5, "testing": 6}
 
 
 def layer_of(module: str) -> str | None:

@@ -1,0 +1,31 @@
+"""``python -m qcomm.rendezvous --host H --port P --nodes N``: the job's rendezvous
+(:mod:`.server`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .server import serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m qcomm.rendezvous",
+        description="The rendezvous of a qcomm job: a process of its own that outlives every "
+                    "node. Start it first, on a machine that stays up; every node names it "
+                    "with QCOMM_RENDEZVOUS=HOST:PORT.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--host", default="0.0.0.0", help="Address to listen on.")
+    ap.add_argument("--port", type=int, default=29400, help="TCP port to listen on.")
+    ap.add_argument("--nodes", type=int, required=True,
+                    help="Nodes the job starts with (each runs its own torchrun).")
+    args = ap.parse_args(argv)
+    try:
+        serve(args.host, args.port, args.nodes)
+    except (ValueError, RuntimeError) as e:
+        ap.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""A node takes its seat in the job through the rendezvous, and its ranks join the job's world.
+
+Each node runs its own torchrun (``--standalone``: its agent, its store, its restarts are the
+node's alone), so a node that dies takes no other node's agent with it. Its ranks call
+:func:`init_process_group`, which
+
+1. finds the rendezvous (``rendezvous=`` or ``QCOMM_RENDEZVOUS``, ``HOST:PORT``);
+2. seats the node: its local rank 0 claims ``node_id`` when given, else the lowest seat free in
+   order of arrival, and tells its other ranks (keyed by the node's torchrun run);
+3. waits for every seat of the job to be taken (``timeout_s``), every node's
+   ``procs_per_node`` the same;
+4. initializes torch.distributed's default group over the rendezvous's store: rank
+   ``node * procs_per_node + local_rank`` of ``nodes * procs_per_node``, node-major as qcomm's
+   :class:`~qcomm.collectives.topology.Topology` expects.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from qcomm.validation import check_int, check_timeout
+
+from .server import NODES_KEY
+
+__all__ = ["ENV_VAR", "Seat", "init_process_group", "parse_address"]
+
+ENV_VAR = "QCOMM_RENDEZVOUS"
+
+
+@dataclass(frozen=True)
+class Seat:
+    """Where this process sits in the job: its node among ``nodes``, its rank among
+    ``world_size`` (node-major), and its node's ``procs_per_node``."""
+
+    node: int
+    nodes: int
+    rank: int
+    world_size: int
+    procs_per_node: int
+
+
+def parse_address(address: object, name: str = "rendezvous") -> tuple[str, int]:
+    """``"HOST:PORT"`` as (host, port).
+
+    Raises:
+        ValueError: not of that form, naming ``name``.
+    """
+    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{name} must be 'HOST:PORT' (the address python -m qcomm.rendezvous "
+                         f"listens on), got {address!r}")
+    return host, int(port)
+
+
+def _env_int(var: str, default: int) -> int:
+    raw = os.environ.get(var, "").strip()
+    if not raw.isdigit():
+        if raw:
+            raise ValueError(f"environment variable {var} must be an int >= 0, got {raw!r}")
+        return default
+    return int(raw)
+
+
+def _node_token(procs_per_node: int) -> str:
+    """What the ranks of one node share and no other node has: its torchrun run (id, agent
+    store, host, restart). A lone process without torchrun is a node of its own."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run is None:
+        if procs_per_node > 1:
+            raise RuntimeError(f"LOCAL_WORLD_SIZE is {procs_per_node} but this process was not "
+                               "started by torchrun: start each node with its own torchrun")
+        return f"lone/{uuid.uuid4()}"
+    return "/".join([socket.gethostname(), run, os.environ.get("MASTER_ADDR", ""),
+                     os.environ.get("MASTER_PORT", ""),
+                     os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")])
+
+
+def _claim(store: dist.Store, nodes: int, token: str, node_id: int | None) -> int:
+    """Seat this node: ``node_id``, or the lowest free seat. Raises ValueError when that seat
+    is taken or none is free."""
+    wanted = [node_id] if node_id is not None else range(nodes)
+    for seat in wanted:
+        if store.compare_set(f"qcomm/seat/{seat}", "", token).decode() == token:
+            return seat
+    if node_id is not None:
+        raise ValueError(f"node_id {node_id} is taken by another node of this job")
+    raise ValueError(f"every seat of this job's {nodes} nodes is taken (the rendezvous was "
+                     f"started with --nodes {nodes}); a node cannot join a running job")
+
+
+def init_process_group(rendezvous: str | None = None, *, backend: str = "gloo",
+                       node_id: int | None = None, timeout_s: float = 300.0) -> Seat:
+    """Seat this node through the rendezvous and initialize torch.distributed's default group
+    over the whole job (module docstring). Call it on every rank of every node, instead of
+    ``torch.distributed.init_process_group``.
+
+    Args:
+        rendezvous: ``"HOST:PORT"`` of ``python -m qcomm.rendezvous``; None reads
+            ``QCOMM_RENDEZVOUS``.
+        backend: torch.distributed's backend (``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ...).
+        node_id: this node's seat, 0 <= node_id < nodes; None: the lowest free one, in order of
+            arrival. Every rank of a node passes the same.
+        timeout_s: the longest wait, for the rendezvous and for the other nodes; also the
+            default group's timeout.
+
+    Returns:
+        this process's :class:`Seat`.
+
+    Raises:
+        ValueError: a bad argument or environment variable (named), a seat taken, nodes whose
+            ``procs_per_node`` differ; TimeoutError: the rendezvous or a node did not come
+            within ``timeout_s``; RuntimeError: torch.distributed already initialized.
+    """
+    address = rendezvous if rendezvous is not None else os.environ.get(ENV_VAR)
+    if address is None:
+        raise ValueError(f"rendezvous is not given and {ENV_VAR} is not set: name the "
+                         "rendezvous (python -m qcomm.rendezvous) as 'HOST:PORT'")
+    host, port = parse_address(address, "rendezvous" if rendezvous is not None else ENV_VAR)
+    timeout_s = check_timeout(timeout_s)
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is initialized already: call "
+                           "qcomm.rendezvous.init_process_group instead of "
+                           "torch.distributed.init_process_group, not after it")
+    ppn = _env_int("LOCAL_WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if ppn < 1 or local_rank >= ppn:
+        raise ValueError(f"LOCAL_RANK {local_rank} must be below LOCAL_WORLD_SIZE {ppn}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    except (RuntimeError, OSError) as e:
+        raise TimeoutError(f"no rendezvous at {host}:{port} within {timeout_s:g} s ({e}); "
+                           "start it first: python -m qcomm.rendezvous") from e
+    nodes = int(store.get(NODES_KEY))
+    if node_id is not None:
+        node_id = check_int("node_id", node_id, low=0, high=nodes, high_open=True)
+    token = _node_token(ppn)
+    if local_rank == 0:
+        node = _claim(store, nodes, token, node_id)
+        store.set(f"qcomm/node_of/{token}", str(node))
+        store.set(f"qcomm/ppn/{node}", str(ppn))
+    else:
+        node = int(_wait_get(store, f"qcomm/node_of/{token}", timeout, "local rank 0 of "
+                             "this node to take its seat"))
+    others = {n: int(_wait_get(store, f"qcomm/ppn/{n}", timeout,
+                               f"node {n} of {nodes} to arrive")) for n in range(nodes)}
+    if len(set(others.values())) != 1:
+        raise ValueError(f"every node must run the same number of processes, but "
+                         f"procs_per_node by node = {others}")
+    rank = node * ppn + local_rank
+    dist.init_process_group(backend, store=dist.PrefixStore("qcomm/world/", store), rank=rank,
+                            world_size=nodes * ppn, timeout=timeout)
+    return Seat(node, nodes, rank, nodes * ppn, ppn)
+
+
+def _wait_get(store: dist.Store, key: str, timeout: datetime.timedelta, what: str) -> bytes:
+    try:
+        store.wait([key], timeout)
+    except (RuntimeError, dist.DistStoreError) as e:
+        raise TimeoutError(f"waited {timeout.total_seconds():g} s for {what}") from e
+    return store.get(key)

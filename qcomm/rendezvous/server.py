@@ -1,0 +1,62 @@
+"""The rendezvous of a job: a small process of its own, so that it outlives every node.
+
+    python -m qcomm.rendezvous --host 0.0.0.0 --port 29400 --nodes 3
+
+It is torch's ``TCPStore`` server and nothing else (no consensus of its own): the nodes take
+their seats and build their process groups through it (:mod:`.seat`). It holds the job's size
+under ``qcomm/nodes``. Stopping it (SIGTERM, SIGINT) does not stop nodes that are running: they
+need it only while they start.
+"""
+
+from __future__ import annotations
+
+import datetime
+import signal
+import threading
+
+import torch.distributed as dist
+
+from qcomm.validation import check_int
+
+__all__ = ["NODES_KEY", "serve"]
+
+NODES_KEY = "qcomm/nodes"  # the number of nodes the job starts with
+
+
+def serve(host: str, port: int, nodes: int, *, ready: threading.Event | None = None,
+          stop: threading.Event | None = None) -> None:
+    """Serve the rendezvous of a job of ``nodes`` nodes on ``host:port`` until SIGTERM or
+    SIGINT (or ``stop`` is set).
+
+    Args:
+        host: the address to listen on (``0.0.0.0``: every interface).
+        port: TCP port, 1..65535.
+        nodes: nodes the job starts with, >= 1.
+        ready: set once the store listens (for callers in the same process).
+        stop: set it to stop serving (for callers in the same process; signals are handled
+            only in the main thread).
+
+    Raises:
+        ValueError: a bad argument, named; RuntimeError: the port is taken.
+    """
+    port = check_int("port", port, low=1, high=65535)
+    nodes = check_int("nodes", nodes, low=1)
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"host must be a non-empty string, got {host!r}")
+    try:
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=30))
+    except (RuntimeError, OSError) as e:
+        raise RuntimeError(f"the rendezvous cannot listen on {host}:{port}: {e}") from e
+    store.set(NODES_KEY, str(nodes))
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    print(f"qcomm rendezvous: listening on {host}:{port} for a job of {nodes} nodes",
+          flush=True)
+    if ready is not None:
+        ready.set()
+    while not stop.wait(0.5):
+        pass
+    del store

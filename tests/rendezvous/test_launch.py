@@ -1,0 +1,164 @@
+"""One torchrun per node, found through ``python -m qcomm.rendezvous``, as processes on localhost
+(examples/train_charlm.py, a tiny model): three nodes end in one model; node 0 (whose process
+held the job's store under the one-torchrun launch) killed mid-run leaves the other two to
+finish, agree and exit 0; the rendezvous killed mid-run stops no node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from qcomm.testing.multiprocess import free_port
+from tests.examples.test_train_charlm import EXAMPLE, REPO, TINY, TORCHRUN, _descendants
+
+LAUNCH_TIMEOUT_S = 150  # a hang fails the test instead of stalling the suite
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]), OMP_NUM_THREADS="1")
+
+pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason=f"no torchrun next to "
+                                f"{sys.executable}")
+
+
+class Job:
+    """A rendezvous and one torchrun agent per node, each node's output in its own file."""
+
+    def __init__(self, tmp: Path, nodes: int) -> None:
+        self.tmp, self.port = tmp, free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.rendezvous = subprocess.Popen(
+            [sys.executable, "-m", "qcomm.rendezvous", "--host", "127.0.0.1", "--port",
+             str(self.port), "--nodes", str(nodes)], env=ENV, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        line = self.rendezvous.stdout.readline()  # it listens once it says so
+        assert "listening on 127.0.0.1" in line, line
+        self.agents: dict[int, subprocess.Popen] = {}
+
+    def start(self, node: int, args: list[str]) -> None:
+        with open(self.log(node), "w") as f:
+            self.agents[node] = subprocess.Popen(
+                [str(TORCHRUN), "--standalone", "--nproc-per-node", "1", "--max-restarts", "0",
+                 str(EXAMPLE), *TINY, "--node-id", str(node), *args],
+                cwd=self.tmp, env=dict(ENV, QCOMM_RENDEZVOUS=self.address), stdout=f,
+                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self, node: int) -> Path:
+        return self.tmp / f"node{node}.log"
+
+    def output(self, node: int) -> str:
+        return self.log(node).read_text()
+
+    def wait_for(self, node: int, pattern: str) -> None:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while not re.search(pattern, self.output(node), re.M):
+            assert time.monotonic() < deadline, self.output(node)[-3000:]
+            assert self.agents[node].poll() is None, self.output(node)[-3000:]
+            time.sleep(0.1)
+
+    def kill(self, node: int) -> None:
+        """The machine dies: the agent and its worker, SIGKILL, nothing said."""
+        agent = self.agents[node]
+        for pid in [*_descendants(agent.pid), agent.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        agent.wait(timeout=10)
+
+    def exit_codes(self, nodes: list[int]) -> list[int | None]:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while any(self.agents[n].poll() is None for n in nodes) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return [self.agents[n].poll() for n in nodes]
+
+    def stop(self) -> None:
+        procs = [*self.agents.values(), self.rendezvous]
+        pids = [d for p in procs if p.poll() is None for d in _descendants(p.pid)]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for p in procs:
+            p.wait(timeout=10)
+
+
+def _digest(output: str) -> tuple[int, str]:
+    found = re.findall(r"^rank (\d+): parameters sha256 ([0-9a-f]{64})$", output, re.M)
+    assert len(found) == 1, output[-3000:]
+    return int(found[0][0]), found[0][1]
+
+
+def _outputs(job: Job, nodes: list[int]) -> str:
+    return "\n".join(f"--- node {n}\n{job.output(n)[-3000:]}" for n in nodes)
+
+
+def test_three_nodes_with_a_torchrun_each_end_in_one_model(tmp_path: Path) -> None:
+    job = Job(tmp_path, 3)
+    try:
+        for node in (2, 0, 1):  # seats by --node-id, whatever the order of arrival
+            job.start(node, [])
+        codes = job.exit_codes([0, 1, 2])
+    finally:
+        job.stop()
+    assert codes == [0, 0, 0], _outputs(job, [0, 1, 2])
+    assert "qcomm: 3 nodes x 1 rank;" in job.output(0), job.output(0)[-3000:]
+    digests = [_digest(job.output(n)) for n in range(3)]
+    assert [rank for rank, _ in digests] == [0, 1, 2]  # node n holds rank n
+    assert len({d for _, d in digests}) == 1, digests
+
+
+def test_node_zero_killed_the_others_finish_agree_and_exit_0(tmp_path: Path) -> None:
+    """Node 0 holds rank 0 (under one torchrun for the whole job, the job's store too). Killed a
+    few hundred steps in, the other two drop it, finish their steps, average over the two of
+    them and exit 0 within ``--timeout-s`` plus a margin of the kill (no wait at exit)."""
+    job = Job(tmp_path, 3)
+    args = ["--steps", "1500", "--log-every", "100", "--wait-free", "--on-peer-loss",
+            "continue", "--timeout-s", "20"]
+    try:
+        for node in range(3):
+            job.start(node, args)
+        job.wait_for(0, r"^step 200/1500")
+        job.kill(0)
+        killed = time.monotonic()
+        codes = job.exit_codes([1, 2])
+        after_kill_s = time.monotonic() - killed
+    finally:
+        job.stop()
+    assert codes == [0, 0], _outputs(job, [0, 1, 2])
+    survivors = [_digest(job.output(n)) for n in (1, 2)]
+    assert [rank for rank, _ in survivors] == [1, 2]
+    assert survivors[0][1] == survivors[1][1], survivors
+    for n in (1, 2):
+        out = job.output(n)
+        assert "nodes live at the end: 2 (ranks dropped: [0])" in out, out[-3000:]
+        assert re.search(rf"rank {n} dropped its gossip neighbour rank 0 at step \d+", out), \
+            out[-3000:]
+        assert re.search(r"^step 1500/1500", out, re.M), out[-3000:]
+    assert after_kill_s < LAUNCH_TIMEOUT_S
+
+
+def test_the_rendezvous_killed_mid_run_stops_no_node(tmp_path: Path) -> None:
+    """The nodes need the rendezvous only while they start: once they train, it may die."""
+    job = Job(tmp_path, 2)
+    try:
+        for node in range(2):
+            job.start(node, ["--steps", "600", "--log-every", "100"])
+        for node in range(2):
+            job.wait_for(node, r"^step 100/600")
+        os.killpg(job.rendezvous.pid, signal.SIGKILL)
+        job.rendezvous.wait(timeout=10)
+        codes = job.exit_codes([0, 1])
+    finally:
+        job.stop()
+    assert codes == [0, 0], _outputs(job, [0, 1])
+    assert _digest(job.output(0))[1] == _digest(job.output(1))[1]
