@@ -28,6 +28,8 @@ from qcomm.collectives.gossip.transport import GlooTransport
 from qcomm.collectives.links import RoundHandle, Transport
 from qcomm.compress import QuantSpec
 
+WARMUP_STEPS = 3  # steps of each mode not timed (connections, first allocations)
+
 
 class _FutureRound(RoundHandle):
     def __init__(self, round: int, fut: concurrent.futures.Future):
@@ -111,7 +113,8 @@ def _body(rank: int, world: int, numel: int, compute_ms: float, steps: int,
             waits.append(timed.waited - w0)
         g.flush()
         g.close()
-        out[mode] = (statistics.median(times[3:]) * 1e3, statistics.median(waits[3:]) * 1e3)
+        out[mode] = (statistics.median(times[WARMUP_STEPS:]) * 1e3,
+                     statistics.median(waits[WARMUP_STEPS:]) * 1e3)
     return out
 
 
@@ -131,10 +134,15 @@ def main() -> None:
     ap.add_argument("--compute-ms", type=float, default=20.0,
                     help="The compute phase between steps, a sleep of this many milliseconds "
                          "(default 20).")
-    ap.add_argument("--steps", type=int, default=30, help="Gossip steps per mode (default 30).")
+    ap.add_argument("--steps", type=int, default=30,
+                    help=f"Gossip steps per mode, > {WARMUP_STEPS} (the first {WARMUP_STEPS} "
+                         "are not timed; default 30).")
     ap.add_argument("--staleness", type=int, default=1,
                     help="Rounds in flight (default 1).")
     a = ap.parse_args()
+    if a.steps <= WARMUP_STEPS or a.procs < 2 or a.numel < 1 or a.compute_ms < 0:
+        ap.error(f"--steps must be > {WARMUP_STEPS}, --procs >= 2, --numel >= 1 and "
+                 f"--compute-ms >= 0, got {a.steps}, {a.procs}, {a.numel}, {a.compute_ms}")
     res = run_world(_body, a.procs, args=(a.numel, a.compute_ms, a.steps, a.staleness),
                     timeout_s=600)
     print(f"torch {torch.__version__}, {a.procs} procs, numel {a.numel}, compute "

@@ -24,6 +24,9 @@ from qcomm.collectives.gossip.graphs import neighbours
 from qcomm.collectives.gossip.transport import GlooTransport
 from qcomm.compress import QuantSpec, packed_nbytes
 
+SETUP_ROUNDS = 5  # rounds of each order not timed: the connections are set up in them
+BLOCK = 10        # rounds of one order in a row
+
 ORDERS = ("recv-first", "send-first")
 
 
@@ -37,12 +40,12 @@ def _body(rank: int, world: int, nbytes: int, rounds: int) -> dict[str, list[flo
     payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     recv = torch.empty(len(peers), nbytes, dtype=torch.uint8)
     times: dict[str, list[float]] = {order: [] for order in ORDERS}
-    for block in range(2 * rounds // 10):
+    for block in range(2 * rounds // BLOCK):
         order = ORDERS[block % 2]
         dist.barrier()
-        for i in range(10):
+        for i in range(BLOCK):
             t0 = time.perf_counter()
-            transports[order].exchange(block * 10 + i, payload, recv).wait(60.0)
+            transports[order].exchange(block * BLOCK + i, payload, recv).wait(60.0)
             times[order].append(time.perf_counter() - t0)
     return times
 
@@ -61,14 +64,19 @@ def main() -> None:
                     help=f"Bytes per message (default {nbytes}: the 4-bit payload of 1M "
                          f"floats).")
     ap.add_argument("--rounds", type=int, default=200,
-                    help="Rounds per order (default 200).")
+                    help=f"Rounds per order, a multiple of {BLOCK} (default 200).")
     a = ap.parse_args()
+    if a.rounds < BLOCK or a.rounds % BLOCK or a.procs < 2 or a.nbytes < 1:
+        ap.error(f"--rounds must be a multiple of {BLOCK} (the orders alternate in blocks of "
+                 f"{BLOCK}; the first {SETUP_ROUNDS} of each set up the connections and are "
+                 f"not timed), --procs >= 2 and --nbytes >= 1, got {a.rounds}, {a.procs}, "
+                 f"{a.nbytes}")
     res = run_world(_body, a.procs, args=(a.nbytes, a.rounds), timeout_s=600)
     print(f"torch {torch.__version__}, {a.procs} procs (ring, Gloo over loopback), "
           f"{a.nbytes:,} bytes per message, {a.rounds} rounds per order; ms per round (rank 0)")
     med = {}
     for order in ORDERS:
-        t = sorted(1e3 * s for s in res[0][order][5:])  # drop the connection set-up rounds
+        t = sorted(1e3 * s for s in res[0][order][SETUP_ROUNDS:])
         q1, q2, q3 = statistics.quantiles(t, n=4)
         med[order] = q2
         print(f"  {order:10s} median {q2:7.3f}   quartiles {q1:7.3f} .. {q3:7.3f}")

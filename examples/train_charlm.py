@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     except (TypeError, ValueError) as e:
         ap.error(str(e))
     rank = os.environ.get("RANK", "0")
-    # qcomm logs the layout it detected (nodes x ranks, what is compressed where) at INFO on
+    # qcomm logs the topology it detected (nodes x ranks, what is compressed where) at INFO on
     # rank 0 through the "qcomm" logger, and peer failures at WARNING.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s rank {rank} %(name)s %(levelname)s: %(message)s")

@@ -88,7 +88,7 @@ class HierarchicalQuantState:
             before the first quantized bucket (warm-up allreduces are DDP's bytes, not counted).
 
     Raises:
-        ValueError: a bad node layout (``procs_per_node`` not dividing the world size, or
+        ValueError: a bad node topology (``procs_per_node`` not dividing the world size, or
             torchrun's ``LOCAL_*`` variables at odds with the ranks), here when
             torch.distributed is initialized, else at the first hook call (before any
             warm-up iteration); TypeError/ValueError for a bad argument, named.
@@ -134,22 +134,22 @@ class HierarchicalQuantState:
         self._allreduce: Any = None
         self._pending: dict | None = None
         self._worker: _Worker | None = None
-        self._layout_checked = False
-        self._check_layout()
+        self._topology_checked = False
+        self._check_topology()
 
-    def _check_layout(self) -> None:
-        """Check the node layout (``procs_per_node`` dividing the world size, torchrun's
+    def _check_topology(self) -> None:
+        """Check the node topology (``procs_per_node`` dividing the world size, torchrun's
         ``LOCAL_*`` variables) as soon as the job is known: here at construction under an
         initialized torch.distributed, else at the first hook call. The groups are still made
-        at the first quantized bucket, but a bad layout must not wait for it: after a warm-up
+        at the first quantized bucket, but a bad topology must not wait for it: after a warm-up
         of ``start_iter`` iterations it would end a run that already spent them. Makes no
         collective and no group."""
-        if self._layout_checked or not (dist.is_available() and dist.is_initialized()):
+        if self._topology_checked or not (dist.is_available() and dist.is_initialized()):
             return
         from qcomm.collectives.topology import Topology
 
         Topology(self.procs_per_node)  # raises ValueError naming the numbers
-        self._layout_checked = True
+        self._topology_checked = True
 
     @property
     def warming_up(self) -> bool:
@@ -343,7 +343,7 @@ def hierarchical_quantized_hook(state: HierarchicalQuantState,
     """
     check_instance("state", state, HierarchicalQuantState,
                    what="a qcomm.hooks.HierarchicalQuantState")
-    state._check_layout()  # a state made before init_process_group: at its first bucket
+    state._check_topology()  # a state made before init_process_group: at its first bucket
     tensor = bucket.buffer()
     if state.warming_up:
         fut = _allreduce_fp(state, tensor)

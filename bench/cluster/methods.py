@@ -578,7 +578,8 @@ def _qcomm_adapter(name: str, module, cfg: Config) -> Built:
         return Built(model, module, opt, flush=flush, finalize=finalize, comm_stats=stats,
                      close=close, notes={"bits": bits, **comm},
                      node_any=opt.node_any if comm.get("wait_free") else None,
-                     live_nodes=lambda: _live_nodes(opt))
+                     live_nodes=lambda: _live_nodes(opt),
+                     terms_paired=lambda: opt.stats().get("terms_paired"))
     if name == "qcomm-hook":
         return _qcomm_hook(module, cfg)
     raise ValueError(f"not a qcomm method: {name!r}")
@@ -606,7 +607,8 @@ def _qcomm_hierarchical(module, cfg: Config, bits: int, ddp: bool = False,
     return Built(model, module, opt, flush=opt.flush, finalize=opt.average_parameters,
                  comm_stats=stats, close=opt.close, notes={"bits": bits, **comm},
                  node_any=opt.node_any if comm.get("wait_free") else None,
-                 live_nodes=lambda: _live_nodes(opt))
+                 live_nodes=lambda: _live_nodes(opt),
+                 terms_paired=lambda: opt.stats().get("terms_paired"))
 
 
 def _attached(opt, module):

@@ -42,7 +42,7 @@ TORCH_WORLD = TorchWorld()
 
 
 class Topology:
-    """The node / local-rank layout of the job, and its intra-node and rail process groups.
+    """How the job's ranks map to nodes (its topology), and its intra-node and rail groups.
 
     Args:
         procs_per_node: ranks per node (int >= 1 dividing ``world_size``); None reads
@@ -121,7 +121,7 @@ class Topology:
         return local_world
 
     # -----------------------------------------------------------------------------------------
-    # pure layout queries (no communication)
+    # pure topology queries (no communication)
 
     def ranks_of_node(self, node: int) -> list[int]:
         """Global ranks on ``node``, by local rank."""
@@ -187,7 +187,7 @@ class Topology:
         if self.world_size == 1:
             self._groups = (None, None)
             return self._groups
-        self._check_same_layout_everywhere()
+        self._check_same_topology_everywhere()
         # Fixed order on every rank: node groups by node, then rails by local rank.
         nodes = [self.ranks_of_node(n) for n in range(self.num_nodes)] \
             if self.procs_per_node > 1 else []
@@ -199,7 +199,7 @@ class Topology:
         self._groups = (intra, rail)
         return self._groups
 
-    def _check_same_layout_everywhere(self) -> None:
+    def _check_same_topology_everywhere(self) -> None:
         """All-gather procs_per_node from every rank (3 ints): heterogeneous torchrun nodes, or
         ranks built with different arguments, fail here with one clear error on every rank
         instead of creating mismatched groups. Runs once, at group creation (collective anyway).

@@ -55,7 +55,7 @@ from qcomm.engine.gradients import (
 )
 from qcomm.engine.node_gossip import NodeGossip
 from qcomm.engine.options import CommOptions
-from qcomm.engine.report import engine_stats, log_layout
+from qcomm.engine.report import engine_stats, log_topology
 from qcomm.engine.sharded import ShardedParamsError, check_sharding, local_tensor
 from qcomm.engine.state import EngineStateFile, check_loadable, geometry
 from qcomm.validation import check_instance
@@ -97,8 +97,8 @@ class AveragingEngine:
             groups added before the first distributed step and a ``load_state_dict`` that
             replaces the group list are seen); each parameter is taken once, in group order.
         options: the communication options.
-        topology: the job's layout; None builds one from torch.distributed and torchrun's
-            environment at the first distributed step. Pass one built over an in-memory
+        topology: how the job's ranks map to nodes; None builds one from torch.distributed and
+            torchrun's environment at the first distributed step. Pass one built over an in-memory
             world (:mod:`qcomm.collectives.memory`) to run in-process.
 
     The constructor communicates nothing and creates no process group.
@@ -201,7 +201,7 @@ class AveragingEngine:
 
     @property
     def topology(self) -> Topology | None:
-        """The job's layout once the first distributed step ran (or :meth:`setup` was called)."""
+        """The job's topology once the first distributed step ran (or :meth:`setup` was called)."""
         return self._topology
 
     def params(self) -> list[torch.Tensor]:
@@ -269,7 +269,7 @@ class AveragingEngine:
                 node.gossip.load_state_dict(self._pending["gossip"])
             self._pending = None
         self._ready = True
-        log_layout(topo, self.options, self._ddp_intra, node.flat.numel if node else 0,
+        log_topology(topo, self.options, self._ddp_intra, node.flat.numel if node else 0,
                    node.gossip.gamma if node else None, sharded=sharded)
 
     @property
@@ -333,10 +333,10 @@ class AveragingEngine:
         if world is not None and not isinstance(world, TorchWorld):
             raise TypeError(f"data_parallel() needs torch.distributed process groups, not the "
                             f"groups of {world!r}")
-        layout = self._topology_arg or Topology(self.options.procs_per_node)
-        if layout.procs_per_node == 1:
+        topo = self._topology_arg or Topology(self.options.procs_per_node)
+        if topo.procs_per_node == 1:
             self.attach(model)
-            if layout.rank == 0:
+            if topo.rank == 0:
                 log.info("qcomm: data_parallel() returns the model as it is: one rank per "
                          "node, so there is nothing to average inside a node")
             return model
@@ -539,7 +539,10 @@ class AveragingEngine:
             ||x_i - mean x||^2)`` over nodes, float, or None when not asked for or with one
             node). With ``wait_free`` also ``rounds_received`` and
             ``lag_rounds``: per neighbour on this rank's rail (its global rank), the rounds of
-            it applied here and how many rounds this rank has started beyond them.
+            it applied here and how many rounds this rank has started beyond them; and
+            ``terms_paired``: ``{"paired": n, "possible": m}``, the neighbour terms this rank's
+            rounds added, against one per live neighbour per round (a copy not changed since
+            it served its share of terms is left out: docs/engine.md, "Wait-free gossip").
         """
         out = engine_stats(self.steps, self.skipped_steps, self.comm_stats, self._gossip,
                            self.options)

@@ -1,4 +1,4 @@
-"""What the engine tells: the layout it detected (logged once) and its statistics."""
+"""What the engine tells: the topology it detected (logged once) and its statistics."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.engine.options import CommOptions
 
-__all__ = ["engine_stats", "log_layout"]
+__all__ = ["engine_stats", "log_topology"]
 
 log = logging.getLogger("qcomm")
 
@@ -33,8 +33,8 @@ def _schedule(options: CommOptions, gamma: float | None) -> str:
     return f"gossip {every}{pieces}, {mode}, {step}{outer}"
 
 
-def layout_line(topology: Topology, options: CommOptions, ddp_intra: bool, gossiped: int,
-                gamma: float | None = None, *, sharded: bool = False) -> tuple[int, str]:
+def topology_line(topology: Topology, options: CommOptions, ddp_intra: bool, gossiped: int,
+                  gamma: float | None = None, *, sharded: bool = False) -> tuple[int, str]:
     """(logging level, the sentence) that says how this job communicates: nodes and ranks,
     what is averaged how on which link, and the gossip's schedule. One node is a warning:
     nothing crosses a slow link then. ``gossiped``: elements in this rank's flat buffer
@@ -57,15 +57,15 @@ def layout_line(topology: Topology, options: CommOptions, ddp_intra: bool, gossi
         "several nodes on one machine pass procs_per_node=.")
 
 
-def log_layout(topology: Topology, options: CommOptions, ddp_intra: bool,
-               gossiped: int, gamma: float | None = None, *, sharded: bool = False) -> None:
-    """On rank 0, once: :func:`layout_line` on logger ``qcomm``. Where logging was never
+def log_topology(topology: Topology, options: CommOptions, ddp_intra: bool,
+                 gossiped: int, gamma: float | None = None, *, sharded: bool = False) -> None:
+    """On rank 0, once: :func:`topology_line` on logger ``qcomm``. Where logging was never
     configured (no handler on the way to the root logger) Python would drop an INFO record,
     so the line goes to stderr instead: a user sees what qcomm detected either way."""
     if topology.rank != 0:
         return
-    level, line = layout_line(topology, options, ddp_intra, gossiped, gamma,
-                              sharded=sharded)
+    level, line = topology_line(topology, options, ddp_intra, gossiped, gamma,
+                                sharded=sharded)
     if log.hasHandlers():
         log.log(level, line)
     else:
@@ -100,4 +100,5 @@ def engine_stats(steps: int, skipped_steps: int, comm_stats: CommStats, gossip: 
         out["lag_rounds"] = g.lag() if g is not None else {}
         out["live_nodes"] = g.live_members() if g is not None else 1
         out["dropped_ranks"] = [e["rank"] for e in g.losses] if g is not None else []
+        out["terms_paired"] = dict(g.terms) if g is not None else {"paired": 0, "possible": 0}
     return out

@@ -245,12 +245,12 @@ def test_detected_layout_is_logged_once(caplog: pytest.LogCaptureFixture, nodes:
 
 def test_layout_line_says_the_schedule() -> None:
     from qcomm.engine.options import CommOptions
-    from qcomm.engine.report import layout_line
+    from qcomm.engine.report import topology_line
 
     topo = Topology(2, rank=0, world_size=8)
     opts = CommOptions(sync_every=16, fragments=4, gamma=0.5, outer_momentum=0.5,
                        wait_free=True, on_peer_loss="continue", procs_per_node=2)
-    level, line = layout_line(topo, opts, True, 1000, 0.5)
+    level, line = topology_line(topo, opts, True, 1000, 0.5)
     assert level == logging.INFO
     assert line.startswith("qcomm: 4 nodes x 2 ranks; gradients averaged inside each node "
                            "(DDP in backward); 1000 parameters gossiped")
@@ -265,9 +265,9 @@ def test_without_logging_configured_the_layout_goes_to_stderr(capsys, monkeypatc
     from qcomm.engine.options import CommOptions
 
     monkeypatch.setattr(report.log, "hasHandlers", lambda: False)
-    report.log_layout(Topology(1, rank=0, world_size=2), CommOptions(), False, 10, 0.3)
+    report.log_topology(Topology(1, rank=0, world_size=2), CommOptions(), False, 10, 0.3)
     assert "qcomm: 2 nodes x 1 rank; " in capsys.readouterr().err
-    report.log_layout(Topology(1, rank=1, world_size=2), CommOptions(), False, 10, 0.3)
+    report.log_topology(Topology(1, rank=1, world_size=2), CommOptions(), False, 10, 0.3)
     assert capsys.readouterr().err == ""  # rank 0 only
 
 

@@ -47,6 +47,8 @@ class TermCounter:
 
     def __init__(self, fragments: int, links: int) -> None:
         self.fragments = fragments
+        # the terms paired, and those there would be with every link offered (for stats)
+        self.tally = {"paired": 0, "possible": 0}
         self.termed = [[0] * fragments for _ in range(links)]
         self.terms_on_copy = [[0] * fragments for _ in range(links)]
 
@@ -63,9 +65,12 @@ class TermCounter:
     def fresh(self, links: list[int], received: list[int], f: int, cap: int) -> list[int]:
         """The links among ``links`` a term on fragment f may pair with: those whose copy of f
         has changed since the last term on it, or has served fewer than ``cap`` terms."""
-        return [k for k in links
-                if held(received[k], f, self.fragments) > self.termed[k][f]
-                or self.terms_on_copy[k][f] < cap]
+        paired = [k for k in links
+                  if held(received[k], f, self.fragments) > self.termed[k][f]
+                  or self.terms_on_copy[k][f] < cap]
+        self.tally["paired"] += len(paired)
+        self.tally["possible"] += len(links)
+        return paired
 
     def count(self, paired: list[int], received: list[int], f: int) -> None:
         """Count a round's terms on fragment f with the links ``paired``."""

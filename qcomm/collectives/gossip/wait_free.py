@@ -107,6 +107,7 @@ class WaitFreeGossip(GossipMember):
     lost = _of("membership", "lost", "The members known to be lost.")
     losses = _of("membership", "losses", "What was dropped, when and why (dicts).")
     received = _of("_links", "received", "Per link, the neighbour's messages applied.")
+    terms = _of("_terms", "tally", "Neighbour terms paired, and possible (:mod:`.pace`).")
     _layout = _of("membership", "layout", "The messages' layout (:mod:`.wait_free_message`).")
     message_nbytes = _of("_layout", "message_nbytes", "Bytes of every message on the wire.")
 
