@@ -65,7 +65,14 @@ from torch import nn
 from qcomm import rendezvous
 from qcomm.collectives import PeerError
 from qcomm.engine import CommOptions
-from qcomm.sgd import HierarchicalOptimizer, checkpoint_path, load_checkpoint, save_checkpoint
+from qcomm.sgd import (
+    HierarchicalOptimizer,
+    checkpoint_path,
+    load_checkpoint,
+    load_sharded_checkpoint,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
 
 log = logging.getLogger("train_charlm")
 
@@ -301,6 +308,19 @@ def same_start(model: nn.Module, place: Place) -> None:
             dist.broadcast(t, src=0)
 
 
+def save(args: argparse.Namespace, opt: HierarchicalOptimizer, model: nn.Module, place: Place,
+         step: int) -> None:
+    """The checkpoint of ``step`` under ``--ckpt-dir``: one file per rank, or with ``--fsdp``
+    one DCP checkpoint of the sharded state (a directory every rank reaches)."""
+    where = step_dir(args.ckpt_dir, step)
+    if args.fsdp:
+        save_sharded_checkpoint(where, opt, model, extra={"step": step})
+        say(place, f"saved {where} (DCP, the sharded state of every rank)")
+    else:
+        save_checkpoint(where, opt, model, extra={"step": step})
+        say(place, f"saved {where} (one file per rank)")
+
+
 def train(args: argparse.Namespace, place: Place, options: dict[str, object]) -> None:
     """Build, (resume,) train, average, report, save. Every rank runs it in lock step."""
     train_tokens, val_tokens = load_text(args.text, args.train_bytes, args.val_bytes)
@@ -319,7 +339,10 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
         **options)
     try:
         start = 0
-        if args.resume:
+        if args.resume and args.fsdp:  # one DCP checkpoint of the sharded state, RNG included
+            start = int(load_sharded_checkpoint(args.resume, opt, model)["step"])
+            say(place, f"resumed from {args.resume} at step {start}")
+        elif args.resume:
             mine = checkpoint_path(args.resume, place.rank)
             if not mine.is_file():
                 raise FileNotFoundError(
@@ -373,9 +396,7 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
                     and step < args.steps:
                 # Every rank saves at the same step (the gossip rounds in flight are saved
                 # with their neighbours' payloads, which arrive only at that step).
-                path = save_checkpoint(step_dir(args.ckpt_dir, step), opt, model,
-                                       extra={"step": step})
-                say(place, f"saved {path.parent} (one file per rank)")
+                save(args, opt, model, place, step)
 
         # The exact global mean on every rank: evaluation and the final checkpoint see one
         # model, not one per node.
@@ -394,9 +415,7 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
                        f"{int(totals[1]):,} inside nodes")
         print(f"rank {place.rank}: parameters sha256 {parameters_sha256(model)}", flush=True)
         if args.ckpt_dir:
-            path = save_checkpoint(step_dir(args.ckpt_dir, args.steps), opt, model,
-                                   extra={"step": args.steps})
-            say(place, f"saved {path.parent} (one file per rank)")
+            save(args, opt, model, place, args.steps)
     finally:
         opt.close()  # before destroy_process_group: it releases qcomm's groups and transport
 
@@ -462,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fsdp", action="store_true",
                    help="Shard the model inside each node with torch's FSDP2 (fully_shard over "
                         "the node's ranks); each rank gossips its own shard between nodes. "
-                        "Needs torchrun; not with --ddp, --intra-bits, --ckpt-dir or --resume.")
+                        "Needs torchrun; not with --ddp or --intra-bits. Checkpoints are DCP's "
+                        "(a directory every rank reaches).")
     g.add_argument("--on-peer-loss", default="raise", choices=("raise", "continue"),
                    help="continue: a node that dies or falls silent is dropped and the others "
                         "go on without it (needs --wait-free); raise: the job stops.")
@@ -501,13 +521,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps, --log-every, --batch-size and --context must be >= 1, "
                  "--save-every >= 0")
     if args.fsdp:
-        clash = [flag for flag, on in (("--ddp", args.ddp), ("--intra-bits", args.intra_bits),
-                                       ("--ckpt-dir", args.ckpt_dir), ("--resume", args.resume))
+        clash = [flag for flag, on in (("--ddp", args.ddp), ("--intra-bits", args.intra_bits))
                  if on]
         if clash:
             ap.error(f"--fsdp cannot be combined with {', '.join(clash)}: FSDP2 averages the "
                      "gradients inside the node itself (no DDP, nothing for qcomm to quantize "
-                     "there), and sharded checkpoints are not written yet")
+                     "there)")
         if "RANK" not in os.environ:
             ap.error("--fsdp shards the model over a node's processes: launch with torchrun")
     try:

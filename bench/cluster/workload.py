@@ -741,6 +741,9 @@ def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: T
                        None if counters0 is None else (counters0, counters1),
                        None if retrans0 is None else (retrans0, retrans1),
                        None if stats0 is None else (stats0, stats1))
+    terms = built.terms_paired()
+    if terms is not None:
+        mine["terms_paired"] = terms
     gathered: list[Any] | None = [None] * here.world if here.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     built.close()
@@ -839,6 +842,11 @@ def main(argv: list[str] | None = None) -> None:
 
     # The steps of the module's docstring, 1 to 6.
     base_times = baseline(work, module, cfg, args.baseline_steps, total)  # 1.
+    if here.rank == 0:
+        # A run before this one into the same --out left its flag files: they would stop this
+        # one at its first step (warm_up's barrier orders the removal before any check).
+        for stale in (f"{args.out}.fastest", f"{args.out}.killed"):
+            Path(stale).unlink(missing_ok=True)
     built = M.build(args.method, module, cfg)
     train_step = step_function(work, built)
     warm_up(built, train_step, args.warmup)  # 2.

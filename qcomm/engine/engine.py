@@ -204,6 +204,10 @@ class AveragingEngine:
         """The job's topology once the first distributed step ran (or :meth:`setup` was called)."""
         return self._topology
 
+    def geometry(self) -> tuple[int, int, int]:
+        """(world size, ranks per node, rank) of this run, without any collective."""
+        return geometry(self.options.procs_per_node, self._topology_arg)
+
     def params(self) -> list[torch.Tensor]:
         """The optimizer's parameters, each once, in param-group order."""
         seen: set[int] = set()

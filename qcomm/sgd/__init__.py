@@ -13,7 +13,8 @@ from qcomm.sgd.assgd import ASSGD
 from qcomm.sgd.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from qcomm.sgd.checkpoint_file import CheckpointError, UnsafeCheckpointError
 from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
+from qcomm.sgd.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
 __all__ = ["ASSGD", "CheckpointError", "HierarchicalOptimizer", "NonFiniteGradientError",
            "ShardedParamsError", "UnsafeCheckpointError", "checkpoint_path", "load_checkpoint",
-           "save_checkpoint"]
+           "load_sharded_checkpoint", "save_checkpoint", "save_sharded_checkpoint"]

@@ -1,0 +1,204 @@
+"""Checkpoints of a model sharded by FSDP2 inside each node, through torch.distributed.checkpoint
+(DCP): the format people with sharded models already use.
+
+One DCP checkpoint (a directory every rank reaches) holds, per node, the model's and the wrapped
+optimizer's sharded state dicts (torch's ``get_model_state_dict`` / ``get_optimizer_state_dict``
+under ``nodeNNNNN``: DTensor shards over the node's ranks) and, per rank, qcomm's own state under
+``qcomm_rankNNNNN``: the engine's state (its gossip buffers hold this rank's shard), torch's RNG
+state and ``extra``, as tensors only (:mod:`.tensor_tree`). Per node, because the gossip leaves
+every node with parameters of its own: under one name DCP would take the nodes' shards for
+copies of one another and keep one. A resume from it continues bit for bit, with the same
+nodes and ranks per node.
+
+Loading runs no code from the files: DCP unpickles what is not a tensor with
+``weights_only=False``; here every such item goes through torch's weights-only unpickler (the
+optimizer's param groups and numbers load, an object that would run code is refused with
+:class:`~qcomm.sgd.checkpoint_file.UnsafeCheckpointError`), and qcomm's state is tensors alone.
+The replicated modes keep their per-rank files (:mod:`qcomm.sgd.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from qcomm.sgd.checkpoint_file import CheckpointError, UnsafeCheckpointError
+from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
+from qcomm.sgd.tensor_tree import from_tensors, to_tensors
+from qcomm.validation import check_instance
+
+__all__ = ["load_sharded_checkpoint", "save_sharded_checkpoint"]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _own_key(rank: int) -> str:
+    return f"qcomm_rank{rank:05d}"
+
+
+def _node_key(optimizer: HierarchicalOptimizer) -> str:
+    _, ppn, rank = optimizer.engine.geometry()
+    return f"node{rank // ppn:05d}"
+
+
+def save_sharded_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimizer,
+                            model: torch.nn.Module, *, extra: Any = None) -> Path:
+    """Save the model, the optimizer and qcomm's state of every rank as one DCP checkpoint.
+    Collective: every rank calls it at the same step (with ``wait_free`` it drains the gossip,
+    as :func:`~qcomm.sgd.save_checkpoint` does).
+
+    Args:
+        directory: the checkpoint directory, reached by every rank (created if missing).
+        optimizer: the :class:`~qcomm.sgd.HierarchicalOptimizer` (ASSGD included).
+        model: the model its parameters belong to (FSDP2's ``fully_shard`` applied or not).
+        extra: plain data (None, bool, int, float, str, tuples, lists, dicts, tensors) returned
+            by :func:`load_sharded_checkpoint`, e.g. the step.
+
+    Returns:
+        the directory.
+
+    Raises:
+        TypeError: ``optimizer`` or ``model`` of the wrong type, or ``extra`` holding another
+            type (named); nothing is written then.
+    """
+    check_instance("optimizer", optimizer, HierarchicalOptimizer)
+    check_instance("model", model, torch.nn.Module)
+    mine = to_tensors({"engine": optimizer.engine.state_dict(), "rng": torch.get_rng_state(),
+                       "extra": extra})
+    state = {_node_key(optimizer): {"model": get_model_state_dict(model),
+                                    "optim": get_optimizer_state_dict(model, optimizer.optimizer)},
+             _own_key(_rank()): mine}
+    dcp.save(state, checkpoint_id=str(directory))
+    return Path(directory)
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, but what is not a tensor is unpickled by torch's weights-only
+    unpickler: plain data loads, an object whose unpickling would run code is refused."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = directory
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(
+                f"{self.directory}: item {fqn!r} holds objects torch's weights-only unpickler "
+                f"refuses ({e}); loading them could run code from the file, so it is not "
+                "loaded", self.directory, []) from e
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def _own_template(directory: Path, rank: int) -> dict[str, torch.Tensor]:
+    """Empty tensors of the shapes and dtypes this rank's qcomm state was saved with.
+
+    Raises:
+        CheckpointError: the checkpoint holds no qcomm state of this rank, or one that is not
+            tensors.
+    """
+    try:
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"{directory} is not a DCP checkpoint: {e}", directory) from e
+    prefix = _own_key(rank) + "."
+    own = {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items()
+           if k.startswith(prefix)}
+    if not own:
+        raise CheckpointError(f"{directory} holds no qcomm state of rank {rank} (saved by a "
+                              "job of other ranks, or not by save_sharded_checkpoint)",
+                              directory)
+    if not all(isinstance(md, TensorStorageMetadata) for md in own.values()):
+        raise CheckpointError(f"{directory}: qcomm's state of rank {rank} holds items that "
+                              "are not tensors; it was not written by qcomm", directory)
+    return {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in own.items()}
+
+
+def _read(directory: Path, state: dict[str, Any]) -> None:
+    """DCP's load of ``state`` from ``directory``, items that are not tensors through the
+    weights-only unpickler; a refusal raised as itself, not wrapped in DCP's exception."""
+    try:
+        dcp.load(state, checkpoint_id=str(directory), planner=_WeightsOnlyPlanner(directory))
+    except CheckpointException as e:
+        for failure in e.failures.values():
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(exc, CheckpointError):
+                raise exc from e
+        raise
+
+
+def _copied(tree: Any) -> Any:
+    """``tree`` with every tensor (DTensors included) replaced by a copy."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _copied(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_copied(v) for v in tree)
+    return tree
+
+
+def load_sharded_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimizer,
+                            model: torch.nn.Module) -> Any:
+    """Load a checkpoint of :func:`save_sharded_checkpoint` into ``model`` and ``optimizer``
+    (built as when it was saved, before their first step) and restore this rank's RNG state.
+    Collective: every rank calls it. Returns the ``extra`` saved.
+
+    Raises:
+        CheckpointError: not such a checkpoint, or of another job's ranks;
+            UnsafeCheckpointError: an item whose unpickling would run code; ValueError: a
+            qcomm state that does not match this optimizer (``HierarchicalOptimizer``'s
+            checks). The model, the optimizer and the RNG are unchanged then: DCP reads into
+            copies, which are loaded once everything is read and checked.
+    """
+    check_instance("optimizer", optimizer, HierarchicalOptimizer)
+    check_instance("model", model, torch.nn.Module)
+    directory = Path(directory)
+    rank = _rank()
+    own = _own_template(directory, rank)
+    # Read into copies (DCP writes into the tensors it is given): a refusal half-way changes
+    # nothing of the model or the optimizer. torch's get_optimizer_state_dict creates the
+    # state of an optimizer that has none (a step at lr 0): taken back on a refusal.
+    fresh = not optimizer.optimizer.state
+    try:
+        node = {"model": _copied(get_model_state_dict(model)),
+                "optim": _copied(get_optimizer_state_dict(model, optimizer.optimizer))}
+        state = {_node_key(optimizer): node, _own_key(rank): own}
+        _read(directory, state)
+        mine = from_tensors(state[_own_key(rank)])
+        optimizer.engine.check_state(mine["engine"])
+    except BaseException:
+        if fresh:
+            optimizer.optimizer.state.clear()
+        raise
+    set_model_state_dict(model, node["model"])
+    set_optimizer_state_dict(model, optimizer.optimizer, node["optim"])
+    optimizer.engine.load_state_dict(mine["engine"])
+    torch.set_rng_state(mine["rng"])
+    return mine["extra"]
