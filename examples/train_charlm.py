@@ -413,7 +413,11 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
             dist.all_reduce(totals)  # CPU tensor: Gloo moves it under both backends
             say(place, f"bytes sent by all ranks: {int(totals[0]):,} between nodes, "
                        f"{int(totals[1]):,} inside nodes")
-        print(f"rank {place.rank}: parameters sha256 {parameters_sha256(model)}", flush=True)
+        # One write of the whole line: the ranks share torchrun's stdout, and a print's text
+        # and its newline may reach it apart, between another rank's.
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(),
+                 f"rank {place.rank}: parameters sha256 {parameters_sha256(model)}\n".encode())
         if args.ckpt_dir:
             save(args, opt, model, place, args.steps)
     finally:

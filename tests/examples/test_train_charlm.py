@@ -106,7 +106,7 @@ def _launch(tmp: Path, run_id: str, extra: list[list[str]],
 
 
 def _digest(output: str, rank: int) -> str:
-    found = re.findall(rf"^rank {rank}: parameters sha256 ([0-9a-f]{{64}})$", output, re.M)
+    found = re.findall(rf"rank {rank}: parameters sha256 ([0-9a-f]{{64}})(?![0-9a-f])", output)
     assert len(found) == 1, output[-4000:]
     return found[0]
 

@@ -93,7 +93,7 @@ class Job:
 
 
 def _digest(output: str) -> tuple[int, str]:
-    found = re.findall(r"^rank (\d+): parameters sha256 ([0-9a-f]{64})$", output, re.M)
+    found = re.findall(r"rank (\d+): parameters sha256 ([0-9a-f]{64})(?![0-9a-f])", output)
     assert len(found) == 1, output[-3000:]
     return int(found[0][0]), found[0][1]
 
