@@ -19,15 +19,16 @@ import difflib
 import math
 import numbers
 import operator
+import os
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import NoReturn, TypeVar
 
 import torch
 
 __all__ = ["SEED_BITS", "SEED_MAX", "check_bucket_mb", "check_choice", "check_instance",
            "check_int", "check_real", "check_seed", "check_tensor", "check_timeout", "describe",
-           "did_you_mean", "fail"]
+           "did_you_mean", "env_int", "fail"]
 
 SEED_BITS = 64
 SEED_MAX = (1 << SEED_BITS) - 1
@@ -263,3 +264,17 @@ def check_bucket_mb(value: object, name: str = "bucket_mb") -> float:
     """A bucket size in MiB: a finite float > 0."""
     return check_real(name, value, low=0, low_open=True)  # type: ignore[return-value]
 
+
+
+def env_int(var: str, minimum: int, env: Mapping[str, str] | None = None) -> int | None:
+    """Environment variable ``var`` (of ``env``, default the process's) as an int >=
+    ``minimum``; None when unset or empty."""
+    env = os.environ if env is None else env
+    raw = env.get(var)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        fail(f"environment variable {var}", f"an int >= {minimum}", raw)
+    return check_int(f"environment variable {var}", value, low=minimum)

@@ -32,8 +32,8 @@ import torch
 
 from qcomm.collectives.group import World
 from qcomm.collectives.primitives import all_gather_flat
-from qcomm.collectives.torch_group import TorchWorld, env_int
-from qcomm.validation import check_instance, check_int
+from qcomm.collectives.torch_group import TorchWorld
+from qcomm.validation import check_instance, check_int, env_int
 
 __all__ = ["Topology"]
 

@@ -15,21 +15,20 @@ re-initialized between two calls.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from qcomm.collectives.group import REDUCE_OPS, CommGroup, Work, World, register_bare_groups
-from qcomm.validation import check_choice, check_int, fail
+from qcomm.validation import check_choice, env_int
 
 if TYPE_CHECKING:
     from qcomm.collectives.links import MessageStreams, Transport
     from qcomm.collectives.stats import CommStats
 
-__all__ = ["TorchGroup", "TorchWorld", "env_int"]
+__all__ = ["TorchGroup", "TorchWorld"]
 
 # torch 2.13 renames the flat collectives (same signatures) and warns on the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -128,20 +127,6 @@ class TorchGroup(CommGroup):
 
 # ---------------------------------------------------------------------------------------------
 # the job
-
-
-def env_int(var: str, minimum: int, env: Mapping[str, str] | None = None) -> int | None:
-    """Environment variable ``var`` (of ``env``, default the process's) as an int >=
-    ``minimum``; None when unset or empty."""
-    env = os.environ if env is None else env
-    raw = env.get(var)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        fail(f"environment variable {var}", f"an int >= {minimum}", raw)
-    return check_int(f"environment variable {var}", value, low=minimum)
 
 
 class TorchWorld(World):

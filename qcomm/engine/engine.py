@@ -274,7 +274,7 @@ class AveragingEngine:
             self._pending = None
         self._ready = True
         log_topology(topo, self.options, self._ddp_intra, node.flat.numel if node else 0,
-                   node.gossip.gamma if node else None, sharded=sharded)
+                     node.gossip.gamma if node else None, sharded=sharded)
 
     @property
     def _gossip(self) -> Any:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from qcomm.validation import check_int, check_timeout
+from qcomm.validation import check_int, check_timeout, env_int
 
 from .server import NODES_KEY
 
@@ -56,15 +56,6 @@ def parse_address(address: object, name: str = "rendezvous") -> tuple[str, int]:
         raise ValueError(f"{name} must be 'HOST:PORT' (the address python -m qcomm.rendezvous "
                          f"listens on), got {address!r}")
     return host, int(port)
-
-
-def _env_int(var: str, default: int) -> int:
-    raw = os.environ.get(var, "").strip()
-    if not raw.isdigit():
-        if raw:
-            raise ValueError(f"environment variable {var} must be an int >= 0, got {raw!r}")
-        return default
-    return int(raw)
 
 
 def _node_token(procs_per_node: int) -> str:
@@ -127,9 +118,9 @@ def init_process_group(rendezvous: str | None = None, *, backend: str = "gloo",
         raise RuntimeError("torch.distributed is initialized already: call "
                            "qcomm.rendezvous.init_process_group instead of "
                            "torch.distributed.init_process_group, not after it")
-    ppn = _env_int("LOCAL_WORLD_SIZE", 1)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    if ppn < 1 or local_rank >= ppn:
+    ppn = env_int("LOCAL_WORLD_SIZE", 1) or 1
+    local_rank = env_int("LOCAL_RANK", 0) or 0
+    if local_rank >= ppn:
         raise ValueError(f"LOCAL_RANK {local_rank} must be below LOCAL_WORLD_SIZE {ppn}")
     timeout = datetime.timedelta(seconds=timeout_s)
     try:

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -47,17 +46,10 @@ from qcomm.validation import check_instance
 __all__ = ["load_sharded_checkpoint", "save_sharded_checkpoint"]
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _own_key(rank: int) -> str:
-    return f"qcomm_rank{rank:05d}"
-
-
-def _node_key(optimizer: HierarchicalOptimizer) -> str:
+def _keys(optimizer: HierarchicalOptimizer) -> tuple[str, str, int]:
+    """This rank's node key, its own key and its rank (the engine's geometry)."""
     _, ppn, rank = optimizer.engine.geometry()
-    return f"node{rank // ppn:05d}"
+    return f"node{rank // ppn:05d}", f"qcomm_rank{rank:05d}", rank
 
 
 def save_sharded_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimizer,
@@ -84,9 +76,10 @@ def save_sharded_checkpoint(directory: str | os.PathLike, optimizer: Hierarchica
     check_instance("model", model, torch.nn.Module)
     mine = to_tensors({"engine": optimizer.engine.state_dict(), "rng": torch.get_rng_state(),
                        "extra": extra})
-    state = {_node_key(optimizer): {"model": get_model_state_dict(model),
-                                    "optim": get_optimizer_state_dict(model, optimizer.optimizer)},
-             _own_key(_rank()): mine}
+    node_key, own_key, _ = _keys(optimizer)
+    state = {node_key: {"model": get_model_state_dict(model),
+                        "optim": get_optimizer_state_dict(model, optimizer.optimizer)},
+             own_key: mine}
     dcp.save(state, checkpoint_id=str(directory))
     return Path(directory)
 
@@ -116,7 +109,7 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def _own_template(directory: Path, rank: int) -> dict[str, torch.Tensor]:
+def _own_template(directory: Path, own_key: str, rank: int) -> dict[str, torch.Tensor]:
     """Empty tensors of the shapes and dtypes this rank's qcomm state was saved with.
 
     Raises:
@@ -127,7 +120,7 @@ def _own_template(directory: Path, rank: int) -> dict[str, torch.Tensor]:
         metadata = dcp.FileSystemReader(str(directory)).read_metadata()
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"{directory} is not a DCP checkpoint: {e}", directory) from e
-    prefix = _own_key(rank) + "."
+    prefix = own_key + "."
     own = {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items()
            if k.startswith(prefix)}
     if not own:
@@ -180,8 +173,8 @@ def load_sharded_checkpoint(directory: str | os.PathLike, optimizer: Hierarchica
     check_instance("optimizer", optimizer, HierarchicalOptimizer)
     check_instance("model", model, torch.nn.Module)
     directory = Path(directory)
-    rank = _rank()
-    own = _own_template(directory, rank)
+    node_key, own_key, rank = _keys(optimizer)
+    own = _own_template(directory, own_key, rank)
     # Read into copies (DCP writes into the tensors it is given): a refusal half-way changes
     # nothing of the model or the optimizer. torch's get_optimizer_state_dict creates the
     # state of an optimizer that has none (a step at lr 0): taken back on a refusal.
@@ -189,9 +182,8 @@ def load_sharded_checkpoint(directory: str | os.PathLike, optimizer: Hierarchica
     try:
         node = {"model": _copied(get_model_state_dict(model)),
                 "optim": _copied(get_optimizer_state_dict(model, optimizer.optimizer))}
-        state = {_node_key(optimizer): node, _own_key(rank): own}
-        _read(directory, state)
-        mine = from_tensors(state[_own_key(rank)])
+        _read(directory, {node_key: node, own_key: own})
+        mine = from_tensors(own)
         optimizer.engine.check_state(mine["engine"])
     except BaseException:
         if fresh:

@@ -33,9 +33,7 @@ def to_tensors(obj: Any) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
 
     def enc(x: Any, where: str) -> Any:
-        if x is None or isinstance(x, (bool, str)):
-            return x
-        if isinstance(x, int):
+        if x is None or isinstance(x, (bool, int, str)):
             return x
         if isinstance(x, float):
             return x if math.isfinite(x) else {"__f": repr(x)}

@@ -23,6 +23,7 @@ from qcomm.collectives.links import MessageStreams
 
 from .codec import GossipCodec
 from .integrity import bad_messages, judge, message_facts
+from .member import fragment_slice
 from .membership import Membership
 from .mirrors import MirrorLedger, Verified
 
@@ -176,7 +177,7 @@ class NeighbourCopies:
     def apply(self, ledger: MirrorLedger, hat_own: torch.Tensor, edge_weight: float) -> None:
         """Apply every verified message to its sender's copy, owing (``ledger``) the mirror of
         each term its sender added with this member's copy ``hat_own`` (module docstring)."""
-        fragment = lambda f: slice(f * self.fragment_numel, (f + 1) * self.fragment_numel)
+        fragment = lambda f: fragment_slice(f, self.fragment_numel)
         for k, msgs in enumerate(self.pending):
             if not msgs:
                 continue

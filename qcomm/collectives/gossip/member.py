@@ -27,7 +27,12 @@ from .options import (
     check_timeout,
 )
 
-__all__ = ["GossipMember"]
+__all__ = ["GossipMember", "fragment_slice"]
+
+
+def fragment_slice(index: int, fragment_numel: int) -> slice:
+    """The elements of fragment ``index`` when every fragment holds ``fragment_numel``."""
+    return slice(index * fragment_numel, (index + 1) * fragment_numel)
 
 
 class GossipMember:
@@ -86,9 +91,10 @@ class GossipMember:
         lr (d + mu u)``; none with ``outer_lr=1, outer_momentum=0``), then the CHOCO step
         ``x_f += step * correction()``; the result is the fragment's next anchor. Returns the
         correction (the mode's consensus term, computed after the outer step)."""
-        xf = x[self.fragment(f)]
+        frag = self.fragment(f)
+        xf = x[frag]
         if self._outer:
-            a, u = self._anchor[self.fragment(f)], self._momentum[self.fragment(f)]
+            a, u = self._anchor[frag], self._momentum[frag]
             d = torch.sub(xf, a)
             u.mul_(self.outer_momentum).add_(d)
             d.add_(u, alpha=self.outer_momentum)
@@ -96,7 +102,7 @@ class GossipMember:
         c = correction()
         xf.add_(c, alpha=step)
         if self._outer:
-            self._anchor[self.fragment(f)].copy_(xf)
+            self._anchor[frag].copy_(xf)
         return c
 
     def settle(self, x: torch.Tensor) -> None:
@@ -117,8 +123,7 @@ class GossipMember:
 
     def fragment(self, index: int) -> slice:
         """The elements of fragment ``index``."""
-        m = self.fragment_numel
-        return slice(index * m, (index + 1) * m)
+        return fragment_slice(index, self.fragment_numel)
 
     def _check_x(self, x: object) -> torch.Tensor:
         if self._closed:

@@ -16,6 +16,7 @@ from collections import deque
 import torch
 
 from .codec import GossipCodec
+from .member import fragment_slice
 
 __all__ = ["MirrorLedger"]
 
@@ -44,9 +45,6 @@ class MirrorLedger:
         self.own_sent: deque[tuple[int, torch.Tensor, bool]] = deque()
         # Per link, its last messages applied (round, codec bytes).
         self.recent: list[deque[tuple[int, torch.Tensor]]] = [deque() for _ in range(links)]
-
-    def _frag(self, f: int) -> slice:
-        return slice(f * self.fragment_numel, (f + 1) * self.fragment_numel)
 
     def add_link(self) -> None:
         self.recent.append(deque())
@@ -87,7 +85,7 @@ class MirrorLedger:
                for r, m, bounded in self.own_sent if r % self.fragments == f]
         self._accumulate_counts(total, [(b, c) for b, c, _ in own], n,
                                 checked=not all(ok for *_, ok in own))
-        self.owed[self._frag(f)].add_(total, alpha=0.5 * edge_weight)
+        self.owed[fragment_slice(f, self.fragment_numel)].add_(total, alpha=0.5 * edge_weight)
         self.owed_fragments.add(f)
 
     def _accumulate_counts(self, out: torch.Tensor, weighted: list[tuple[torch.Tensor, int]],
@@ -121,7 +119,7 @@ class MirrorLedger:
         ``anchor``: a correction is not progress of the fragment); the fragments changed."""
         paid = self.owed_fragments
         for f in paid:
-            frag = self._frag(f)
+            frag = fragment_slice(f, self.fragment_numel)
             x[frag].add_(self.owed[frag], alpha=gamma)
             if anchor is not None:
                 anchor[frag].add_(self.owed[frag], alpha=gamma)

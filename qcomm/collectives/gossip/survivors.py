@@ -23,7 +23,8 @@ def survivors_sum(members: Membership, streams: MessageStreams, t: torch.Tensor,
                   wait_s: float, fail: Callable[[int, PeerError], None]
                   ) -> tuple[torch.Tensor, int]:
     """The sum (``op="max"``: the element-wise maximum) of ``t`` (any dtype and shape) over
-    the live members, and their count. Collective over the live members.
+    the live members, and their count. Collective over the live members; this member has a
+    live one beside it (its caller answers alone otherwise, before opening any stream).
 
     Args:
         members: this member's membership (its ring, its lost members; learns the union).
@@ -37,8 +38,6 @@ def survivors_sum(members: Membership, streams: MessageStreams, t: torch.Tensor,
             over it, and another call sums the remaining members).
     """
     right, left = members.nearest_live(1), members.nearest_live(-1)
-    if members.size == 1 or right is None:
-        return t.clone(), 1
     kr, kl = members.link_to(right), members.link_to(left)
     cpu = t.detach().to("cpu", copy=True).contiguous()
     me = members.member

@@ -206,9 +206,9 @@ class WaitFreeGossip(GossipMember):
         """Apply every verified message (:meth:`.copies.NeighbourCopies.apply`), then forget
         the own messages every live neighbour's ack has passed and that no own term will
         rebuild its version from (the last ``staleness + fragments`` stay)."""
-        if any(self._links.pending) and self._links.copies is None:
-            self._ensure_buffers(torch.empty(0, device=next(
-                p for p in self._links.pending if p)[0][1].device))
+        first = next((msgs for msgs in self._links.pending if msgs), None)
+        if first is not None and self._links.copies is None:   # on its device, not x's anchor
+            self._ensure_buffers(first[0][1].new_empty(0, dtype=torch.float32))
         self._links.apply(self._ledger, self._hat_own, self.membership.edge_weight)
         self._ledger.forget_acknowledged(self._links.oldest_ack(self.rounds_started),
                                          self.rounds_started)
@@ -235,12 +235,13 @@ class WaitFreeGossip(GossipMember):
         self._ensure_buffers(x)
         streams = self._streams_now()
         t = self.rounds_started
-        own = self._hat_own[self.fragment(t % self.fragments)]
+        frag = self.fragment(t % self.fragments)
+        own = self._hat_own[frag]
         message = torch.zeros(self.message_nbytes, dtype=torch.uint8, device=x.device)
         if self._scratch is None or self._scratch.device != x.device:
             self._scratch = torch.empty(self.fragment_numel, dtype=torch.float32,
                                         device=x.device)
-        diff = torch.sub(x[self.fragment(t % self.fragments)], own, out=self._scratch)
+        diff = torch.sub(x[frag], own, out=self._scratch)
         # Raises NonFiniteError on a NaN/Inf in x before anything is sent or changed.
         bounded = self._codec.encode(diff, message[:self.nbytes],
                                      gossip_message_seed(self.seed, t, self.member))
@@ -335,7 +336,7 @@ class WaitFreeGossip(GossipMember):
         (:func:`.survivors.survivors_sum`: each partial is awaited ``2 timeout_s``, as upstream
         members may each spend ``timeout_s`` finding a loss). Raises PeerError when a member was
         lost during the sum (another call sums the rest)."""
-        if self.size == 1 or self.membership.nearest_live(1) is None:
+        if self.membership.nearest_live(1) is None:   # alone (or the only one left)
             return t.clone(), 1
         return survivors_sum(self.membership, self._streams_now(), t, op, 2 * self.timeout_s,
                              lambda k, err: self._handle([(k, err)]))
