@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_RESULTS = REPO / "bench/results/2026-12-02-who-wins"
+DEFAULT_RESULTS = REPO / "bench/results/2026-12-03-front"
 DEFAULT_OUT = REPO / "docs/img/time_to_accuracy.png"
 
 # The names a user knows, with a fixed colour each. A key is a method id of
@@ -40,7 +40,8 @@ KNOWN: tuple[tuple[str, str, str], ...] = (
     ("localsgd", "local SGD", "#1f77b4"),
     ("torchft-streaming-diloco", "streaming DiLoCo (torchft)", "#9467bd"),
     ("torchft-diloco", "DiLoCo (torchft)", "#2ca02c"),
-    ("assgd-2-h16f4-g80-m9-o5-n-ddp", "qcomm SLOW_LINK", "#d62728"),
+    ("assgd-2-h16f4-g80-m9-o5-n-ddp-cont", "qcomm SLOW_LINK", "#d62728"),
+    ("assgd-2-h16f4-g80-m9-o5-n-ddp", "qcomm SLOW_LINK, lockstep", "#ff9896"),
     ("qcomm-hier-4-h2f2-g100-n-ddp", "qcomm ADAMW_SLOW_LINK", "#d62728"),
     ("qcomm-hook", "qcomm DDP hook", "#ff7f0e"),
 )
@@ -275,6 +276,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def save_png(fig: Any, out: Path, dpi: int) -> None:
+    """``fig`` as a PNG of at most 256 colours (a third of the bytes of matplotlib's RGBA for
+    a line plot, which the repository keeps); Pillow comes with matplotlib."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    buf.seek(0)
+    with Image.open(buf) as image:
+        image.convert("RGB").quantize(256).save(out, optimize=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -288,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     target = target_of(sweep, args.workload)
     fig = figure(lines, title_of(sweep, args.workload, args.layout, args.rate), target, metric)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=args.dpi)
+    save_png(fig, args.out, args.dpi)
     import matplotlib.pyplot as plt
 
     plt.close(fig)

@@ -16,7 +16,11 @@ about 8 ms on the emulated cluster):
 * ``latency``: messages visible 6 ticks after they were sent (50 ms each way);
 * ``slow``: the last member at half speed, messages visible the next tick;
 * ``slow4``, ``slow8``: the last member 4 and 8 times slower (a straggler far behind, where
-  a fast neighbour takes many rounds per round of it).
+  a fast neighbour takes many rounds per round of it);
+* ``jitter``: each message visible 1 to 11 ticks after it was sent (uniform, 6 on average,
+  drawn per message from the seed; a stream stays in order, so a message waits behind a later
+  one of its stream), as on a real link where a round's message lands now before, now after
+  the round it is due for.
 
 Variants: ``lockstep`` (bounded staleness 1: a round waits for its neighbours' previous round,
 so its steps are those of a healthy run whatever the scenario), ``wait-free`` (the code as it
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -52,7 +57,7 @@ from typing import Any
 
 SCENARIOS = {"healthy": {"delay": 1, "slow": 1.0}, "latency": {"delay": 6, "slow": 1.0},
              "slow": {"delay": 1, "slow": 2.0}, "slow4": {"delay": 1, "slow": 4.0},
-             "slow8": {"delay": 1, "slow": 8.0}}
+             "slow8": {"delay": 1, "slow": 8.0}, "jitter": {"delay": (1, 11), "slow": 1.0}}
 VARIANTS = ("lockstep", "wait-free", "no-late", "no-outer", "lockstep-no-outer", "mean-kept",
             "matched")
 SLOW_LINK = {"bits": 2, "sync_every": 16, "fragments": 4, "gamma": 0.8, "rounding": "nearest",
@@ -178,6 +183,10 @@ def run(variant: str, scenario: str, seed: int, args: argparse.Namespace, data: 
     if sc["slow"] != 1.0:
         periods[-1] = int(sc["slow"])
     delay = 1 if variant == "no-late" else sc["delay"]
+    if isinstance(delay, tuple):
+        draws = random.Random(seed)
+        low, high = delay
+        delay = lambda i, j: float(draws.randint(low, high))  # a draw per message
     lockstep = variant.startswith("lockstep")
     if lockstep:
         periods, delay = [1] * n, 1

@@ -156,16 +156,17 @@ EQUAL_STEPS = (0.25, 0.5, 0.75, 1.0)   # fractions of --steps: the quality at eq
 
 
 def quality_at_steps(curve: Sequence[dict[str, float]], steps: int, metric: str,
-                     fractions: Sequence[float] = EQUAL_STEPS) -> dict[str, float | None]:
+                     fractions: Sequence[float] = EQUAL_STEPS,
+                     by: str = "fastest_step") -> dict[str, float | None]:
     """The quality of the first curve point at or past each fraction of ``steps`` of the
-    fastest node (``fastest_step``; a lockstep method's points have one ``step`` for every
-    node), keyed by the step (``"150"``); None where the curve stops short of it. It compares
-    how well methods train per step, whatever each step costs."""
+    fastest node (``by="fastest_step"``; a lockstep method's points have one ``step`` for every
+    node) or of the nodes' mean (``by="step"``: equal work, the same samples seen however
+    they fell between the nodes), keyed by the step (``"150"``); None where the curve stops
+    short of it. It compares how well methods train per step, whatever each step costs."""
     out: dict[str, float | None] = {}
     for frac in fractions:
         at = round(frac * steps)
-        point = next((p for p in curve if p.get("fastest_step", p["step"]) >= at - 1e-9),
-                     None)
+        point = next((p for p in curve if p.get(by, p["step"]) >= at - 1e-9), None)
         out[str(at)] = None if point is None else point[metric]
     return out
 
@@ -315,6 +316,7 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
         "time_to_target_s": time_to_target(result["curve"], target, metric, goal),
         "steps_to_target": steps_to_target(result["curve"], target, metric, goal),
         "quality_at_steps": quality_at_steps(result["curve"], steps, metric),
+        "quality_at_work": quality_at_steps(result["curve"], steps, metric, by="step"),
         "final": result[f"final_{metric}"],
         "inter_bytes_iface": iface,
         "inter_packets_iface": packets,
@@ -370,11 +372,12 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for key in ("bytes_rel_diff", "payload_rel_diff"):
         got = [r[key] for r in ok if r.get(key) is not None]
         row[key] = max(got) if got else None
-    marks = [r["quality_at_steps"] for r in ok if r.get("quality_at_steps")]
-    if marks:
-        row["quality_at_steps"] = {
-            k: (statistics.median(got) if (got := [m[k] for m in marks if m.get(k) is not None])
-                else None) for k in marks[0]}
+    for key in ("quality_at_steps", "quality_at_work"):
+        marks = [r[key] for r in ok if r.get(key)]
+        if marks:
+            got = {k: [m[k] for m in marks if m.get(k) is not None] for k in marks[0]}
+            row[key] = {k: statistics.median(v) if v else None for k, v in got.items()}
+            row[f"{key}_spread"] = {k: [min(v), max(v)] if v else None for k, v in got.items()}
     for key in ("node_steps", "node_steps_per_s", "node_compute_step_s"):
         lists = [r[key] for r in ok if r.get(key)]
         if lists and all(len(v) == len(lists[0]) for v in lists):
@@ -602,10 +605,14 @@ def netns(*args: str, check: bool = True, **kw: Any) -> subprocess.CompletedProc
 
 
 def workload_command(workload: str, method: str, args: argparse.Namespace, data: Path,
-                     out_json: Path, layout: str) -> list[str]:
-    """workload.py's arguments for one run on ``layout`` (its tag, e.g. ``"2x2"``: which
-    ``--time-budget`` applies)."""
+                     out_json: Path, layout: str, rep: int = 0) -> list[str]:
+    """workload.py's arguments for repetition ``rep`` of one run on ``layout`` (its tag, e.g.
+    ``"2x2"``: which ``--time-budget`` applies)."""
     values = {**vars(args), **settings(workload, args)}  # the workload's where left out
+    if args.seed_per_repeat:
+        # The data stays the sweep's (made with --seed); the run's initial weights, batches
+        # and quantization draws change with each repetition.
+        values["seed"] = args.seed + rep
     seconds = args.time_budget[layout] if args.time_budget else None
     if seconds == FASTEST:
         budget = ["--until-fastest"]
@@ -756,6 +763,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="The methods: all, a family (torch, torchft, qcomm) or a comma list.")
     p.add_argument("--repeats", type=int, default=3,
                    help="Runs per cell; the table shows their median and [min-max].")
+    p.add_argument("--seed-per-repeat", action="store_true",
+                   help="Repetition r trains with seed --seed + r - 1 (initial weights, batches, "
+                        "quantization draws; the data stays --seed's): the spread then "
+                        "includes the seed's, which a lockstep method, the same bits in every "
+                        "run of one seed, otherwise never shows.")
     # workload.py's flags, passed on to every run (declared once, in worker_flags.py)
     F.add_flags(p, ("steps", "warmup", "width", "depth", "batch", "lr", "momentum",
                     "weight_decay", "seed"))
@@ -776,7 +788,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "quota, see netns.sh); 0: every node at full speed.")
     p.add_argument("--equal-cpu", action="store_true",
                    help="Cap every node at cores / nodes of this machine's CPU (identical "
-                        "machines: no node takes another's share); not with --slow-nodes.")
+                        "machines: no node takes another's share); with --slow-nodes, a slow "
+                        "node at 1 / --slowdown of that.")
     p.add_argument("--slowdown", type=float, default=2.0,
                    help="How much slower a slow node computes: 2 is half speed.")
     p.add_argument("--time-budget", default=None,
@@ -801,9 +814,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.equal_cpu and args.slow_nodes:
-        p.error("--equal-cpu gives every node the same CPU quota: it does not go with "
-                f"--slow-nodes {args.slow_nodes}")
     check_kill(p, args)
     if args.time_budget is not None:
         try:
@@ -950,7 +960,7 @@ def run_cell(sweep: Sweep, args: argparse.Namespace, cluster: str,
         return {**base, "status": why} if rep == 0 else None
     stem = f"{w}_{tag}_{rate}_{name}_r{rep + 1}"
     out_json = sweep.outdir / "runs" / f"{stem}.json"
-    cmd = workload_command(w, name, args, sweep.data[w], out_json, tag)
+    cmd = workload_command(w, name, args, sweep.data[w], out_json, tag, rep)
     with progress(settings(w, args)["steps"], f"  {name}", position=1, leave=False) as bar:
         rc, tail = run_one(cluster, layout, cmd, args.timeout, out_json,
                            sweep.outdir / "runs" / f"{stem}.log", bar,
@@ -967,17 +977,26 @@ def run_cell(sweep: Sweep, args: argparse.Namespace, cluster: str,
 # the report
 
 
-def equal_steps_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Per cell, the quality (median over repetitions) at equal steps of the fastest node."""
-    keyed = [r for r in rows if r.get("quality_at_steps")]
+def _median_spread(median: float | None, lo_hi: list[float] | None) -> str:
+    """``0.4 [0.35-0.45]``; no spread when the repetitions agree, ``-`` for no figure."""
+    if median is None:
+        return "-"
+    return f"{median:.4g}" + (f" [{lo_hi[0]:.4g}-{lo_hi[1]:.4g}]"
+                              if lo_hi and lo_hi[0] != lo_hi[1] else "")
+
+
+def equal_steps_table(rows: Sequence[dict[str, Any]], key: str = "quality_at_steps") -> str:
+    """Per cell, the quality (median over repetitions [min-max]) at equal steps of the fastest
+    node (``key="quality_at_work"``: at equal mean steps of the nodes)."""
+    keyed = [r for r in rows if r.get(key)]
     if not keyed:
         return ""
-    marks = list(keyed[0]["quality_at_steps"])
+    marks = list(keyed[0][key])
     lines = ["| workload | layout | rate | method | " + " | ".join(
         f"at step {m}" for m in marks) + " |", "|---" * (4 + len(marks)) + "|"]
     for r in keyed:
-        q = r["quality_at_steps"]
-        cells = ["-" if q.get(m) is None else f"{q[m]:.4g}" for m in marks]
+        q, spread = r[key], r.get(f"{key}_spread") or {}
+        cells = [_median_spread(q.get(m), spread.get(m)) for m in marks]
         lines.append(f"| {r.get('workload', 'mnist1d')} | {r['layout']} | {r['rate']} | "
                      f"{r['method']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -990,8 +1009,14 @@ def print_tables(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> No
     print(table(rows))
     steps = equal_steps_table(rows)
     if steps:
-        print("\nquality at equal steps of the fastest node (median of the repetitions):\n")
+        print("\nquality at equal steps of the fastest node (median of the repetitions "
+              "[min-max]):\n")
         print(steps)
+    work = equal_steps_table(rows, "quality_at_work")
+    if work:
+        print("\nquality at equal work, the nodes' mean steps (median of the repetitions "
+              "[min-max]):\n")
+        print(work)
     if args.kill_node is not None:
         print(f"\nnode {args.kill_node} lost at {args.kill_at:g} of each run:\n")
         print(kill_table(rows))

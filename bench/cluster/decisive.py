@@ -63,7 +63,9 @@ def sweep_command(scenario: str, out: Path, args: argparse.Namespace) -> list[st
             "--layouts", args.layouts, "--rates", args.rates, "--target", str(args.target),
             "--methods", ",".join(args.methods), "--repeats", str(args.repeats),
             "--time-budget", time_budget(scenario, args), "--pg-timeout", "30", "--no-plots",
-            "--out", str(out / scenario), *SCENARIOS[scenario]]
+            "--out", str(out / scenario), *SCENARIOS[scenario],
+            *(["--equal-cpu"] if args.equal_cpu else []),
+            *(["--seed-per-repeat"] if args.seed_per_repeat else [])]
 
 
 def time_budget(scenario: str, args: argparse.Namespace) -> str:
@@ -109,6 +111,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Seconds per node for the wait-free variants, the others take their "
                         "steps (default: every node until the first has taken the workload's "
                         "steps, the same work as a lockstep run for the fastest node).")
+    p.add_argument("--equal-cpu", action="store_true",
+                   help="Cap every node at cores / nodes (compare.py --equal-cpu: machines of "
+                        "their own; a slow node at half of that).")
+    p.add_argument("--seed-per-repeat", action="store_true",
+                   help="Repetition r trains with seed r - 1 (compare.py --seed-per-repeat): "
+                        "the spreads include the seed's.")
     p.add_argument("--dry-run", action="store_true", help="Print the commands, run nothing.")
     args = p.parse_args(argv)
     args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]

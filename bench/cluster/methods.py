@@ -579,7 +579,7 @@ def _qcomm_adapter(name: str, module, cfg: Config) -> Built:
                      close=close, notes={"bits": bits, **comm},
                      node_any=opt.node_any if comm.get("wait_free") else None,
                      live_nodes=lambda: _live_nodes(opt),
-                     terms_paired=lambda: opt.stats().get("terms_paired"))
+                     pace=lambda: _pace(opt))
     if name == "qcomm-hook":
         return _qcomm_hook(module, cfg)
     raise ValueError(f"not a qcomm method: {name!r}")
@@ -608,7 +608,15 @@ def _qcomm_hierarchical(module, cfg: Config, bits: int, ddp: bool = False,
                  comm_stats=stats, close=opt.close, notes={"bits": bits, **comm},
                  node_any=opt.node_any if comm.get("wait_free") else None,
                  live_nodes=lambda: _live_nodes(opt),
-                 terms_paired=lambda: opt.stats().get("terms_paired"))
+                 pace=lambda: _pace(opt))
+
+
+def _pace(opt) -> dict[str, Any] | None:
+    """The wait-free gossip's ``terms_paired`` and ``mix_lag_rounds`` (None in lockstep)."""
+    stats = opt.stats()
+    if "terms_paired" not in stats:
+        return None
+    return {"terms_paired": stats["terms_paired"], "mix_lag_rounds": stats["mix_lag_rounds"]}
 
 
 def _attached(opt, module):

@@ -25,7 +25,7 @@
 # Usage (root only):
 #   netns.sh up     --id ID --nodes N --rate RATE [--burst 256kb] [--delay-ms D] [--owner PID]
 #   netns.sh launch --id ID --nodes N --procs P [--timeout S] [--port PORT] [--logdir DIR] \
-#                   [--slow-nodes K --slowdown S | --equal-cpu] [--lost-node K] \
+#                   [--slow-nodes K --slowdown S] [--equal-cpu] [--lost-node K] \
 #                   -- SCRIPT [ARGS...]          # one torchrun per node, in its namespace
 #
 # A planned node loss (--lost-node K, K >= 1; the script kills node K, e.g. workload.py
@@ -41,8 +41,9 @@
 # processes 1/S of the CPU a process of the other nodes gets: with C cores, N nodes of P
 # single-threaded processes, a fast process gets f = min(1, C / ((N-K) P + K P / S)) cores and
 # a slow node P f / S. A real CPU cap, not a sleep: the slow node's compute, codec work and
-# Python overhead all slow down, as on a slower machine. --equal-cpu instead caps every node at
-# C / N cores: identical machines, none taking another's share of the shared cores.
+# Python overhead all slow down, as on a slower machine. --equal-cpu caps every node at C / N
+# cores instead (machines of their own, none taking another's share of the shared cores), and
+# a slow node at C / (N S).
 #   netns.sh counters --id ID --nodes N          # "k tx_bytes rx_bytes" of each node's qceth0
 #   netns.sh down   --id ID
 #   netns.sh clean                               # remove clusters whose owner process is gone
@@ -376,8 +377,6 @@ cmd_launch() {
         die "--lost-node must be an integer in [1, nodes) (node 0 hosts the rendezvous store), got '$lost'"
     [[ "$slow" =~ ^[0-9]+$ ]] && [ "$slow" -lt "${nodes:-0}" ] ||
         die "--slow-nodes must be an integer in [0, nodes) (one node at least stays fast), got '$slow'"
-    [ "$equal" = 0 ] || [ "$slow" = 0 ] ||
-        die "--equal-cpu gives every node the same CPU quota: it does not go with --slow-nodes"
     [[ "$slowdown" =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
         die "--slowdown must be a number >= 1 (2: half speed), got '$slowdown'"
     # Integer arithmetic in thousandths: slowdown S -> S1000.
@@ -408,7 +407,10 @@ cmd_launch() {
             # P f / S cores, f = min(1, C / ((N-K) P + K P / S)); in thousandths of S:
             # saturated, P C / (S ((N-K) P + K P / S)) = C 1000 / ((N-K) S1000 + K 1000).
             local busy=$(((nodes - slow) * procs * s1000 + slow * procs * 1000))
-            if [ $((cores * s1000)) -ge "$busy" ]; then
+            if [ "$equal" = 1 ]; then
+                # Machines of their own: C / N cores a node, a slow one 1/S of that.
+                make_slow_cgroup "$cg" $((cores * 1000)) $((nodes * s1000))
+            elif [ $((cores * s1000)) -ge "$busy" ]; then
                 make_slow_cgroup "$cg" $((procs * 1000)) "$s1000"   # f = 1: P / S cores
             else
                 make_slow_cgroup "$cg" $((cores * 1000)) $(((nodes - slow) * s1000 + slow * 1000))

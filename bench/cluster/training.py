@@ -90,8 +90,8 @@ class Built:
             node's ranks. None for methods whose ranks all take the same steps.
         live_nodes: how many nodes the method still trains with (qcomm's
             ``stats()["live_nodes"]`` where it reports one), or None.
-        terms_paired: the wait-free gossip's neighbour terms paired and possible (qcomm's
-            ``stats()["terms_paired"]``), or None.
+        pace: the wait-free gossip's pace per rank, recorded as they are: ``terms_paired``
+            and ``mix_lag_rounds`` of qcomm's ``stats()``; None for other methods.
     """
 
     model: Any
@@ -105,7 +105,7 @@ class Built:
     context: AbstractContextManager = field(default_factory=nullcontext)
     node_any: Callable[[bool], bool] | None = None
     live_nodes: Callable[[], int | None] = lambda: None
-    terms_paired: Callable[[], dict[str, int] | None] = lambda: None
+    pace: Callable[[], dict[str, Any] | None] = lambda: None
 
 
 OPTIMIZERS = ("sgd", "adamw")

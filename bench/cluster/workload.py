@@ -347,7 +347,7 @@ def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, 
             built.context.__exit__(None, None, None)
             where = "finalize"
             built.finalize()
-            live, terms = built.live_nodes(), built.terms_paired()
+            live, terms = built.live_nodes(), built.pace()
             where = "close"
             built.close()
         except Exception as exc:
@@ -373,7 +373,7 @@ def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, 
     if live is not None:
         rec["live_nodes"] = live
     if terms is not None:
-        rec["terms_paired"] = terms
+        rec.update(terms)
     if here.keeps_snapshots:
         torch.save(timed.snapshots, Path(f"{args.out}.node{here.node}.snapshots"))
         if stop is None:
@@ -741,9 +741,9 @@ def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: T
                        None if counters0 is None else (counters0, counters1),
                        None if retrans0 is None else (retrans0, retrans1),
                        None if stats0 is None else (stats0, stats1))
-    terms = built.terms_paired()
-    if terms is not None:
-        mine["terms_paired"] = terms
+    pace = built.pace()
+    if pace is not None:
+        mine.update(pace)
     gathered: list[Any] | None = [None] * here.world if here.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     built.close()

@@ -546,7 +546,10 @@ class AveragingEngine:
             it applied here and how many rounds this rank has started beyond them; and
             ``terms_paired``: ``{"paired": n, "possible": m}``, the neighbour terms this rank's
             rounds added, against one per live neighbour per round (a copy not changed since
-            it served its share of terms is left out: docs/engine.md, "Wait-free gossip").
+            it served its share of terms is left out: docs/engine.md, "Wait-free gossip");
+            ``mix_lag_rounds``: ``{s: rounds}``, how many of this rank's rounds mixed the
+            fragment of the round s before them (``staleness`` when every neighbour's message
+            of that round had come in time; more, the older the information mixed).
         """
         out = engine_stats(self.steps, self.skipped_steps, self.comm_stats, self._gossip,
                            self.options)

@@ -101,4 +101,5 @@ def engine_stats(steps: int, skipped_steps: int, comm_stats: CommStats, gossip: 
         out["live_nodes"] = g.live_members() if g is not None else 1
         out["dropped_ranks"] = [e["rank"] for e in g.losses] if g is not None else []
         out["terms_paired"] = dict(g.terms) if g is not None else {"paired": 0, "possible": 0}
+        out["mix_lag_rounds"] = dict(sorted(g.mix_lags.items())) if g is not None else {}
     return out

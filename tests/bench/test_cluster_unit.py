@@ -626,9 +626,27 @@ def test_quality_at_equal_steps_reads_the_fastest_node_where_nodes_differ():
                  {"step": 200, "fastest_step": 290, "time_s": 2, "test_acc": 0.5}]
     assert C.quality_at_steps(wait_free, 300, "test_acc", (0.5, 1.0)) == {"150": 0.4,
                                                                           "300": None}
+    # at equal work the nodes' mean step decides
+    assert C.quality_at_steps(wait_free, 200, "test_acc", (0.5, 1.0), by="step") == {
+        "100": 0.4, "200": 0.5}
     rows = [{"workload": "mnist1d", "layout": "4x1", "rate": "100mbit", "method": "m",
              "quality_at_steps": {"150": 0.4, "300": None}}]
     assert C.equal_steps_table(rows).splitlines()[-1] == "| mnist1d | 4x1 | 100mbit | m | 0.4 | - |"
+    rows[0]["quality_at_steps_spread"] = {"150": [0.35, 0.45], "300": None}
+    assert C.equal_steps_table(rows).splitlines()[-1] == \
+        "| mnist1d | 4x1 | 100mbit | m | 0.4 [0.35-0.45] | - |"
+
+
+def test_seed_per_repeat_changes_the_runs_seed_and_not_the_datas(tmp_path):
+    args = C.parse_args(["--seed", "7", "--seed-per-repeat", "--workload", "mnist1d"])
+    cmds = [C.workload_command("mnist1d", "ddp", args, tmp_path / "d.npz", tmp_path / "o.json",
+                               "2x2", rep) for rep in (0, 2)]
+    seeds = [c[c.index("--seed") + 1] for c in cmds]
+    assert seeds == ["7", "9"]
+    plain = C.parse_args(["--seed", "7", "--workload", "mnist1d"])
+    cmd = C.workload_command("mnist1d", "ddp", plain, tmp_path / "d.npz", tmp_path / "o.json",
+                             "2x2", 2)
+    assert cmd[cmd.index("--seed") + 1] == "7"
 
 
 def test_repeats_must_be_positive():
@@ -745,13 +763,14 @@ def test_a_node_votes_on_stopping_every_few_steps_and_at_its_last(tmp_path):
     assert all(v % every == 0 for v in votes)
 
 
-def test_equal_cpu_caps_every_node_and_refuses_slow_nodes(tmp_path, capsys):
+def test_equal_cpu_caps_every_node_and_goes_with_slow_nodes(tmp_path):
     args = C.parse_args(["--layouts", "4x1", "--equal-cpu"])
     cmd = C.launch_command("abc", T.Layout(4, 1), ["w.py"], 60, tmp_path / "r.log",
                            equal_cpu=args.equal_cpu)
     assert "--equal-cpu" in cmd and cmd[cmd.index("--") + 1:] == ["w.py"]
     plain = C.launch_command("abc", T.Layout(4, 1), ["w.py"], 60, tmp_path / "r.log")
     assert "--equal-cpu" not in plain
-    with pytest.raises(SystemExit):
-        C.parse_args(["--equal-cpu", "--slow-nodes", "1"])
-    assert "does not go with --slow-nodes 1" in capsys.readouterr().err
+    args = C.parse_args(["--layouts", "4x1", "--equal-cpu", "--slow-nodes", "1"])
+    cmd = C.launch_command("abc", T.Layout(4, 1), ["w.py"], 60, tmp_path / "r.log",
+                           (args.slow_nodes, args.slowdown), equal_cpu=args.equal_cpu)
+    assert "--equal-cpu" in cmd and cmd[cmd.index("--slow-nodes") + 1] == "1"

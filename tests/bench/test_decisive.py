@@ -61,6 +61,13 @@ def test_the_wait_free_runs_end_with_the_fastest_node_unless_seconds_are_given()
     assert {value(c, "--time-budget") for c in given[:4]} == {"12.0"}
 
 
+def test_equal_cpu_and_a_seed_per_repeat_pass_on_to_every_sweep() -> None:
+    plain = _dry("--scenarios", "healthy,slow")
+    assert not any("--equal-cpu" in c or "--seed-per-repeat" in c for c in plain)
+    both = _dry("--scenarios", "healthy,slow", "--equal-cpu", "--seed-per-repeat")
+    assert all("--equal-cpu" in c and "--seed-per-repeat" in c for c in both[:2])
+
+
 def test_a_part_of_it() -> None:
     cmds = _dry("--scenarios", "lost", "--layouts", "4x1", "--repeats", "1")
     assert len(cmds) == 3 and "--kill-node" in cmds[0]

@@ -39,6 +39,15 @@ def test_a_slow_member_takes_half_the_steps_and_lockstep_waits(data) -> None:
     assert lockstep["curve"] == C.run("lockstep", "healthy", 0, _args(), data)["curve"]
 
 
+def test_jittered_delays_are_drawn_from_the_seed_and_keep_each_stream_in_order(data) -> None:
+    args = argparse.Namespace(nodes=3, steps=48, marks=[24, 48], width=16)
+    a = C.run("wait-free", "jitter", 0, args, data)   # a message out of order would raise
+    assert a["curve"] == C.run("wait-free", "jitter", 0, args, data)["curve"]
+    assert a["steps"] == [48, 48, 48]
+    # the same seed with the constant 6-tick delay (jitter's mean) mixes other copies
+    assert a["curve"] != C.run("wait-free", "latency", 0, args, data)["curve"]
+
+
 def test_the_lagged_mixing_oracles_need_the_earlier_checkout(capsys) -> None:
     with pytest.raises(SystemExit):
         C.main(["--variants", "matched", "--steps", "4", "--marks", "4", "--seeds", "1"])

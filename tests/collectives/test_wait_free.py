@@ -112,6 +112,22 @@ def test_at_one_pace_the_mean_is_preserved_whatever_the_delay(staleness: int,
     assert sim.consensus_distance(xs) < 1e-4 * start
 
 
+@pytest.mark.parametrize(("delay", "lag"), [(1, 1), (2, 2), (3, 3)])
+def test_the_lag_mixed_is_the_delay_and_every_term_pairs_at_one_pace(delay: int,
+                                                                      lag: int) -> None:
+    # A message visible `delay` ticks (rounds) after it was sent: from then on every round
+    # mixes the fragment of the round `delay` before it (the earliest that every neighbour's
+    # message of it has come), and pairs with both neighbours.
+    sim = WaitFreeSimulator(4, NUMEL, delay=delay, spec=SPEC, fragments=4, gamma=0.2)
+    xs = _start(4)
+    sim.run(xs, 40)
+    for m in sim.members:
+        assert sum(m.mix_lags.values()) == 40 - 1          # every round from round 1 on
+        assert m.mix_lags[lag] >= 40 - 1 - lag             # all but the first few
+        assert set(m.mix_lags) <= set(range(1, lag + 1))
+        assert m.terms["possible"] == 2 * (40 - 1) and m.terms["paired"] >= 2 * (40 - 1 - lag)
+
+
 @pytest.mark.parametrize("periods", [[5, 1, 1, 1], [2, 1, 1, 1], [1, 3, 1, 2]])
 def test_members_at_different_step_counts_reach_consensus(periods: list[int]) -> None:
     sim = WaitFreeSimulator(4, NUMEL, periods=periods, delay=1, spec=SPEC, gamma=0.3)

@@ -62,6 +62,10 @@ def test_a_slow_node_holds_nobody_back_and_the_average_is_exact(nodes: int, ppn:
         assert r["stats"]["steps"] == r["steps"]
         assert r["stats"]["gossip_rounds"] == r["steps"]  # a round every step (H=2, F=2)
         assert set(r["stats"]["rounds_received"]) == set(r["stats"]["lag_rounds"])
+        # every round but the first mixed a fragment, at some lag (gossip rounds - 1 of them)
+        lags = r["stats"]["mix_lag_rounds"]
+        assert sum(lags.values()) == r["steps"] - 1 and min(lags) >= 1
+        assert r["stats"]["terms_paired"]["possible"] > 0
         for a, b in zip(r["params"], res[0]["params"], strict=True):
             assert torch.equal(a, b)
     # The node's ranks took the same steps.

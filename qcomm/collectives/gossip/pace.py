@@ -47,8 +47,10 @@ class TermCounter:
 
     def __init__(self, fragments: int, links: int) -> None:
         self.fragments = fragments
-        # the terms paired, and those there would be with every link offered (for stats)
+        # the terms paired, and those there would be with every link offered, and per lag s
+        # the rounds that mixed round t - s (for stats)
         self.tally = {"paired": 0, "possible": 0}
+        self.lags: dict[int, int] = {}
         self.termed = [[0] * fragments for _ in range(links)]
         self.terms_on_copy = [[0] * fragments for _ in range(links)]
 
@@ -61,6 +63,10 @@ class TermCounter:
         """m, the terms one copy may serve: ``degree (m + 1) gamma w / 2 <= 1/2``, at least
         1."""
         return max(1, int(1.0 / (max(1, degree) * gamma * edge_weight)) - 1)
+
+    def count_lag(self, s: int) -> None:
+        """Count a round that mixed the fragment of the round ``s`` before it."""
+        self.lags[s] = self.lags.get(s, 0) + 1
 
     def fresh(self, links: list[int], received: list[int], f: int, cap: int) -> list[int]:
         """The links among ``links`` a term on fragment f may pair with: those whose copy of f

@@ -108,6 +108,7 @@ class WaitFreeGossip(GossipMember):
     losses = _of("membership", "losses", "What was dropped, when and why (dicts).")
     received = _of("_links", "received", "Per link, the neighbour's messages applied.")
     terms = _of("_terms", "tally", "Neighbour terms paired, and possible (:mod:`.pace`).")
+    mix_lags = _of("_terms", "lags", "Per lag s, the rounds that mixed round t - s (:mod:`.pace`).")
     _layout = _of("membership", "layout", "The messages' layout (:mod:`.wait_free_message`).")
     message_nbytes = _of("_layout", "message_nbytes", "Bytes of every message on the wire.")
 
@@ -246,7 +247,7 @@ class WaitFreeGossip(GossipMember):
         bounded = self._codec.encode(diff, message[:self.nbytes],
                                      gossip_message_seed(self.seed, t, self.member))
         mix = self._fragment_to_mix(t)
-        paired = self._fresh(mix[0]) if mix is not None else []
+        paired = self._fresh(t, *mix) if mix is not None else []
         self._layout.write_header(message, {self.peers[k]: self.received[k] + 1
                                             for k in paired}, mix)
         seal_(message, t, self.member)
@@ -270,8 +271,9 @@ class WaitFreeGossip(GossipMember):
                                          self.rounds_started)
         return sorted(changed | {mix[0]})
 
-    def _fresh(self, f: int) -> list[int]:
-        """The links a term on fragment f pairs with (:mod:`.pace`)."""
+    def _fresh(self, t: int, f: int, version: int) -> list[int]:
+        """Round t's links to pair on fragment f, own copy at ``version`` (:mod:`.pace`)."""
+        self._terms.count_lag(t + 1 - version)
         cap = TermCounter.cap(len(self.membership.live_links()), self.gamma,
                               self.membership.edge_weight)
         return self._terms.fresh(self.membership.mixable(), self.received, f, cap)
@@ -295,9 +297,8 @@ class WaitFreeGossip(GossipMember):
         self._ledger.owed_fragments.add(f)
 
     def settle(self, x: torch.Tensor) -> None:
-        """Add every mirror term owed to ``x`` (float32 ``[numel]``, in place) at once, so that
-        the members' ``x`` alone hold their average (after :meth:`drain`, before an exact
-        average)."""
+        """Add every mirror term owed to ``x`` (float32 ``[numel]``, in place), so that the
+        members' ``x`` alone hold their average (after :meth:`drain`, before an exact one)."""
         self._ledger.settle(x, self.gamma)
 
     def _ensure_buffers(self, like: torch.Tensor) -> None:
@@ -403,8 +404,7 @@ class WaitFreeGossip(GossipMember):
         return self._links.rounds_received()
 
     def lag(self) -> dict[int, int]:
-        """Per live neighbour (its global rank), this member's rounds minus the neighbour's
-        rounds it has applied (negative: the neighbour is ahead)."""
+        """Per live neighbour's global rank: own rounds minus its rounds applied (< 0: ahead)."""
         return {r: self.rounds_started - n for r, n in self.rounds_received().items()}
 
     def _config(self) -> dict:
