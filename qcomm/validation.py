@@ -265,7 +265,6 @@ def check_bucket_mb(value: object, name: str = "bucket_mb") -> float:
     return check_real(name, value, low=0, low_open=True)  # type: ignore[return-value]
 
 
-
 def env_int(var: str, minimum: int, env: Mapping[str, str] | None = None) -> int | None:
     """Environment variable ``var`` (of ``env``, default the process's) as an int >=
     ``minimum``; None when unset or empty."""

@@ -334,7 +334,7 @@ def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, 
     JSON."""
     counters0, retrans0, stats0 = start
     counters1 = retrans1 = stats1 = None
-    live = terms = None
+    live = pace = None
     stop = timed.stop
     where = "flush"
     if stop is None:
@@ -347,7 +347,7 @@ def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, 
             built.context.__exit__(None, None, None)
             where = "finalize"
             built.finalize()
-            live, terms = built.live_nodes(), built.pace()
+            live, pace = built.live_nodes(), built.pace()
             where = "close"
             built.close()
         except Exception as exc:
@@ -372,8 +372,8 @@ def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, 
         rec["error"] = stop
     if live is not None:
         rec["live_nodes"] = live
-    if terms is not None:
-        rec.update(terms)
+    if pace is not None:
+        rec.update(pace)
     if here.keeps_snapshots:
         torch.save(timed.snapshots, Path(f"{args.out}.node{here.node}.snapshots"))
         if stop is None:

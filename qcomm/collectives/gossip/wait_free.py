@@ -272,7 +272,7 @@ class WaitFreeGossip(GossipMember):
         return sorted(changed | {mix[0]})
 
     def _fresh(self, t: int, f: int, version: int) -> list[int]:
-        """Round t's links to pair on fragment f, own copy at ``version`` (:mod:`.pace`)."""
+        """Round t's links to pair on fragment f (own copy at ``version``); counts its lag."""
         self._terms.count_lag(t + 1 - version)
         cap = TermCounter.cap(len(self.membership.live_links()), self.gamma,
                               self.membership.edge_weight)
