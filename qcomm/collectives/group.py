@@ -112,12 +112,13 @@ class CommGroup(ABC):
 
     @abstractmethod
     def streams(self, peers: list[int], *, nbytes: int, max_backlog: int, timeout_s: float,
-                is_goodbye: Callable[[torch.Tensor, int], bool], stats: CommStats | None,
+                stream_end: Callable[[torch.Tensor, int], str | None], stats: CommStats | None,
                 level: str) -> MessageStreams:
         """This member's ordered message streams to and from ``peers`` (member indices):
         messages of ``nbytes`` bytes, at most ``max_backlog`` per neighbour not yet taken, a
-        stream silent for ``timeout_s`` fails, ``is_goodbye(message, sender)`` ends one
-        (:class:`~.gossip.streams.MessageStreams`)."""
+        stream silent for ``timeout_s`` fails, ``stream_end(message, sender)`` says whether a
+        message ends its stream: ``"goodbye"`` (not delivered) or ``"last"`` (delivered, and
+        nothing follows it), None otherwise (:class:`~.gossip.streams.MessageStreams`)."""
 
 
 class World(ABC):

@@ -19,8 +19,9 @@ and nothing on either side waits for the other's progress, but for memory: at mo
 ``timeout_s``). A stream silent past ``timeout_s`` fails with
 :class:`~qcomm.collectives.errors.PeerTimeoutError`, a broken connection with
 :class:`~qcomm.collectives.errors.PeerLostError`; a goodbye (:meth:`MessageStreams.close`)
-ends it without an error. Streams can be dropped and opened while the others go on, and carry
-whole vectors beside the fixed-size messages.
+ends it without an error. Streams can be dropped and opened while the others go on, finished one
+at a time (a last message, then nothing more on it), and carry whole vectors beside the
+fixed-size messages.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class MessageStreams(ABC):
     # what has not come yet fails at once instead of blocking.
     simulated: bool = False
     _dropped: set[int]  # streams given up (drop): nothing is sent on them or taken from them
+    _finished: set[int]  # streams whose last message was sent (finish): still taken from
 
     def send(self, message: torch.Tensor) -> list[tuple[int, PeerError]]:
         """Queue ``message`` (uint8 ``[nbytes]``, not modified afterwards) on the stream to
@@ -124,9 +126,20 @@ class MessageStreams(ABC):
         """
         failures = []
         for k in self.live():
-            if not self.ended(k) and (err := self.send_to(k, message)) is not None:
+            if k in self._finished or self.ended(k):
+                continue
+            if (err := self.send_to(k, message)) is not None:
                 failures.append((k, err))
         return failures
+
+    def finish(self, k: int, message: torch.Tensor) -> PeerError | None:
+        """Queue ``message`` as the last one on the stream to ``peers[k]`` (as
+        :meth:`send_to`): nothing more is sent on it, and the stream from ``peers[k]`` is
+        still taken from until its own last message (then :meth:`drop` it). Its failure, if
+        any."""
+        err = self.send_to(k, message)
+        self._finished.add(k)
+        return err
 
     @abstractmethod
     def send_to(self, k: int, message: torch.Tensor) -> PeerError | None:

@@ -113,13 +113,13 @@ class TorchGroup(CommGroup):
                              level=level)
 
     def streams(self, peers: list[int], *, nbytes: int, max_backlog: int, timeout_s: float,
-                is_goodbye: Callable[[torch.Tensor, int], bool], stats: CommStats | None,
+                stream_end: Callable[[torch.Tensor, int], str | None], stats: CommStats | None,
                 level: str) -> MessageStreams:
         from qcomm.collectives.gossip.streams import GlooStreams
 
         return GlooStreams(self.ranks, self.process_group, self.rank, peers, nbytes,
                            max_backlog=max_backlog, timeout_s=timeout_s,
-                           is_goodbye=is_goodbye, stats=stats, level=level)
+                           stream_end=stream_end, stats=stats, level=level)
 
     def __repr__(self) -> str:
         return f"TorchGroup({self.process_group!r})"

@@ -66,7 +66,7 @@ class NeighbourCopies:
         self.boxes.append(deque())
         self.pending.append([])
         if self.copies is not None:
-            self.copies = torch.cat([self.copies, torch.zeros_like(self.copies[:1])])
+            self.copies = torch.cat([self.copies, self.copies.new_zeros(1, self.copies.shape[1])])
 
     def forget(self, k: int) -> None:
         """Link k was dropped: nothing of it is applied."""
@@ -134,7 +134,8 @@ class NeighbourCopies:
              hello: Callable[[int], PeerError | None]) -> None:
         """Verify the boxes' messages in order: rounds go to ``pending``, markers are counted
         (and the lost members they name learnt), a hello is passed to ``hello(k)`` (which sets
-        up the copy; an error it returns is added to ``failures``).
+        up the copy; an error it returns is added to ``failures``), a retire to the
+        membership (the link closes once what came before it is applied).
 
         Raises:
             CorruptPayloadError: at the first message that fails (it stays in its box).
@@ -167,6 +168,10 @@ class NeighbourCopies:
                     # (a marker is looked for only when not the next round: rounds are common)
                     box.popleft()
                     continue
+                if bad and members.is_retire(k, m):   # the stream's last message
+                    box.popleft()
+                    members.peer_retired(k)
+                    break
                 if bad:
                     raise self._corrupt(k, f"round {expected}", bad[0][1] + (
                         "" if bad[0][1] != "checksum" else

@@ -40,7 +40,13 @@ from qcomm.collectives.links import MessageStreams
 from .graphs import neighbours
 from .integrity import sealed
 from .mixing import mixing_matrix
-from .wait_free_message import GOODBYE_ROUND, HELLO_ROUND, MARKER_ROUND, MessageLayout
+from .wait_free_message import (
+    GOODBYE_ROUND,
+    HELLO_ROUND,
+    MARKER_ROUND,
+    RETIRE_ROUND,
+    MessageLayout,
+)
 
 __all__ = ["LinkOwner", "Membership", "survivors_slots"]
 
@@ -95,6 +101,8 @@ class Membership:
         self.live = [True] * len(self.peers)     # not lost
         self.greeted = [True] * len(self.peers)  # its copy is set up (a new link: hello)
         self.markers = [0] * len(self.peers)     # drain markers received
+        self.retiring = [False] * len(self.peers)  # own retire sent: no more own terms on it
+        self.retired_in: list[int] = []          # links whose neighbour's retire came
         self.drains = 0                          # drain markers sent
         self.lost: set[int] = set()              # members known to be lost
         self.losses: list[dict] = []             # what was dropped, when, why
@@ -120,8 +128,9 @@ class Membership:
         return [k for k, live in enumerate(self.live) if live]
 
     def mixable(self) -> list[int]:
-        """The links this member mixes over now: live, the neighbour's copy set up."""
-        return [k for k in self.live_links() if self.greeted[k]]
+        """The links this member mixes over now: live, the neighbour's copy set up, not being
+        retired."""
+        return [k for k in self.live_links() if self.greeted[k] and not self.retiring[k]]
 
     def live_peers(self) -> list[int]:
         """The members at the other end of the live links."""
@@ -173,6 +182,7 @@ class Membership:
         self.live.append(True)
         self.greeted.append(False)
         self.markers.append(0)
+        self.retiring.append(False)
         return len(self.peers) - 1
 
     def greet(self, k: int, drains: int) -> None:
@@ -289,10 +299,86 @@ class Membership:
     def goodbye(self) -> torch.Tensor:
         return self.layout.control(GOODBYE_ROUND)
 
-    def is_goodbye_from(self, message: torch.Tensor, slot: int) -> bool:
-        """Whether ``message`` from the member at index ``slot`` of the group is its
-        goodbye."""
-        return self.layout.is_control(message, GOODBYE_ROUND, self.slots.index(slot))
+    def stream_end(self, message: torch.Tensor, slot: int) -> str | None:
+        """Whether ``message`` from the member at index ``slot`` of the group ends its stream:
+        ``"goodbye"`` (it left), ``"last"`` (its retire: delivered, nothing follows)."""
+        sender = self.slots.index(slot)
+        if self.layout.is_control(message, GOODBYE_ROUND, sender):
+            return "goodbye"
+        return "last" if self.layout.is_control(message, RETIRE_ROUND, sender) else None
+
+    # -----------------------------------------------------------------------------------------
+    # a member arrives: the ring opens
+
+    def retire(self, k: int) -> None:
+        """Stop mixing over link k, which both ends keep no longer (a member arrived between
+        them): send the retire, the stream's last message. No own term is added on it from
+        now; the neighbour's messages are still applied (their mirrors owed) until its own
+        retire comes (:meth:`peer_retired`), then the link is closed (:meth:`close_retired`).
+        Every term on the link thus has its mirror: no mass moves."""
+        if not self.live[k] or self.retiring[k]:
+            return
+        self.retiring[k] = True
+        err = self.streams().finish(k, self.layout.control(RETIRE_ROUND))
+        if err is not None:
+            self.lose(k, err)
+
+    def is_retire(self, k: int, message: torch.Tensor) -> bool:
+        """Whether ``message`` on link k is its neighbour's retire (the stream's last)."""
+        return self.layout.is_control(message, RETIRE_ROUND, self.peers[k])
+
+    def peer_retired(self, k: int) -> None:
+        """Link k's neighbour retired it: answer with this member's retire (when not sent
+        yet); the link closes once the messages before it are applied."""
+        self.retire(k)
+        if self.live[k]:
+            self.retired_in.append(k)
+
+    def close_retired(self) -> None:
+        """Close the links both ends retired (after their last messages were applied): not a
+        loss, the neighbour is live."""
+        for k in self.retired_in:
+            if self.live[k]:
+                self.live[k] = False
+                self.owner.link_dropped(k)
+                self.streams().drop(k)
+                log.info("qcomm: rank %d closed its link to rank %d (a member joined between "
+                         "them)", self.rank, self.peer_ranks[k])
+        self.retired_in = []
+
+    def admit(self, member: int) -> None:
+        """``member`` joins (new, or back after it was lost): it is live again here; when it
+        is now this member's nearest live one on a side, the link over its gap on that side
+        is retired and a link opened to it (its hello sent). Call it on every member; the
+        joiner starts with :meth:`start_joining`."""
+        if not 0 <= member < self.size or member == self.member:
+            raise ValueError(f"member must be another member of the {self.size}, got {member}")
+        self.lost.discard(member)
+        near = {self.nearest_live(side) for side in (1, -1)} - {None}
+        if member not in near:
+            return
+        keep = near | set(neighbours(self.graph, self.member, self.size))
+        for k in self.live_links():
+            if self.peers[k] not in keep:
+                self.retire(k)
+        if member not in self.live_peers():
+            self.open_link(member)
+
+    def start_joining(self, lost: set[int], drains: int) -> None:
+        """This member joins a running gossip whose lost members are ``lost`` and whose
+        members have drained ``drains`` times: no links yet (the gossip resets its per-link
+        state); :meth:`link_up` opens them."""
+        self.lost, self.drains = set(lost) - {self.member}, drains
+        self.peers, self.peer_ranks = [], []
+        self.live, self.greeted, self.markers, self.retiring = [], [], [], []
+        self._weights = None
+
+    def link_up(self) -> None:
+        """Open a link to the nearest live member on each side (a joiner's first links)."""
+        for side in (1, -1):
+            j = self.to_link(side)
+            if j is not None:
+                self.open_link(j)
 
     # -----------------------------------------------------------------------------------------
     # checkpoints
@@ -319,6 +405,7 @@ class Membership:
         self.peer_ranks = [self.group_ranks[p] for p in self.peers]
         self.live = [True] * len(self.peers)
         self.greeted = [True] * len(self.peers)
+        self.retiring, self.retired_in = [False] * len(self.peers), []
         self.lost = {int(m) for m in lost}
         self.losses = [dict(e) for e in losses]
         # Markers restart with the streams.

@@ -59,6 +59,7 @@ class _Link:
         # receiving
         self.ready: deque[torch.Tensor] = deque()
         self.ended = False
+        self.last_in = False  # its last message came (the stream was finished on its side)
         self.recv_error: PeerError | None = None
         self.heard = time.monotonic()
         # sending
@@ -100,15 +101,18 @@ class _Link:
                 left = max(o.timeout_s - (time.monotonic() - self.heard), 1e-3)
                 work.wait(timeout=datetime.timedelta(seconds=left))
                 posted.popleft()
-                goodbye = o.is_goodbye(buf, self.peer)
+                end = o.stream_end(buf, self.peer)
                 with self.cond:
                     self.heard = time.monotonic()
-                    if goodbye:
+                    if end == "goodbye":
                         self.ended = True
                         self.cond.notify_all()
                         return
                     self.ready.append(buf)
                     self.cond.notify_all()
+                    if end == "last":  # nothing follows: the receives still posted stay
+                        self.last_in = True  # unmatched until the group is destroyed
+                        return
         except RuntimeError as e:
             err = _peer_error(e, f"gossip stream from rank {self.rank} (rank {o.rank})",
                               o.timeout_s, self.rank, o.level, self.heard)
@@ -173,14 +177,16 @@ class GlooStreams(MessageStreams):
         nbytes: length of every message, bytes.
         max_backlog: messages per neighbour sent and not yet taken (>= 1).
         timeout_s: the silence after which a stream fails.
-        is_goodbye: ``is_goodbye(message, sender member)``: whether a message ends its stream.
+        stream_end: ``stream_end(message, sender member)``: ``"goodbye"`` when a message ends
+            its stream (not delivered), ``"last"`` when it is delivered and nothing follows,
+            None otherwise.
         stats: byte counter, or None.
         depth: receives and sends kept posted per neighbour.
     """
 
     def __init__(self, group_ranks: list[int], group: dist.ProcessGroup | None, member: int,
                  peers: list[int], nbytes: int, *, max_backlog: int, timeout_s: float,
-                 is_goodbye: Callable[[torch.Tensor, int], bool],
+                 stream_end: Callable[[torch.Tensor, int], str | None],
                  stats: CommStats | None = None, level: str = "inter",
                  depth: int = DEFAULT_DEPTH) -> None:
         self.group_ranks = list(group_ranks)
@@ -193,13 +199,14 @@ class GlooStreams(MessageStreams):
         self.nbytes = nbytes
         self.max_backlog = max_backlog
         self.timeout_s = timeout_s
-        self.is_goodbye = is_goodbye
+        self.stream_end = stream_end
         self.stats = stats
         self.level = level
         self.depth = max(1, min(depth, max_backlog))
         self.cond = threading.Condition()
         self._links: list[_Link] = []
         self._dropped: set[int] = set()
+        self._finished: set[int] = set()
         for p in self.peers:
             self._start_link(p)
 
@@ -295,7 +302,8 @@ class GlooStreams(MessageStreams):
             # Dropped streams were given up for dead: nothing is said to them or awaited.
             links = [link for k, link in enumerate(self._links) if k not in self._dropped]
             for link in links:
-                if goodbye is not None and link.send_error is None:
+                if (goodbye is not None and link.send_error is None
+                        and link.k not in self._finished):
                     link.outbox.append(goodbye)
                     link.unconfirmed += 1
             self.cond.notify_all()
@@ -305,7 +313,8 @@ class GlooStreams(MessageStreams):
             # Gloo wait when the process group is destroyed (a neighbour that died ended its
             # stream with an error; one that keeps training is given up after the bound).
             self.cond.wait_for(lambda: all((link.unconfirmed == 0 or link.send_error)
-                                           and (link.ended or link.recv_error)
+                                           and (link.ended or link.last_in
+                                                or link.recv_error)
                                            for link in links),
                                min(self.timeout_s, 10.0))
             # Threads blocked in a Gloo wait cannot be interrupted (Gloo cancels nothing, and a
@@ -314,7 +323,8 @@ class GlooStreams(MessageStreams):
             for link in self._links:
                 link.closing = True
             self.cond.notify_all()
-            done = [link.receiver for link in self._links if link.ended or link.recv_error]
+            done = [link.receiver for link in self._links
+                    if link.ended or link.last_in or link.recv_error]
         # Threads that are leaving: let them finish, so that the works they held (receives
         # posted ahead and never waited for) are released now, not while the interpreter or
         # the process group is being torn down.

@@ -89,9 +89,9 @@ class WaitFreeGossip(GossipMember):
         on_peer_loss: ``"raise"`` a neighbour's failure, or ``"continue"`` without it (the
             module docstring).
 
-    Buffers (fp32 ``[numel]`` x (degree + 2), 2 more with an outer step) are created at the
-    first round on x's device; the streams (and their threads, over Gloo) at the first
-    :meth:`prepare` or :meth:`end_step`. The constructor communicates nothing.
+    Buffers (fp32 ``[numel]`` x (degree + 2), 2 more with an outer step) and the streams are
+    created at the first round (on x's device); the constructor communicates nothing. A member
+    joins a running gossip through :mod:`.joining`.
     """
 
     # the fragments owed something differ between rails (NodeGossip agrees on them)
@@ -165,12 +165,11 @@ class WaitFreeGossip(GossipMember):
         if self._streams is None:
             if self._closed:
                 raise RuntimeError("WaitFreeGossip is closed")
-            # The group's own index for this member: the survivors of a restarted run keep
-            # their old member numbers (Membership.slots), the group numbers them afresh.
+            # in the group's numbers (a restarted run's survivors keep theirs: Membership.slots)
             _, peers = self.membership.stream_endpoints()
             self._streams = self.group.streams(
                 peers, nbytes=self.message_nbytes, max_backlog=self.max_backlog,
-                timeout_s=self.timeout_s, is_goodbye=self.membership.is_goodbye_from,
+                timeout_s=self.timeout_s, stream_end=self.membership.stream_end,
                 stats=self.stats, level=self.level)
         return self._streams
 
@@ -193,11 +192,13 @@ class WaitFreeGossip(GossipMember):
         failures = self._links.take(self._streams_now())
         self._links.sort(failures, self.membership.take_hello)
         self._handle(failures)
+        if self.membership.retired_in:  # retired at both ends: closed once applied
+            self._apply_pending()
+            self.membership.close_retired()
         return failures
 
     def _handle(self, failures: list[tuple[int, PeerError]]) -> None:
-        """Raise the first failure, or (``on_peer_loss="continue"``) drop every failed
-        neighbour."""
+        """Raise the first failure, or (``"continue"``) drop every failed neighbour."""
         if failures and self.on_peer_loss == "raise":
             raise failures[0][1]
         for k, err in failures:
@@ -399,8 +400,7 @@ class WaitFreeGossip(GossipMember):
     # -----------------------------------------------------------------------------------------
     # statistics and checkpoints
 
-    def rounds_received(self) -> dict[int, int]:
-        """Per live neighbour (its global rank), the rounds of it applied here."""
+    def rounds_received(self) -> dict[int, int]:  # per live neighbour's rank: rounds applied
         return self._links.rounds_received()
 
     def lag(self) -> dict[int, int]:

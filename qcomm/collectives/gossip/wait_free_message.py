@@ -5,8 +5,9 @@
 The header says how the sender mixed in the round that sent it: per member of the group, its
 *ack* (1 + the rounds of that member the sender's copy held when it mixed with it; 0 when it
 did not), then 1 + the fragment it mixed (0: none) and the version of its own copy in its terms.
-A control message (hello, marker, goodbye) is sealed with a round far beyond any real one; a
-hello and a goodbye have zero codec bytes, a marker carries the lost members it knows of.
+A control message (hello, marker, retire, goodbye) is sealed with a round far beyond any real
+one; a hello, a retire and a goodbye have zero codec bytes, a marker carries the lost members it
+knows of.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from qcomm.seeds import seal_key
 
 from .integrity import SEAL_NBYTES, seal_
 
-__all__ = ["ACK_NBYTES", "GOODBYE_ROUND", "HELLO_ROUND", "MARKER_ROUND", "MessageLayout"]
+__all__ = ["ACK_NBYTES", "GOODBYE_ROUND", "HELLO_ROUND", "MARKER_ROUND", "RETIRE_ROUND",
+           "MessageLayout"]
 
-# The rounds a hello, a marker (the d-th drain: MARKER_ROUND + d) and a goodbye are sealed
-# with, far beyond any real round.
+# The rounds a retire, a hello, a marker (the d-th drain: MARKER_ROUND + d) and a goodbye are
+# sealed with, far beyond any real round.
+RETIRE_ROUND = 1 << 59
 HELLO_ROUND = 1 << 60
 MARKER_ROUND = 1 << 61
 GOODBYE_ROUND = 1 << 62
@@ -60,7 +63,7 @@ class MessageLayout:
         message[self.nbytes:self.nbytes + self.header_nbytes].copy_(head.view(torch.uint8))
 
     def control(self, round: int, body: torch.Tensor | None = None) -> torch.Tensor:
-        """A hello, marker or goodbye: codec bytes ``body`` (uint8, zero-padded; None: all
+        """A hello, marker, retire or goodbye: codec bytes ``body`` (uint8, zero-padded; None: all
         zero) sealed with ``round`` by this member."""
         m = torch.zeros(self.message_nbytes, dtype=torch.uint8)
         if body is not None:

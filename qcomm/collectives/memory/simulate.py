@@ -21,6 +21,7 @@ import torch
 
 from qcomm.collectives.gossip.choco import CompressedGossip
 from qcomm.collectives.gossip.graphs import check_graph
+from qcomm.collectives.gossip.joining import admit, join_state, start_joined
 from qcomm.collectives.gossip.wait_free import WaitFreeGossip
 from qcomm.collectives.stats import CommStats
 
@@ -81,6 +82,7 @@ class WaitFreeSimulator:
         xs = [torch.randn(4096) for _ in range(4)]
         sim.run(xs, ticks=200)          # member 0 takes 40 steps, the others 200
         sim.drain()                     # every message delivered and applied
+        sim.kill(2); sim.run(xs, 50); sim.join(2, xs)   # lost, then back: the ring opens
 
     Keyword arguments go to WaitFreeGossip (``round_period``, ``gamma``, ``fragments``, ...).
     """
@@ -98,14 +100,13 @@ class WaitFreeSimulator:
         delay_fn = delay if callable(delay) else (lambda i, j: float(delay))
         self.world = MemoryWorld(n, clock=lambda: self.now, delay=delay_fn)
         ranks = list(range(n))
-        groups = [self.world.group(ranks, i) for i in range(n)]
-        self.boxes = groups[0].mailboxes  # the group's queues, shared by every member
+        self._groups = [self.world.group(ranks, i) for i in range(n)]
+        self.boxes = self._groups[0].mailboxes  # the group's queues, shared by every member
         self.stats = [CommStats() for _ in range(n)]
-        self.members = [
-            WaitFreeGossip(ranks, groups[i], numel, graph=graph, stats=self.stats[i],
-                           max_backlog=max_backlog, **kwargs)
-            for i in range(n)
-        ]
+        self._make = lambda i: WaitFreeGossip(ranks, self._groups[i], numel, graph=graph,
+                                              stats=self.stats[i], max_backlog=max_backlog,
+                                              **kwargs)
+        self.members = [self._make(i) for i in range(n)]
         self.stalled_ticks = [0] * n
         self.killed: set[int] = set()
 
@@ -114,6 +115,28 @@ class WaitFreeSimulator:
         streams fail as broken connections."""
         self.killed.add(i)
         self.boxes.kill(i)
+
+    def join(self, i: int, xs: list[torch.Tensor], donor: int | None = None) -> None:
+        """Killed member i starts again now and joins the running gossip (a fresh
+        :class:`WaitFreeGossip`, started from ``donor``'s :func:`~qcomm.collectives.gossip.
+        joining.join_state`; ``xs[i]`` becomes a copy of ``xs[donor]``); every live member is
+        told (:func:`~qcomm.collectives.gossip.joining.admit`). ``donor``: the nearest live
+        member below i (cyclic) when None."""
+        if i not in self.killed:
+            raise ValueError(f"member {i} is running: only a killed member can join")
+        live = [j for j in range(self.n) if j not in self.killed]
+        if donor is None:
+            donor = max((j for j in live if j < i), default=max(live))
+        if donor not in live:
+            raise ValueError(f"donor must be a live member, got {donor}")
+        self.boxes.revive(i)
+        self.killed.discard(i)
+        joiner = self._make(i)
+        start_joined(joiner, join_state(self.members[donor]), xs[i].device)
+        xs[i].copy_(xs[donor])
+        self.members[i] = joiner
+        for j in live:
+            admit(self.members[j], i)
 
     def _blocked(self, i: int) -> bool:
         m = self.members[i]

@@ -67,6 +67,15 @@ class Mailboxes:
             self.killed.add(member)
             self._cond.notify_all()
 
+    def revive(self, member: int) -> None:
+        """A killed ``member`` is started again: its connections are new (whatever its old
+        self sent or was sent is gone)."""
+        with self._cond:
+            self.killed.discard(member)
+            for key in [key for key in self._queues if member in key[:2]]:
+                del self._queues[key]
+            self._cond.notify_all()
+
     def lost(self, src: int, dst: int, kind: str = "m") -> bool:
         """Whether ``src`` was killed and nothing of it is left to take by ``dst``."""
         with self._cond:
@@ -143,6 +152,7 @@ class MemoryStreams(MessageStreams):
         self._ended = [False] * len(self.peers)
         self._failed: list[PeerError | None] = [None] * len(self.peers)
         self._dropped: set[int] = set()
+        self._finished: set[int] = set()
 
     def _lost_error(self, k: int, what: str) -> PeerLostError:
         return PeerLostError(f"gossip stream {what} rank {self.peer_ranks[k]} (member "
@@ -250,7 +260,7 @@ class MemoryStreams(MessageStreams):
     def close(self, goodbye: torch.Tensor | None = None) -> None:
         if goodbye is not None:
             for k, p in enumerate(self.peers):
-                if k not in self._dropped:
+                if k not in self._dropped and k not in self._finished:
                     self.boxes.post(self.member, p, None)
 
 

@@ -180,9 +180,10 @@ class MemoryGroup(CommGroup):
                                peer_ranks=[self.ranks[p] for p in peers])
 
     def streams(self, peers: list[int], *, nbytes: int, max_backlog: int, timeout_s: float,
-                is_goodbye: Callable[[torch.Tensor, int], bool], stats: CommStats | None,
+                stream_end: Callable[[torch.Tensor, int], str | None], stats: CommStats | None,
                 level: str) -> MemoryStreams:
-        # A goodbye is a None in the queue here: is_goodbye is not needed.
+        # A goodbye is a None in the queue here, and nothing follows a last message: stream_end
+        # is not needed.
         return MemoryStreams(self.mailboxes, self.rank, peers, max_backlog=max_backlog,
                              timeout_s=timeout_s, stats=stats, level=level,
                              peer_ranks=[self.ranks[p] for p in peers])

@@ -1,0 +1,93 @@
+"""A member joining a running wait-free gossip: what it takes from a live neighbour, and how it
+starts from it.
+
+The joiner (a new member, or one that was lost and restarted) starts where its neighbour is:
+its parameters are the neighbour's (the caller copies them), and so are its gossip clock (steps,
+rounds, drains: every member drains at the same points), its
+own public copy (the copies its neighbours keep of it start from its hello, which sends that
+copy) and its outer step's anchor and momentum; it owes nothing and has no link yet. It then
+opens a link to the nearest live member on each side; those members, told of it
+(:meth:`.membership.Membership.admit`), retire the link that spanned its gap and open theirs
+to it. What a join does to the members' mean: it adds a copy of the neighbour's parameters
+(the mean moves by ``(x_neighbour - mean) / (live + 1)``); the mixing moves no mass.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .copies import NeighbourCopies
+from .mirrors import MirrorLedger
+from .pace import TermCounter
+
+if TYPE_CHECKING:
+    from .wait_free import WaitFreeGossip
+
+__all__ = ["admit", "join_state", "start_joined"]
+
+
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().to("cpu", copy=True)
+
+
+def join_state(g: WaitFreeGossip) -> dict:
+    """What a member joining next to ``g`` starts from (module docstring): a dict of ints, the
+    members ``g`` knows lost, its config and gamma, and float32 CPU copies of its public copy
+    ``[numel]`` and outer anchor and momentum (None without an outer step).
+
+    Raises:
+        RuntimeError: ``g`` has not sent a round yet (nothing to start from).
+    """
+    if g._hat_own is None:
+        raise RuntimeError("join_state() before this member's first round: a joiner starts "
+                           "from a member that has gossiped")
+    return {"config": g._config(), "gamma": g.gamma, "steps": g.steps,
+            "rounds_started": g.rounds_started, "drains": g.membership.drains,
+            "lost": sorted(g.lost),
+            "hat_own": _cpu(g._hat_own), "anchor": _cpu(g._anchor),
+            "momentum": _cpu(g._momentum)}
+
+
+def start_joined(g: WaitFreeGossip, state: dict, device: torch.device | str = "cpu") -> None:
+    """Start ``g`` as a member joining the running gossip from a neighbour's
+    :func:`join_state` ``state`` (its buffers on ``device``), and open its links. Call it
+    before ``g``'s first round; every running member is told with :func:`admit`.
+
+    Raises:
+        ValueError: ``state`` is not a join state of this gossip (a different config or
+            gamma, named); nothing is changed.
+        RuntimeError: ``g`` has gossiped already.
+    """
+    if not isinstance(state, dict) or "config" not in state or "hat_own" not in state:
+        raise ValueError("state must be a dict from WaitFreeGossip.join_state()")
+    mine, theirs = g._config(), dict(state["config"])
+    differ = {k: (theirs.get(k), v) for k, v in mine.items()
+              if k != "member" and theirs.get(k) != v}
+    if float(state["gamma"]) != g.gamma:
+        differ["gamma"] = (float(state["gamma"]), g.gamma)
+    if differ:
+        raise ValueError("the running members' gossip differs from this one's (theirs, "
+                         f"this one's): {differ}")
+    if g._streams is not None or g.rounds_started or g._hat_own is not None:
+        raise RuntimeError("start_joined() must come before this member's first round")
+    on = lambda t: None if t is None else t.to(device, dtype=torch.float32, copy=True)
+    g.steps, g.rounds_started = int(state["steps"]), int(state["rounds_started"])
+    g._hat_own = on(state["hat_own"])
+    g._anchor, g._momentum = on(state["anchor"]), on(state["momentum"])
+    g.membership.start_joining({int(m) for m in state["lost"]}, int(state["drains"]))
+    g._links = NeighbourCopies(g.membership, g._codec, g.fragments, g.level)
+    g._links.ensure(g.numel, g._hat_own.device)
+    g._terms = TermCounter(g.fragments, 0)
+    g._ledger = MirrorLedger(g._codec, g.fragments, g.fragment_numel,
+                             g.staleness + g.fragments, 0)
+    g._ledger.owed = torch.zeros_like(g._hat_own)
+    g._drained_at = None
+    g.membership.link_up()
+
+
+def admit(g: WaitFreeGossip, member: int) -> None:
+    """``member`` joins: call it on every running member ``g``
+    (:meth:`.membership.Membership.admit`: the ring opens to it next to it)."""
+    g.membership.admit(member)

@@ -1,0 +1,84 @@
+"""Gloo streams finished one at a time (:meth:`MessageStreams.finish`), as the wait-free gossip
+retires a link when a member joins between two others: the last message is delivered, nothing
+follows it, the receiver thread of that stream leaves, and the other streams go on."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from qcomm.collectives.gossip.streams import GlooStreams
+from qcomm.testing.multiprocess import run_world
+
+NBYTES = 64
+
+
+def _stream_end(message: torch.Tensor, sender: int) -> str | None:
+    return "last" if int(message[0]) == 255 else None
+
+
+def _message(value: int) -> torch.Tensor:
+    return torch.full((NBYTES,), value, dtype=torch.uint8)
+
+
+def _take_all(streams: GlooStreams, k: int, count: int, timeout_s: float = 30.0
+              ) -> list[int]:
+    got: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        msgs, err = streams.take(k)
+        assert err is None, err
+        got += [int(m[0]) for m in msgs]
+        if len(got) < count:
+            streams.wait_any(0.5)
+    return got
+
+
+def _finish_both_ways(rank: int, world_size: int) -> dict:
+    """Ranks 0, 1, 2 in a ring; 0 and 1 finish their stream to each other after three
+    messages, then 0 keeps sending to 2 alone."""
+    peers = [(rank + 1) % 3, (rank - 1) % 3]
+    # a group of the streams' own (as the gossip has): the receives a finished stream leaves
+    # posted must not meet the barrier's messages below (Gloo matches both by slot)
+    group = dist.new_group([0, 1, 2])
+    streams = GlooStreams(list(range(3)), group, rank, peers, NBYTES, max_backlog=8,
+                          timeout_s=30.0, stream_end=_stream_end)
+    receivers = lambda: sum(t.name.startswith(f"qcomm-recv-{rank}-")
+                            for t in threading.enumerate())
+    before = len(peers)   # one receiver thread per stream (one may be gone already)
+    for v in (1, 2, 3):
+        assert streams.send(_message(v)) == []
+    out = {}
+    if rank in (0, 1):
+        k = peers.index(1 - rank)
+        assert streams.finish(k, _message(255)) is None
+        out["finished"] = _take_all(streams, k, 4)
+        for _ in range(50):   # the receiver thread leaves after the last message
+            if receivers() == before - 1:
+                break
+            time.sleep(0.1)
+        out["receivers"] = (before, receivers())
+        assert streams.send(_message(4)) == []  # only to the stream not finished
+        streams.drop(k)
+    if rank == 2:
+        out["from0"] = _take_all(streams, peers.index(0), 4)
+        out["from1"] = _take_all(streams, peers.index(1), 4)
+    dist.barrier()   # no rank leaves (and closes its connections) before the others took all
+    streams.close()
+    dist.destroy_process_group(group)  # frees the receives the finished streams left posted
+    return out
+
+
+def test_a_finished_stream_delivers_its_last_message_and_nothing_after_it() -> None:
+    r0, r1, r2 = run_world(_finish_both_ways, 3, timeout_s=120)
+    assert r0["finished"] == [1, 2, 3, 255]   # 1's three messages, then its last one
+    assert r1["finished"] == [1, 2, 3, 255]
+    # the receiver thread of the finished stream left; the other stream's stayed
+    assert r0["receivers"][1] == r0["receivers"][0] - 1
+    assert r1["receivers"][1] == r1["receivers"][0] - 1
+    # member 2's streams went on: 0 and 1 sent their fourth message to it alone
+    assert r2["from0"] == [1, 2, 3, 4]
+    assert r2["from1"] == [1, 2, 3, 4]
