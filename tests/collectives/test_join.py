@@ -223,3 +223,25 @@ def test_a_join_before_any_round_or_into_a_running_member_is_refused() -> None:
         admit(sim.members[0], 0)
     with pytest.raises(ValueError, match="member must be another member"):
         admit(sim.members[0], 4)
+
+
+def test_a_member_that_leaves_with_a_goodbye_is_not_a_loss_and_can_come_back() -> None:
+    """``close()`` says goodbye after the last message: its neighbours apply what came before
+    it, close their links to it (no loss recorded, no ring closed over it: a ring less one
+    member is still connected) and count it out; it can join again later."""
+    sim = _sim(5)
+    xs = _start(5)
+    sim.run(xs, 20)
+    sim.members[2].close()
+    sim.killed.add(2)            # it takes no more steps (not a killed connection)
+    sim.run(xs, 3)
+    for i in (1, 3):
+        m = sim.members[i]
+        assert 2 not in _live_peers(m) and m.lost == {2}, i
+        assert m.losses == [] and m.live_members() == 4
+    assert _live_peers(sim.members[1]) == [0] and _live_peers(sim.members[3]) == [4]
+    sim.run(xs, 10)              # the others go on, along the path 3-4-0-1
+    sim.join(2, xs)
+    sim.run(xs, 5)
+    _check_ring(sim, list(range(5)))
+    assert all(m.losses == [] for m in sim.members)

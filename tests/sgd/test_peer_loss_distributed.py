@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import signal
 import statistics
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from qcomm.sgd import ASSGD
 from qcomm.testing.multiprocess import run_world
@@ -141,6 +143,13 @@ def _rejoin_body(rank: int, world: int, directory: str, mode: str) -> dict:
         opt.step()
     st = opt.stats()
     after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # A node that closes says goodbye, and a neighbour still stepping counts it out: no rank
+    # closes before every rank has read its stats (a barrier on the job's store, which carries
+    # no gossip message).
+    store = dist.distributed_c10d._get_default_store()
+    store.add("stats_read", 1)
+    while int(store.add("stats_read", 0)) < world:
+        time.sleep(0.01)
     opt.close()
     return {"loaded": loaded, "after": after, "live": st["live_nodes"], "steps": st["steps"],
             "rounds": st["gossip_rounds"]}

@@ -314,7 +314,7 @@ class Membership:
         """Stop mixing over link k, which both ends keep no longer (a member arrived between
         them): send the retire, the stream's last message. No own term is added on it from
         now; the neighbour's messages are still applied (their mirrors owed) until its own
-        retire comes (:meth:`peer_retired`), then the link is closed (:meth:`close_retired`).
+        retire comes (:meth:`peer_retired`), then the link is closed (:meth:`close_ended`).
         Every term on the link thus has its mirror: no mass moves."""
         if not self.live[k] or self.retiring[k]:
             return
@@ -334,16 +334,27 @@ class Membership:
         if self.live[k]:
             self.retired_in.append(k)
 
-    def close_retired(self) -> None:
-        """Close the links both ends retired (after their last messages were applied): not a
-        loss, the neighbour is live."""
-        for k in self.retired_in:
-            if self.live[k]:
-                self.live[k] = False
-                self.owner.link_dropped(k)
-                self.streams().drop(k)
-                log.info("qcomm: rank %d closed its link to rank %d (a member joined between "
-                         "them)", self.rank, self.peer_ranks[k])
+    def links_ended(self) -> bool:
+        """Whether a link is to close: retired at both ends, or its neighbour said goodbye."""
+        return bool(self.retired_in) or any(self.streams().ended(k) for k in self.live_links())
+
+    def close_ended(self) -> None:
+        """Close the links :meth:`links_ended` found (after their last messages were applied):
+        no loss. A retired link's neighbour stays live; one that said goodbye left on purpose:
+        it is no longer live here, but no loss is recorded and the ring is not closed over it
+        (a ring less one member is still connected)."""
+        streams = self.streams()
+        for k in self.live_links():
+            left = streams.ended(k)
+            if k not in self.retired_in and not left:
+                continue
+            self.live[k] = False
+            if left:
+                self.lost.add(self.peers[k])
+            self.owner.link_dropped(k)
+            streams.drop(k)
+            log.info("qcomm: rank %d closed its link to rank %d (%s)", self.rank,
+                     self.peer_ranks[k], "it left" if left else "a member joined between them")
         self.retired_in = []
 
     def admit(self, member: int) -> None:
@@ -356,6 +367,8 @@ class Membership:
         self.lost.discard(member)
         near = {self.nearest_live(side) for side in (1, -1)} - {None}
         if member not in near:
+            log.info("qcomm: rank %d: member %d joins; %d of %d nodes live as far as it knows",
+                     self.rank, member, self.live_members(), self.size)
             return
         keep = near | set(neighbours(self.graph, self.member, self.size))
         for k in self.live_links():
@@ -363,6 +376,8 @@ class Membership:
                 self.retire(k)
         if member not in self.live_peers():
             self.open_link(member)
+        log.info("qcomm: rank %d linked to member %d, which joins; %d of %d nodes live as "
+                 "far as it knows", self.rank, member, self.live_members(), self.size)
 
     def start_joining(self, lost: set[int], drains: int) -> None:
         """This member joins a running gossip whose lost members are ``lost`` and whose

@@ -8,6 +8,12 @@ posted receive, and its point-to-point works report completion only from ``wait(
 connection), so each neighbour has a receiver thread that keeps ``depth`` receives posted and
 waits on the oldest, and a sender thread that keeps ``depth`` sends in flight. Both block in
 Gloo's C++ code with the GIL released: they cost no CPU while they wait.
+
+A link's messages move on a *channel*: by default point-to-point with the neighbour on the one
+process group of all members (:class:`GroupChannel`); a group whose links change while the job
+runs gives each link a group of its own (``connect=``, :mod:`qcomm.collectives.pair_group`),
+made by the link's receiver thread (so opening a link never blocks the caller) and aborted when
+the link is dropped or the streams close.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,7 +32,7 @@ from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError,
 from qcomm.collectives.links import TAG_MODULUS, MessageStreams, record
 from qcomm.collectives.stats import CommStats
 
-__all__ = ["GlooStreams"]
+__all__ = ["Channel", "GlooStreams", "GroupChannel"]
 
 # Receives (and sends) each neighbour keeps posted ahead. Gloo moves a message only into a
 # posted receive, and a receive posted after one arrived is known to the sender a one-way delay
@@ -36,6 +43,35 @@ DEFAULT_DEPTH = 16
 
 # ---------------------------------------------------------------------------------------------
 # torch.distributed point-to-point
+
+
+class Channel(Protocol):
+    """How one link's messages move: tagged point-to-point sends and receives, posted."""
+
+    def isend(self, t: torch.Tensor, tag: int) -> dist.Work: ...
+
+    def irecv(self, t: torch.Tensor, tag: int) -> dist.Work: ...
+
+    def close(self) -> None:
+        """Release what the link holds (a group of its own is aborted)."""
+
+
+class GroupChannel:
+    """Point-to-point with member ``peer`` of a process group all members share."""
+
+    def __init__(self, group: dist.ProcessGroup | None, peer: int) -> None:
+        self.group, self.peer = group, peer
+
+    def isend(self, t: torch.Tensor, tag: int) -> dist.Work:
+        # group_dst/group_src are member indices in `group`: no global-rank translation
+        return dist.isend(t, group=self.group, tag=tag, group_dst=self.peer)
+
+    def irecv(self, t: torch.Tensor, tag: int) -> dist.Work:
+        return dist.irecv(t, group=self.group, tag=tag, group_src=self.peer)
+
+    def close(self) -> None:
+        """Nothing: Gloo cancels nothing, a shared group's posted receives stay until it is
+        destroyed."""
 
 
 def _peer_error(e: BaseException, what: str, timeout_s: float, rank: int, level: str,
@@ -56,6 +92,7 @@ class _Link:
         self.peer = owner.peers[k]
         self.rank = owner.peer_ranks[k]
         self.cond = owner.cond  # one lock and condition for all links: wait_any needs it
+        self.channel: Channel | None = None  # made by the receiver thread
         # receiving
         self.ready: deque[torch.Tensor] = deque()
         self.ended = False
@@ -74,10 +111,33 @@ class _Link:
         self.sender = threading.Thread(target=self._send_loop, daemon=True,
                                        name=f"qcomm-send-{owner.rank}-to-{self.rank}")
 
+    def _connect(self) -> bool:
+        """Make the link's channel (its own group blocks until the other end comes); False
+        when it cannot be made (the failure is on the link, for both directions)."""
+        o = self.owner
+        try:
+            channel = o.connect(self.peer, self.rank)
+        except RuntimeError as e:
+            err = _peer_error(e, f"gossip link to rank {self.rank} (rank {o.rank})",
+                              o.timeout_s, self.rank, o.level, self.heard)
+            with self.cond:
+                self.recv_error = self.send_error = err
+                self.cond.notify_all()
+            return False
+        with self.cond:
+            self.channel = channel
+            self.cond.notify_all()
+            if self.closing:   # dropped while it was being made
+                channel.close()
+                return False
+        return True
+
     def _receive_loop(self) -> None:
         o = self.owner
         posted: deque[tuple[torch.Tensor, object]] = deque()
         seq = 0  # stream position of the next receive to post (the message tag)
+        if not self._connect():
+            return
         try:
             while True:
                 with self.cond:
@@ -90,8 +150,7 @@ class _Link:
                     room = o.max_backlog - len(self.ready) - len(posted)
                 while len(posted) < o.depth and room > 0:
                     buf = torch.empty(o.nbytes, dtype=torch.uint8)
-                    work = dist.irecv(buf, group=o.group, tag=seq % TAG_MODULUS,
-                                      group_src=self.peer)
+                    work = self.channel.irecv(buf, seq % TAG_MODULUS)
                     posted.append((buf, work))
                     seq += 1
                     room -= 1
@@ -125,6 +184,11 @@ class _Link:
         posted: deque[tuple[bool, object, float]] = deque()
         seq = vseq = 0
         started = time.monotonic()
+        with self.cond:   # the receiver thread makes the channel
+            self.cond.wait_for(lambda: self.channel is not None or self.send_error is not None
+                               or self.closing)
+            if self.channel is None:
+                return
         try:
             while True:
                 with self.cond:
@@ -137,12 +201,10 @@ class _Link:
                         batch.append(self.outbox.popleft())
                 for msg in batch:
                     if isinstance(msg, tuple):  # a vector: tags above the messages'
-                        work = dist.isend(msg[0], group=o.group, tag=TAG_MODULUS + vseq,
-                                          group_dst=self.peer)
+                        work = self.channel.isend(msg[0], TAG_MODULUS + vseq)
                         vseq += 1
                     else:
-                        work = dist.isend(msg, group=o.group, tag=seq % TAG_MODULUS,
-                                          group_dst=self.peer)
+                        work = self.channel.isend(msg, seq % TAG_MODULUS)
                         seq += 1
                     # the work holds the tensor until it completes
                     posted.append((not isinstance(msg, tuple), work, time.monotonic()))
@@ -182,13 +244,17 @@ class GlooStreams(MessageStreams):
             None otherwise.
         stats: byte counter, or None.
         depth: receives and sends kept posted per neighbour.
+        connect: ``connect(peer member, peer rank)`` makes a link's :class:`Channel` (called on
+            the link's receiver thread; RuntimeError: the link failed); None: point-to-point
+            on ``group``.
     """
 
     def __init__(self, group_ranks: list[int], group: dist.ProcessGroup | None, member: int,
                  peers: list[int], nbytes: int, *, max_backlog: int, timeout_s: float,
                  stream_end: Callable[[torch.Tensor, int], str | None],
                  stats: CommStats | None = None, level: str = "inter",
-                 depth: int = DEFAULT_DEPTH) -> None:
+                 depth: int = DEFAULT_DEPTH,
+                 connect: Callable[[int, int], Channel] | None = None) -> None:
         self.group_ranks = list(group_ranks)
         self.group = group
         self.member = member
@@ -203,6 +269,7 @@ class GlooStreams(MessageStreams):
         self.stats = stats
         self.level = level
         self.depth = max(1, min(depth, max_backlog))
+        self.connect = connect or (lambda peer, rank: GroupChannel(group, peer))
         self.cond = threading.Condition()
         self._links: list[_Link] = []
         self._dropped: set[int] = set()
@@ -233,6 +300,9 @@ class GlooStreams(MessageStreams):
             link.outbox.clear()
             link.ready.clear()
             self.cond.notify_all()
+            channel = link.channel
+        if channel is not None:
+            channel.close()   # a link's own group: its pending works fail, its threads leave
 
     def send_to(self, k: int, message: torch.Tensor) -> PeerError | None:
         link = self._links[k]
@@ -269,9 +339,18 @@ class GlooStreams(MessageStreams):
         tag = TAG_MODULUS + link.vectors_received
         link.vectors_received += 1
         since = time.monotonic()
+        with self.cond:
+            self.cond.wait_for(lambda: link.channel is not None or link.recv_error is not None,
+                               timeout_s)
+            channel, err = link.channel, link.recv_error
+        if channel is None:
+            return err or PeerTimeoutError(f"vector from rank {link.rank} (rank {self.rank}): "
+                                           "the link was not made", timeout_s, [link.rank],
+                                           self.level)
         try:
-            work = dist.irecv(out, group=self.group, tag=tag, group_src=link.peer)
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            work = channel.irecv(out, tag)
+            work.wait(timeout=datetime.timedelta(seconds=max(
+                timeout_s - (time.monotonic() - since), 1e-3)))
         except RuntimeError as e:
             return _peer_error(e, f"vector from rank {link.rank} (rank {self.rank})",
                                timeout_s, link.rank, self.level, since)
@@ -330,3 +409,8 @@ class GlooStreams(MessageStreams):
         # the process group is being torn down.
         for thread in [*done, *(link.sender for link in links)]:
             thread.join(timeout=2.0)
+        # Links with groups of their own: aborted, so no thread stays blocked and nothing of
+        # them is left (no-op on a shared group).
+        for link in self._links:
+            if link.channel is not None:
+                link.channel.close()

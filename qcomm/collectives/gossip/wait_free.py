@@ -192,9 +192,9 @@ class WaitFreeGossip(GossipMember):
         failures = self._links.take(self._streams_now())
         self._links.sort(failures, self.membership.take_hello)
         self._handle(failures)
-        if self.membership.retired_in:  # retired at both ends: closed once applied
-            self._apply_pending()
-            self.membership.close_retired()
+        if self.membership.links_ended():  # retired at both ends, or a goodbye: closed
+            self._apply_pending()          # once what came before is applied
+            self.membership.close_ended()
         return failures
 
     def _handle(self, failures: list[tuple[int, PeerError]]) -> None:

@@ -1,0 +1,155 @@
+"""A gossip group whose links are process groups of two, made over the job's rendezvous: what
+lets a process that was not there when the job started (a node restarted after a loss) link to
+the running ones.
+
+A ``torch.distributed`` process group is fixed when it is made, so a newcomer cannot enter the
+group the others built. Here each link between two members is a Gloo group of its own, made when
+the link opens (by both ends, over a ``PrefixStore`` of the rendezvous's store) and aborted when
+it is dropped: the receives its streams had posted ahead go with it, and nothing of an old link
+is left (threads, sockets, file descriptors). Its key names both ends with their *incarnation*
+(how many times the member's seat was taken: a restarted member is a new peer) and how many
+links the pair opened before, which both ends count alike (they open and drop their links to
+each other together).
+
+Only the wait-free gossip's streams run on it; every collective raises (the members that a
+collective would wait for change while it runs: the gossip sums along its ring instead).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import torch
+import torch.distributed as dist
+
+from qcomm.validation import check_int, check_timeout
+
+from .group import CommGroup, Work
+from .links import MessageStreams
+
+__all__ = ["INCARNATION_KEY", "PairChannel", "PairGroup", "claim_incarnation"]
+
+INCARNATION_KEY = "qcomm/incarnation/{member}"
+
+
+def claim_incarnation(store: dist.Store, member: int) -> int:
+    """Take ``member``'s seat anew: its incarnation (1 at the first start, one more at each
+    restart), which every link to it names."""
+    return int(store.add(INCARNATION_KEY.format(member=member), 1))
+
+
+class PairChannel:
+    """One link's point-to-point on its own Gloo group of two (this end and the peer)."""
+
+    def __init__(self, pg: dist.ProcessGroup, peer: int) -> None:
+        self.pg: dist.ProcessGroup | None = pg
+        self.peer = peer
+
+    def _group(self) -> dist.ProcessGroup:
+        pg = self.pg
+        if pg is None:
+            raise RuntimeError("the link was closed")
+        return pg
+
+    def isend(self, t: torch.Tensor, tag: int) -> Work:
+        return self._group().send([t], self.peer, tag)
+
+    def irecv(self, t: torch.Tensor, tag: int) -> Work:
+        return self._group().recv([t], self.peer, tag)
+
+    def close(self) -> None:
+        """Abort the group and let it go: pending sends and receives fail at once, its
+        sockets and its store connection close."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            pg.abort()
+
+
+class PairGroup(CommGroup):
+    """This member's handle on a gossip group whose links are groups of two over ``store``
+    (module docstring).
+
+    Args:
+        rendezvous: ``"HOST:PORT"`` of the rendezvous (its ``TCPStore``). Each link is made
+            over a connection of its own: making one waits in the store for the other end,
+            and must not hold up the caller's use of the store (a joiner's state comes that
+            way) nor another link's.
+        member: this member's index, 0 <= member < size; its incarnation is claimed first
+            (:func:`claim_incarnation`).
+        size: members (the job's nodes).
+        name: what tells this gossip's links from others' in the store (a rail: ``"rail0"``).
+        timeout_s: how long a link waits for its other end to open it, and the link groups'
+            timeout.
+    """
+
+    def __init__(self, rendezvous: str, member: int, size: int, *, name: str = "rail0",
+                 timeout_s: float = 300.0) -> None:
+        from qcomm.rendezvous.seat import parse_address
+
+        self.host, self.port = parse_address(rendezvous)
+        self.size = check_int("size", size, low=1)
+        self.rank = check_int("member", member, low=0, high=size, high_open=True)
+        self.ranks = list(range(size))
+        self.name = name
+        self.timeout = datetime.timedelta(seconds=check_timeout(timeout_s))
+        self._opened: dict[tuple[int, int], int] = {}   # (peer, its incarnation): links opened
+        self._lock = threading.Lock()
+
+    def _incarnation(self, store: dist.Store, member: int) -> int:
+        """``member``'s current incarnation (waits for its first start, up to the timeout)."""
+        key = INCARNATION_KEY.format(member=member)
+        store.wait([key], self.timeout)
+        return int(store.add(key, 0))
+
+    def connect(self, peer: int, peer_rank: int) -> PairChannel:
+        """Make the link to member ``peer``: a Gloo group of two over the rendezvous, made by
+        both ends (blocks until the other end comes, up to the timeout; RuntimeError then, as
+        when the rendezvous does not answer)."""
+        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
+        me = (self.rank, self._incarnation(store, self.rank))
+        other = (peer, self._incarnation(store, peer))
+        with self._lock:
+            n = self._opened[other] = self._opened.get(other, 0) + 1
+        lo, hi = sorted([me, other])
+        prefix = f"qcomm/link/{self.name}/{lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}/{n}/"
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = self.timeout
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store),
+                                   0 if me == lo else 1, 2, opts)
+        return PairChannel(pg, 1 if me == lo else 0)
+
+    def streams(self, peers: list[int], *, nbytes: int, max_backlog: int, timeout_s: float,
+                stream_end, stats, level: str) -> MessageStreams:
+        from qcomm.collectives.gossip.streams import GlooStreams
+
+        return GlooStreams(self.ranks, None, self.rank, peers, nbytes, max_backlog=max_backlog,
+                           timeout_s=timeout_s, stream_end=stream_end, stats=stats,
+                           level=level, connect=self.connect)
+
+    def _no_collectives(self, what: str):
+        raise NotImplementedError(
+            f"{what} over a PairGroup: its members change while the job runs, so it has only "
+            "the wait-free gossip's streams (sums go along the gossip's ring)")
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Work:
+        self._no_collectives("all_reduce")
+
+    def all_reduce_future(self, tensor: torch.Tensor) -> torch.futures.Future:
+        self._no_collectives("all_reduce_future")
+
+    def all_gather_flat(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        self._no_collectives("all_gather_flat")
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        self._no_collectives("all_to_all_single")
+
+    def barrier(self) -> None:
+        self._no_collectives("barrier")
+
+    def transport(self, peers: list[int], *, stats, level: str):
+        self._no_collectives("the lockstep gossip's transport")
+
+    def __repr__(self) -> str:
+        return f"PairGroup(member={self.rank}, size={self.size}, name={self.name!r})"

@@ -1,0 +1,121 @@
+"""Joins announced through the rendezvous: a member that starts while the job runs says so, the
+running members see it, and one of them hands it the state to start from.
+
+    joiner:   seq = announce(store, member, incarnation)      # then
+              state = await_state(store, seq, timeout_s)      # bytes from a running member
+    running:  watcher = JoinWatcher(host, port)               # a thread polls the store
+              for seq, member, incarnation in watcher.new(): ...; offer_state(store, seq, b)
+
+The store holds ``qcomm/joins`` (how many joins were announced) and per join ``qcomm/join/<seq>``
+(``"member:incarnation"``) and ``qcomm/join/<seq>/state`` (the first offer wins). The watcher
+polls from a thread of its own, on a connection of its own, so a rendezvous that is down or slow
+never stops a training step: it warns once and keeps trying; joins wait until it is back.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+
+import torch.distributed as dist
+
+__all__ = ["JoinWatcher", "announce", "await_state", "offer_state"]
+
+log = logging.getLogger("qcomm")
+
+JOINS_KEY = "qcomm/joins"
+
+
+def _join_key(seq: int) -> str:
+    return f"qcomm/join/{seq}"
+
+
+def announce(store: dist.Store, member: int, incarnation: int) -> int:
+    """Announce that ``member`` (at ``incarnation``) joins the running job; its join's number."""
+    seq = int(store.add(JOINS_KEY, 1))
+    store.set(_join_key(seq), f"{member}:{incarnation}")
+    return seq
+
+
+def offer_state(store: dist.Store, seq: int, payload: bytes) -> bool:
+    """Offer join ``seq`` the state to start from; True when this offer is the one taken (the
+    first)."""
+    key = _join_key(seq) + "/state"
+    return store.compare_set(key, "", payload) == payload
+
+
+def await_state(store: dist.Store, seq: int, timeout_s: float) -> bytes:
+    """The state offered to join ``seq``.
+
+    Raises:
+        TimeoutError: no running member offered it within ``timeout_s``.
+    """
+    key = _join_key(seq) + "/state"
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistStoreError) as e:
+        raise TimeoutError(f"no running member handed this joiner its state within "
+                           f"{timeout_s:g} s (join {seq})") from e
+    return store.get(key)
+
+
+class JoinWatcher:
+    """Polls the rendezvous for joins, every ``poll_s`` seconds, from a thread of its own.
+
+    Args:
+        host, port: the rendezvous.
+        poll_s: seconds between polls.
+        seen: joins already known (a joiner passes its own join's number).
+    """
+
+    def __init__(self, host: str, port: int, *, poll_s: float = 0.2, seen: int = 0) -> None:
+        self.host, self.port, self.poll_s = host, port, poll_s
+        self._seen = seen
+        self._found: list[tuple[int, int, int]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._store: dist.Store | None = None
+        self._warned = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="qcomm-joins")
+        self._thread.start()
+
+    def new(self) -> list[tuple[int, int, int]]:
+        """The joins seen since the last call: (number, member, incarnation), in order."""
+        with self._lock:
+            out, self._found = self._found, []
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _poll(self) -> None:
+        if self._store is None:
+            self._store = dist.TCPStore(self.host, self.port, is_master=False,
+                                        timeout=datetime.timedelta(seconds=5))
+        joins = int(self._store.add(JOINS_KEY, 0))
+        for seq in range(self._seen + 1, joins + 1):
+            self._store.wait([_join_key(seq)], datetime.timedelta(seconds=5))
+            member, incarnation = (int(v) for v in
+                                   self._store.get(_join_key(seq)).decode().split(":"))
+            with self._lock:
+                self._found.append((seq, member, incarnation))
+            self._seen = seq
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._poll()
+                if self._warned:
+                    log.warning("qcomm: the rendezvous at %s:%d answers again", self.host,
+                                self.port)
+                    self._warned = False
+            except (RuntimeError, OSError, dist.DistStoreError) as e:
+                self._store = None
+                if not self._warned:
+                    log.warning("qcomm: the rendezvous at %s:%d does not answer (%s); the "
+                                "running nodes keep their members, joins wait until it is "
+                                "back", self.host, self.port, e)
+                    self._warned = True
+            self._stop.wait(self.poll_s)

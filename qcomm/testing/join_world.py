@@ -1,0 +1,191 @@
+"""One process of a wait-free gossip whose members come and go, for the join tests
+(``tests/collectives/test_join_processes.py``) and the join benchmark (``bench/join_rate.py``): a
+member over a :class:`~qcomm.collectives.pair_group.PairGroup` of the rendezvous at ``--port``,
+mixing a random vector (no local update; ``--step-s`` of sleep stands for the compute).
+
+``--mode member``: ``--steps`` steps, then drain, settle and sum along the ring; with ``--join``
+it joins the running job from a neighbour's state. ``--mode host`` / ``visitor``: member 0 stays
+while member 1 comes and goes ``--cycles`` times in one process. Each writes what it ends with
+to ``--out`` (a ``torch.save`` file).
+
+    python -m qcomm.testing.join_world --member 1 --size 3 --port P --steps 600 \
+        --out /tmp/m1.pt [--join]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from qcomm.collectives.gossip import WaitFreeGossip
+from qcomm.collectives.gossip.joining import admit, join_state, start_joined
+from qcomm.collectives.pair_group import PairGroup, claim_incarnation
+from qcomm.compress import QuantSpec
+from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
+
+NUMEL = 4096
+
+
+def _state_bytes(x: torch.Tensor, g: WaitFreeGossip) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"x": x, "gossip": join_state(g)}, buf)
+    return buf.getvalue()
+
+
+def _gossip(args: argparse.Namespace, store: dist.Store) -> tuple[WaitFreeGossip, int]:
+    incarnation = claim_incarnation(store, args.member)
+    group = PairGroup(f"127.0.0.1:{args.port}", args.member, args.size, timeout_s=20)
+    g = WaitFreeGossip(list(range(args.size)), group, args.numel,
+                       spec=QuantSpec(4, 128, "stochastic"), gamma=0.3, fragments=2,
+                       on_peer_loss="continue", timeout_s=10)
+    return g, incarnation
+
+
+def _join(g: WaitFreeGossip, store: dist.Store, member: int, incarnation: int,
+          events: dict[str, float] | None = None) -> tuple[torch.Tensor, int]:
+    """Announce the join, take the state a running member offers, start from it (the wall
+    times of both in ``events``)."""
+    seq = announce(store, member, incarnation)
+    if events is not None:
+        events["announced"] = time.time()
+    state = torch.load(io.BytesIO(await_state(store, seq, 30)), weights_only=True)
+    start_joined(g, state["gossip"])
+    if events is not None:
+        events["started"] = time.time()
+    logging.info("joined (join %d)", seq)
+    return state["x"].clone(), seq
+
+
+def _step(g: WaitFreeGossip, x: torch.Tensor, watcher: JoinWatcher, store: dist.Store,
+          member: int, step_s: float) -> None:
+    """One step: admit the members that join (the one just below a joiner hands it its
+    state), then a round."""
+    for seq, joiner, _ in watcher.new():
+        if joiner == member:
+            continue
+        admit(g, joiner)
+        if g.membership.nearest_live(1) == joiner:
+            offer_state(store, seq, _state_bytes(x, g))
+    g.prepare()
+    g.end_step(x)
+    time.sleep(step_s)
+
+
+def wait_progress(store: dist.Store, key: str, at_least: int, timeout_s: float = 120.0
+                  ) -> None:
+    """Wait until the count a member writes under ``key`` (its steps, every ten) reaches
+    ``at_least``.
+
+    Raises:
+        TimeoutError: not within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if store.check([key]) and int(store.get(key)) >= at_least:
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"{key} did not reach {at_least} within {timeout_s:g} s")
+
+
+def _resources() -> tuple[int, int]:
+    """This process's OS threads and open file descriptors."""
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def run_member(args: argparse.Namespace, store: dist.Store) -> None:
+    """Mix for ``--steps`` steps (joining first with ``--join``), then drain, settle, sum."""
+    events: dict[str, float] = {}
+    g, incarnation = _gossip(args, store)
+    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(args.member))
+    seen = 0
+    if args.join:
+        x, seen = _join(g, store, args.member, incarnation, events)
+    watcher = JoinWatcher("127.0.0.1", args.port, seen=seen, poll_s=0.05)
+    times = []   # wall time at the end of each step
+    while g.steps < args.steps:
+        _step(g, x, watcher, store, args.member, args.step_s)
+        times.append(time.time())
+        if g.steps % 10 == 0:
+            store.set(f"progress/{args.member}/{incarnation}", str(g.steps))
+    g.drain()
+    g.settle(x)
+    total, live = g.survivors_sum(x)
+    torch.save({"x": x, "sum": total, "live": live, "lost": sorted(g.lost),
+                "losses": len(g.losses), "incarnation": incarnation, "times": times,
+                "events": events, "first_step": g.steps - len(times),
+                "peers": sorted(g.peers[k] for k in g.membership.live_links())}, args.out)
+    watcher.close()
+    g.close()
+
+
+def run_host(args: argparse.Namespace, store: dist.Store) -> None:
+    """Member 0 of 2, which stays while member 1 comes and goes ``--cycles`` times: its
+    threads and file descriptors each time a visit has left."""
+    g, _ = _gossip(args, store)
+    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
+    watcher = JoinWatcher("127.0.0.1", args.port, poll_s=0.05)
+    counts: dict[int, tuple[int, int]] = {}
+    closed = 0
+    deadline = time.monotonic() + 600
+    while closed < args.cycles and time.monotonic() < deadline:
+        _step(g, x, watcher, store, args.member, args.step_s)
+        visits = int(store.add("visits", 0))
+        if visits > closed and not g.membership.live_links():   # the visit left, link closed
+            closed = visits
+            time.sleep(0.5)   # the link's threads are leaving
+            counts[closed] = _resources()
+            store.set(f"closed/{closed}", "1")
+    torch.save({"counts": counts, "losses": len(g.losses), "steps": g.steps}, args.out)
+    watcher.close()
+    g.close()
+
+
+def run_visitor(args: argparse.Namespace, store: dist.Store) -> None:
+    """Member 1 of 2: ``--cycles`` visits in one process, each a new incarnation that joins
+    (the first starts with the job), mixes ``--steps`` steps and leaves (``close()``)."""
+    for visit in range(1, args.cycles + 1):
+        g, incarnation = _gossip(args, store)
+        x = torch.zeros(args.numel)
+        if visit > 1:
+            x, _ = _join(g, store, args.member, incarnation)
+        for _ in range(args.steps):
+            g.prepare()
+            g.end_step(x)
+            time.sleep(args.step_s)
+        g.close()
+        store.add("visits", 1)
+        store.wait([f"closed/{visit}"])   # the host closed its link to this visit
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["member", "host", "visitor"], default="member")
+    ap.add_argument("--member", type=int, required=True)
+    ap.add_argument("--size", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--join", action="store_true")
+    ap.add_argument("--cycles", type=int, default=20)
+    ap.add_argument("--step-s", type=float, default=0.01)
+    ap.add_argument("--numel", type=int, default=NUMEL)
+    args = ap.parse_args()
+    # torch starts its intra-op pool threads lazily, at the first op that goes parallel: start
+    # them now, so that a thread count measures this process, not when torch first needed one
+    torch.ones(1 << 22).add_(1).sum()
+    logging.basicConfig(level=logging.INFO,
+                        format=f"[member {args.member}] %(relativeCreated)d ms %(message)s")
+    store = dist.TCPStore("127.0.0.1", args.port, is_master=False,
+                          timeout=datetime.timedelta(seconds=30))
+    {"member": run_member, "host": run_host, "visitor": run_visitor}[args.mode](args, store)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""A gossip group whose links are groups of two over the rendezvous
+(:class:`~qcomm.collectives.pair_group.PairGroup`): bad arguments are named, it contacts
+nothing until a link opens, and every collective is refused with a named error (its members
+change while the job runs). Links over it are tested as processes in
+``test_join_processes.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qcomm.collectives.pair_group import PairGroup
+
+
+@pytest.mark.parametrize(("args", "kwargs", "match"), [
+    (("nowhere", 0, 3), {}, "rendezvous must be 'HOST:PORT'"),
+    (("127.0.0.1:0", 0, 3), {}, "rendezvous must be 'HOST:PORT'"),
+    (("127.0.0.1:29400", 3, 3), {}, "member"),
+    (("127.0.0.1:29400", -1, 3), {}, "member"),
+    (("127.0.0.1:29400", 0, 0), {}, "size"),
+    (("127.0.0.1:29400", 0, 3), {"timeout_s": 0}, "timeout"),
+])
+def test_bad_arguments_are_named(args, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        PairGroup(*args, **kwargs)
+
+
+def test_it_contacts_nothing_until_a_link_opens_and_refuses_every_collective() -> None:
+    g = PairGroup("127.0.0.1:1", 1, 3)   # nothing listens there: nothing is asked of it
+    assert (g.rank, g.size, g.ranks) == (1, 3, [0, 1, 2])
+    t = torch.zeros(4)
+    calls = [lambda: g.all_reduce(t), lambda: g.all_reduce_future(t),
+             lambda: g.all_gather_flat(torch.zeros(12), t),
+             lambda: g.all_to_all_single(torch.zeros(3), torch.zeros(3)), g.barrier,
+             lambda: g.transport([0], stats=None, level="inter")]
+    for call in calls:
+        with pytest.raises(NotImplementedError, match="over a PairGroup: its members change"):
+            call()

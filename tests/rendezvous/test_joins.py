@@ -1,0 +1,108 @@
+"""Joins announced through the rendezvous (:mod:`qcomm.rendezvous.joins`): the running members'
+watcher sees each join once and in order, the first state offered is the one the joiner takes,
+a joiner that gets none fails with a named error in its bound, and a rendezvous that is down
+stops nothing (the watcher warns once and picks the joins up when it is back). The rendezvous
+runs in a thread of this process."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from qcomm.rendezvous import serve
+from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
+from qcomm.testing.multiprocess import free_port
+
+
+def _serve(port: int) -> tuple[threading.Thread, threading.Event]:
+    ready, stop = threading.Event(), threading.Event()
+    t = threading.Thread(target=serve, args=("127.0.0.1", port, 3),
+                         kwargs={"ready": ready, "stop": stop}, daemon=True)
+    t.start()
+    assert ready.wait(10)
+    return t, stop
+
+
+@pytest.fixture
+def rendezvous() -> Iterator[tuple[int, dist.Store]]:
+    port = free_port()
+    t, stop = _serve(port)
+    yield port, dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=datetime.timedelta(seconds=5))
+    stop.set()
+    t.join(5)
+
+
+def _collect(watcher: JoinWatcher, count: int, timeout_s: float = 10.0) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        got += watcher.new()
+        time.sleep(0.02)
+    return got
+
+
+def test_the_watcher_sees_each_join_once_in_order(rendezvous) -> None:
+    port, store = rendezvous
+    watcher = JoinWatcher("127.0.0.1", port, poll_s=0.02)
+    try:
+        assert announce(store, 2, 2) == 1
+        assert announce(store, 0, 3) == 2
+        assert _collect(watcher, 2) == [(1, 2, 2), (2, 0, 3)]
+        time.sleep(0.1)
+        assert watcher.new() == []   # nothing twice
+        # a joiner's own watcher starts after its own join
+        late = JoinWatcher("127.0.0.1", port, poll_s=0.02, seen=2)
+        assert announce(store, 1, 2) == 3
+        assert _collect(late, 1) == [(3, 1, 2)]
+        late.close()
+    finally:
+        watcher.close()
+
+
+def test_the_first_state_offered_is_the_one_taken(rendezvous) -> None:
+    _, store = rendezvous
+    seq = announce(store, 1, 2)
+    assert offer_state(store, seq, b"first")
+    assert not offer_state(store, seq, b"second")
+    assert await_state(store, seq, 5) == b"first"
+
+
+def test_a_joiner_that_gets_no_state_fails_in_its_bound(rendezvous) -> None:
+    _, store = rendezvous
+    seq = announce(store, 1, 2)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no running member handed this joiner its state "
+                                           r"within 0.5 s \(join 1\)"):
+        await_state(store, seq, 0.5)
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_rendezvous_that_is_down_stops_nothing_and_joins_wait_for_it(caplog) -> None:
+    port = free_port()
+    caplog.set_level(logging.WARNING, logger="qcomm")
+    watcher = JoinWatcher("127.0.0.1", port, poll_s=0.05)
+    try:
+        t0 = time.monotonic()
+        assert watcher.new() == []            # never blocks its caller
+        assert time.monotonic() - t0 < 0.1
+        deadline = time.monotonic() + 15
+        while "does not answer" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert caplog.text.count("does not answer") == 1   # once, however many polls fail
+        t, stop = _serve(port)                 # back
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=datetime.timedelta(seconds=5))
+        announce(store, 2, 2)
+        assert _collect(watcher, 1, 20) == [(1, 2, 2)]
+        assert "answers again" in caplog.text
+        stop.set()
+        t.join(5)
+    finally:
+        watcher.close()
