@@ -195,6 +195,8 @@ class _Link:
                     while not posted and not self.outbox and not self.closing:
                         self.cond.wait()
                     if self.closing and not posted and not self.outbox:
+                        if self.k in o._dropped:   # flushed a dropped stream's last message
+                            self.channel.close()
                         return
                     batch = []
                     while self.outbox and len(posted) + len(batch) < o.depth:
@@ -297,10 +299,15 @@ class GlooStreams(MessageStreams):
             self._dropped.add(k)
             # Its threads leave at their next wake-up (a dead peer's waits fail); daemons.
             link.closing = True
-            link.outbox.clear()
+            # A finished stream's last message must still leave (the other end waits for it):
+            # its sender thread sends what is queued, then closes the channel.
+            flush = k in self._finished and link.send_error is None and bool(
+                link.outbox or link.unconfirmed)
+            if not flush:
+                link.outbox.clear()
             link.ready.clear()
             self.cond.notify_all()
-            channel = link.channel
+            channel = None if flush else link.channel
         if channel is not None:
             channel.close()   # a link's own group: its pending works fail, its threads leave
 
