@@ -334,18 +334,21 @@ class Membership:
         if self.live[k]:
             self.retired_in.append(k)
 
-    def links_ended(self) -> bool:
-        """Whether a link is to close: retired at both ends, or its neighbour said goodbye."""
-        return bool(self.retired_in) or any(self.streams().ended(k) for k in self.live_links())
+    def links_ended(self, goodbyes: bool = True) -> bool:
+        """Whether a link is to close: retired at both ends, or (``goodbyes``) its neighbour
+        said goodbye. Not goodbyes during a drain: a member that passed the drain may say
+        goodbye before the others have, and the drain's cut (a checkpoint's) holds its link."""
+        return bool(self.retired_in) or (goodbyes and any(
+            self.streams().ended(k) for k in self.live_links()))
 
-    def close_ended(self) -> None:
+    def close_ended(self, goodbyes: bool = True) -> None:
         """Close the links :meth:`links_ended` found (after their last messages were applied):
         no loss. A retired link's neighbour stays live; one that said goodbye left on purpose:
         it is no longer live here, but no loss is recorded and the ring is not closed over it
         (a ring less one member is still connected)."""
         streams = self.streams()
         for k in self.live_links():
-            left = streams.ended(k)
+            left = goodbyes and streams.ended(k)
             if k not in self.retired_in and not left:
                 continue
             self.live[k] = False

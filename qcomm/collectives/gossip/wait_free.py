@@ -187,14 +187,14 @@ class WaitFreeGossip(GossipMember):
         self._take_in()
         self._apply_pending()
 
-    def _take_in(self) -> list[tuple[int, PeerError]]:
-        """Take, verify and sort what arrived; handle the links that failed (returned)."""
+    def _take_in(self, goodbyes: bool = True) -> list[tuple[int, PeerError]]:
+        """Take, verify, sort what arrived; handle failed links (returned), ended ones."""
         failures = self._links.take(self._streams_now())
         self._links.sort(failures, self.membership.take_hello)
         self._handle(failures)
-        if self.membership.links_ended():  # retired at both ends, or a goodbye: closed
-            self._apply_pending()          # once what came before is applied
-            self.membership.close_ended()
+        if self.membership.links_ended(goodbyes):  # closed once what came before is applied
+            self._apply_pending()
+            self.membership.close_ended(goodbyes)
         return failures
 
     def _handle(self, failures: list[tuple[int, PeerError]]) -> None:
@@ -373,7 +373,7 @@ class WaitFreeGossip(GossipMember):
         streams = self._streams_now()
         deadline = time.monotonic() + self.timeout_s
         while True:
-            if self._take_in():  # new neighbours get the full time to answer
+            if self._take_in(goodbyes=False):  # new neighbours get the full time to answer
                 deadline = time.monotonic() + self.timeout_s
             waiting = self.membership.awaiting_markers(streams.ended)
             if not waiting:
