@@ -226,9 +226,10 @@ class Place:
 
 
 def start_processes(backend: str, timeout_s: float, address: str | None = None,
-                    node_id: int | None = None) -> Place:
+                    node_id: int | None = None, linked: bool = False) -> Place:
     """Join the job (torchrun's, or through the rendezvous at ``address`` with one torchrun
-    per node) and pick this rank's device.
+    per node; ``linked``: the nodes linked through it, so that a node can come back while the
+    job runs) and pick this rank's device.
 
     Raises:
         RuntimeError: a GPU backend asked for without enough GPUs on this machine.
@@ -252,6 +253,10 @@ def start_processes(backend: str, timeout_s: float, address: str | None = None,
         device = torch.device("cpu")
         pg_backend = "gloo"
     # One timeout bounds every wait, so a machine that dies ends the job instead of hanging it.
+    if address is not None and linked:  # nodes come and go: default group = this node
+        seat = rendezvous.init_node(address, backend=pg_backend, node_id=node_id,
+                                    timeout_s=timeout_s)
+        return Place(seat.rank, seat.world_size, device, speaks=local_rank == 0)
     if address is not None:  # every node its own torchrun: each node's first rank speaks
         seat = rendezvous.init_process_group(address, backend=pg_backend, node_id=node_id,
                                              timeout_s=timeout_s)
@@ -370,7 +375,8 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
                    "(rank 0's parameters)")
 
         running, count, t0 = 0.0, 0, time.perf_counter()
-        for step in range(start + 1, args.steps + 1):
+        step = start
+        while step < args.steps:
             batch = random_windows(train_tokens, args.context, args.batch_size)
             opt.zero_grad()
             loss = next_token_loss(net, batch.to(place.device))
@@ -380,6 +386,8 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
                 opt.sync_gradients()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
+            # A node that came back to the running job takes its neighbour's step count.
+            step = max(step + 1, opt.stats()["steps"])
             running, count = running + loss.item(), count + 1
             if not math.isfinite(running):
                 raise FloatingPointError(f"rank {place.rank}: training loss {loss.item()} at "
@@ -409,6 +417,8 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
         if stats.get("dropped_ranks"):  # the whole world's sum would wait for the lost
             say(place, f"nodes live at the end: {stats['live_nodes']} (ranks dropped: "
                        f"{stats['dropped_ranks']})")
+        elif rendezvous.linked_seat() is not None:  # no group spans the job
+            say(place, f"nodes live at the end: {stats['live_nodes']}")
         elif place.distributed:
             dist.all_reduce(totals)  # CPU tensor: Gloo moves it under both backends
             say(place, f"bytes sent by all ranks: {int(totals[0]):,} between nodes, "
@@ -547,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("qcomm").setLevel(logging.INFO)
     place = None
     try:
-        place = start_processes(args.backend, args.timeout_s, args.rendezvous, args.node_id)
+        place = start_processes(args.backend, args.timeout_s, args.rendezvous, args.node_id,
+                                linked=args.on_peer_loss == "continue")
         rank = str(place.rank)  # the job's rank (with the rendezvous, torchrun's is the node's)
         for handler in logging.getLogger().handlers:
             handler.setFormatter(logging.Formatter(

@@ -23,6 +23,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from qcomm.rendezvous.seat import INCARNATION_KEY, claim_incarnation
 from qcomm.validation import check_int, check_timeout
 
 from .group import CommGroup, Work
@@ -30,13 +31,6 @@ from .links import MessageStreams
 
 __all__ = ["INCARNATION_KEY", "PairChannel", "PairGroup", "claim_incarnation"]
 
-INCARNATION_KEY = "qcomm/incarnation/{member}"
-
-
-def claim_incarnation(store: dist.Store, member: int) -> int:
-    """Take ``member``'s seat anew: its incarnation (1 at the first start, one more at each
-    restart), which every link to it names."""
-    return int(store.add(INCARNATION_KEY.format(member=member), 1))
 
 
 class PairChannel:
@@ -81,16 +75,21 @@ class PairGroup(CommGroup):
         name: what tells this gossip's links from others' in the store (a rail: ``"rail0"``).
         timeout_s: how long a link waits for its other end to open it, and the link groups'
             timeout.
+        ranks: the members' global ranks in the job, by member (default: the member
+            numbers; a rail of nodes of several ranks: ``node * procs_per_node + local_rank``).
     """
 
     def __init__(self, rendezvous: str, member: int, size: int, *, name: str = "rail0",
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, ranks: list[int] | None = None) -> None:
         from qcomm.rendezvous.seat import parse_address
 
         self.host, self.port = parse_address(rendezvous)
         self.size = check_int("size", size, low=1)
         self.rank = check_int("member", member, low=0, high=size, high_open=True)
-        self.ranks = list(range(size))
+        self.ranks = list(range(size)) if ranks is None else [int(r) for r in ranks]
+        if len(self.ranks) != size:
+            raise ValueError(f"ranks must list one global rank per member ({size}), got "
+                             f"{self.ranks}")
         self.name = name
         self.timeout = datetime.timedelta(seconds=check_timeout(timeout_s))
         self._opened: dict[tuple[int, int], int] = {}   # (peer, its incarnation): links opened

@@ -187,7 +187,9 @@ class Topology:
         if self.world_size == 1:
             self._groups = (None, None)
             return self._groups
-        self._check_same_topology_everywhere()
+        if getattr(self.world, "spans_job", True):
+            # (a world of linked nodes has no group over the job: they agree at the rendezvous)
+            self._check_same_topology_everywhere()
         # Fixed order on every rank: node groups by node, then rails by local rank.
         nodes = [self.ranks_of_node(n) for n in range(self.num_nodes)] \
             if self.procs_per_node > 1 else []

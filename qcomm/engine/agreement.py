@@ -130,3 +130,26 @@ def check_agreement(row: list[int], group: Any, world_size: int, device: torch.d
         held = "; ".join(f"ranks {ranks}: {_describe(f, v)}" for v, ranks in by_value.items())
         raise ValueError(f"ranks disagree on {name} ({held}); every rank must pass the same "
                          "communication options and the same model to the optimizer")
+
+
+def check_job_agreement(row: list[int], store: Any, key: str) -> None:
+    """Compare this rank's :func:`fingerprint` with the job's, kept in the rendezvous's
+    ``store`` under ``key`` (the first rank to come sets it): for nodes linked through the
+    rendezvous, which share no group over the job and come and go while it runs. A node that
+    differs is refused alone; the running ones are not touched.
+
+    Raises:
+        ValueError: naming the first field that differs, this node's value and the job's.
+    """
+    mine = ",".join(map(str, row))
+    theirs = store.compare_set(key, "", mine).decode()
+    if theirs == mine:
+        return
+    names = list(_OPTION_CODECS) + list(_LAYOUT_FIELDS)
+    job = [int(v) for v in theirs.split(",")]
+    for f, name in enumerate(names):
+        if f >= len(job) or job[f] != row[f]:
+            got = _describe(f, job[f]) if f < len(job) else "nothing"
+            raise ValueError(f"this node's {name} is {_describe(f, row[f])} but the running "
+                             f"job's is {got}: a node joins with the job's communication "
+                             "options and model")

@@ -73,6 +73,28 @@ class ModelBuffers:
         same (the engine's agreement check compares them)."""
         return [(n, tuple(b.shape), b.dtype) for n, b in (*self.floating, *self.integer)]
 
+    def values(self) -> dict[str, torch.Tensor]:
+        """Every buffer kept in agreement, by name: CPU copies (what a node that joins the
+        running job starts from)."""
+        return {n: b.detach().to("cpu", copy=True) for n, b in (*self.floating, *self.integer)}
+
+    @torch.no_grad()
+    def load(self, values: dict[str, torch.Tensor]) -> None:
+        """Every buffer <- ``values[name]`` (a :meth:`values` of the same model).
+
+        Raises:
+            ValueError: a name, shape or dtype differs (named); nothing is changed.
+        """
+        mine = dict((*self.floating, *self.integer))
+        for n, b in mine.items():
+            v = values.get(n)
+            if v is None or v.shape != b.shape or v.dtype != b.dtype:
+                got = None if v is None else (tuple(v.shape), v.dtype)
+                raise ValueError(f"buffer {n!r} is {(tuple(b.shape), b.dtype)} here and "
+                                 f"{got} in the state given: not the same model")
+        for n, b in mine.items():
+            b.copy_(values[n])
+
     # -----------------------------------------------------------------------------------------
 
     @staticmethod

@@ -41,11 +41,12 @@ from torch.optim import optimizer as torch_optimizer
 
 from qcomm.collectives.errors import PeerError
 from qcomm.collectives.intra import IntraNodeAllreduce
+from qcomm.collectives.linked_world import LinkedWorld
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.collectives.torch_group import TorchWorld
-from qcomm.engine.agreement import check_agreement, fingerprint
+from qcomm.engine.agreement import check_agreement, check_job_agreement, fingerprint
 from qcomm.engine.buffers import ModelBuffers
 from qcomm.engine.gradients import (
     NonFiniteGradientError,
@@ -53,11 +54,13 @@ from qcomm.engine.gradients import (
     holds_values,
     node_mean_and_vote,
 )
+from qcomm.engine.joins import NodeJoins, check_linked_options
 from qcomm.engine.node_gossip import NodeGossip
 from qcomm.engine.options import CommOptions
 from qcomm.engine.report import engine_stats, log_topology
 from qcomm.engine.sharded import ShardedParamsError, check_sharding, local_tensor
 from qcomm.engine.state import EngineStateFile, check_loadable, geometry
+from qcomm.rendezvous.node import linked_seat
 from qcomm.validation import check_instance
 
 __all__ = ["AveragingEngine"]
@@ -111,6 +114,13 @@ class AveragingEngine:
                        what="a qcomm.collectives.Topology")
         self.options = options
         self.owner = owner
+        # Nodes linked through the rendezvous (qcomm.rendezvous.init_node): the topology is the
+        # seat's, its rails groups of two made as links open.
+        self._linked = linked_seat() if topology is None else None
+        if self._linked is not None:
+            seat = self._linked
+            topology = Topology(seat.procs_per_node, rank=seat.rank,
+                                world_size=seat.world_size, world=LinkedWorld(seat))
         self._topology_arg = topology
         self.comm_stats = CommStats()
         self._steps = 0   # the clock while there is no gossip (then the gossip's: `steps`)
@@ -126,6 +136,7 @@ class AveragingEngine:
         self._topology: Topology | None = None
         self._intra: IntraNodeAllreduce | None = None
         self._node: NodeGossip | None = None   # the gossip between nodes, None on one node
+        self._joins: NodeJoins | None = None   # joins on this rank's rail (linked nodes)
         self._frozen: list[torch.Tensor] = []
         self._grads_synced = False   # sync_gradients ran for the step in progress
         self._go = True              # ... and its verdict
@@ -242,6 +253,8 @@ class AveragingEngine:
         _check_not_differentiable(self.owner.param_groups)
         _check_fused_devices(self.owner.param_groups)
         opts = self.options
+        if self._linked is not None:
+            check_linked_options(opts, self._linked)
         topo = self._topology_arg or Topology(opts.procs_per_node)
         sharded = self.sharding(topology=topo)
         # Group creation is collective: every rank touches both properties here, in this order.
@@ -262,10 +275,17 @@ class AveragingEngine:
         # One small collective before anything is exchanged: every rank must have the same
         # options and the same communicated parameters, or all raise the same ValueError.
         buffers = self._buffers.signature() if self._buffers is not None else []
-        check_agreement(fingerprint(opts, communicated, self._ddp_intra, buffers, sharded),
-                        topo.world_group, topo.world_size, topo.control_device(), opts.timeout_s)
+        row = fingerprint(opts, communicated, self._ddp_intra, buffers, sharded)
+        if self._linked is None:
+            check_agreement(row, topo.world_group, topo.world_size, topo.control_device(),
+                            opts.timeout_s)
+        else:
+            self._joins = self._agree_and_join(row, topo, node)
         self._topology, self._intra, self._node = topo, intra, node
         self._sharded = sharded
+        if self._pending is not None and self._linked is not None and self._linked.rejoining:
+            # the node started from a running neighbour's state, not from its checkpoint's
+            self._pending["gossip"] = None
         if self._pending is not None:
             if intra is not None and self._pending.get("intra") is not None:
                 intra.load_state_dict(self._pending["intra"])
@@ -275,6 +295,27 @@ class AveragingEngine:
         self._ready = True
         log_topology(topo, self.options, self._ddp_intra, node.flat.numel if node else 0,
                      node.gossip.gamma if node else None, sharded=sharded)
+
+    def _agree_and_join(self, row: list[int], topo: Topology,
+                        node: NodeGossip | None) -> NodeJoins | None:
+        """Linked nodes: agree over the node, then with the job at the rendezvous (a node that
+        differs is refused alone); a node that comes back starts from a running neighbour's
+        state; watch for the nodes that join after."""
+        seat = self._linked
+        check_agreement(row, topo.intra_group, topo.procs_per_node, topo.control_device(),
+                        self.options.timeout_s)
+        check_job_agreement(row, seat.store(), "qcomm/linked/agreement")
+        if node is None:
+            return None
+        joins = NodeJoins(seat, node, self._buffers)
+        try:
+            if seat.rejoining:
+                joins.join()
+            joins.watch()
+        except BaseException:
+            joins.close()
+            raise
+        return joins
 
     @property
     def _gossip(self) -> Any:
@@ -401,10 +442,17 @@ class AveragingEngine:
             host_only = self.options.on_nonfinite != "skip"
             finite = node_finite = all_finite(grads, host_only=host_only)
         else:
+            joining = not self._ready and self._linked is not None and self._linked.rejoining
             self.setup()
+            if joining and self._node is not None:
+                # This step's gradients are of the parameters the join just replaced.
+                self._grads_synced, self._go = True, False
+                return False
             self._check_frozen()
             topo = self._topology
             round_error, round_mask = None, None
+            if self._joins is not None:
+                self._joins.admit_new()
             if self._node is not None and self._node.round_due():
                 # Before anything of this step changes: receive and verify the round this
                 # step applies; the node agrees on it with the gradient mean (one collective).
@@ -575,6 +623,8 @@ class AveragingEngine:
                 with contextlib.suppress(PeerError):
                     self._gossip.flush()
             self._gossip.close()
+        if self._joins is not None:
+            self._joins.close()
         self._steps = self.steps   # the gossip's clock, kept past it
         self._reset_runtime()
         self._closed = True

@@ -9,7 +9,9 @@ and in ``train.py``, ``qcomm.rendezvous.init_process_group()`` where
 node. docs/guide.md, "One torchrun per node", has the launch in full.
 """
 
+from .node import LinkedSeat, init_node, linked_seat
 from .seat import ENV_VAR, Seat, init_process_group, parse_address
 from .server import serve
 
-__all__ = ["ENV_VAR", "Seat", "init_process_group", "parse_address", "serve"]
+__all__ = ["ENV_VAR", "LinkedSeat", "Seat", "init_node", "init_process_group", "linked_seat",
+           "parse_address", "serve"]

@@ -67,10 +67,12 @@ class JoinWatcher:
         host, port: the rendezvous.
         poll_s: seconds between polls.
         seen: joins already known (a joiner passes its own join's number).
+        prefix: where in the store these joins live (one gossip's of several: a rail's).
     """
 
-    def __init__(self, host: str, port: int, *, poll_s: float = 0.2, seen: int = 0) -> None:
-        self.host, self.port, self.poll_s = host, port, poll_s
+    def __init__(self, host: str, port: int, *, poll_s: float = 0.2, seen: int = 0,
+                 prefix: str = "") -> None:
+        self.host, self.port, self.poll_s, self.prefix = host, port, poll_s, prefix
         self._seen = seen
         self._found: list[tuple[int, int, int]] = []
         self._lock = threading.Lock()
@@ -92,8 +94,9 @@ class JoinWatcher:
 
     def _poll(self) -> None:
         if self._store is None:
-            self._store = dist.TCPStore(self.host, self.port, is_master=False,
-                                        timeout=datetime.timedelta(seconds=5))
+            store = dist.TCPStore(self.host, self.port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=5))
+            self._store = dist.PrefixStore(self.prefix, store) if self.prefix else store
         joins = int(self._store.add(JOINS_KEY, 0))
         for seq in range(self._seen + 1, joins + 1):
             self._store.wait([_join_key(seq)], datetime.timedelta(seconds=5))

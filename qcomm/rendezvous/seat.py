@@ -28,9 +28,17 @@ from qcomm.validation import check_int, check_timeout, env_int
 
 from .server import NODES_KEY
 
-__all__ = ["ENV_VAR", "Seat", "init_process_group", "parse_address"]
+__all__ = ["ENV_VAR", "INCARNATION_KEY", "Seat", "claim_incarnation", "connect",
+           "init_process_group", "parse_address"]
 
 ENV_VAR = "QCOMM_RENDEZVOUS"
+INCARNATION_KEY = "qcomm/incarnation/{member}"
+
+
+def claim_incarnation(store: dist.Store, member: int) -> int:
+    """Take ``member``'s seat anew: its incarnation (1 at the first start, one more at each
+    restart), which every link to it names."""
+    return int(store.add(INCARNATION_KEY.format(member=member), 1))
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,43 @@ def _claim(store: dist.Store, nodes: int, token: str, node_id: int | None) -> in
                      f"started with --nodes {nodes}); a node cannot join a running job")
 
 
+
+def connect(rendezvous: str | None, timeout_s: float, caller: str
+            ) -> tuple[str, dist.Store, int, int]:
+    """What every way of starting a node does first: the rendezvous's address (``rendezvous``,
+    else ``QCOMM_RENDEZVOUS``) checked, torch.distributed not initialized yet, the node's size
+    and this rank's place in it (torchrun's ``LOCAL_*``), a connection to the rendezvous.
+
+    Returns:
+        (its ``"HOST:PORT"``, store, procs_per_node, local_rank).
+
+    Raises:
+        ValueError: a bad address, argument or environment variable (named); TimeoutError:
+            no rendezvous within ``timeout_s``; RuntimeError: torch.distributed initialized
+            already (``caller``, the function to call in its place, is named).
+    """
+    address = rendezvous if rendezvous is not None else os.environ.get(ENV_VAR)
+    if address is None:
+        raise ValueError(f"rendezvous is not given and {ENV_VAR} is not set: name the "
+                         "rendezvous (python -m qcomm.rendezvous) as 'HOST:PORT'")
+    host, port = parse_address(address, "rendezvous" if rendezvous is not None else ENV_VAR)
+    timeout_s = check_timeout(timeout_s)
+    if dist.is_initialized():
+        raise RuntimeError(f"torch.distributed is initialized already: call "
+                           f"qcomm.rendezvous.{caller} instead of "
+                           "torch.distributed.init_process_group, not after it")
+    ppn = env_int("LOCAL_WORLD_SIZE", 1) or 1
+    local_rank = env_int("LOCAL_RANK", 0) or 0
+    if local_rank >= ppn:
+        raise ValueError(f"LOCAL_RANK {local_rank} must be below LOCAL_WORLD_SIZE {ppn}")
+    try:
+        store = dist.TCPStore(host, port, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:
+        raise TimeoutError(f"no rendezvous at {host}:{port} within {timeout_s:g} s ({e}); "
+                           "start it first: python -m qcomm.rendezvous") from e
+    return f"{host}:{port}", store, ppn, local_rank
+
 def init_process_group(rendezvous: str | None = None, *, backend: str = "gloo",
                        node_id: int | None = None, timeout_s: float = 300.0) -> Seat:
     """Seat this node through the rendezvous and initialize torch.distributed's default group
@@ -108,26 +153,8 @@ def init_process_group(rendezvous: str | None = None, *, backend: str = "gloo",
             ``procs_per_node`` differ; TimeoutError: the rendezvous or a node did not come
             within ``timeout_s``; RuntimeError: torch.distributed already initialized.
     """
-    address = rendezvous if rendezvous is not None else os.environ.get(ENV_VAR)
-    if address is None:
-        raise ValueError(f"rendezvous is not given and {ENV_VAR} is not set: name the "
-                         "rendezvous (python -m qcomm.rendezvous) as 'HOST:PORT'")
-    host, port = parse_address(address, "rendezvous" if rendezvous is not None else ENV_VAR)
-    timeout_s = check_timeout(timeout_s)
-    if dist.is_initialized():
-        raise RuntimeError("torch.distributed is initialized already: call "
-                           "qcomm.rendezvous.init_process_group instead of "
-                           "torch.distributed.init_process_group, not after it")
-    ppn = env_int("LOCAL_WORLD_SIZE", 1) or 1
-    local_rank = env_int("LOCAL_RANK", 0) or 0
-    if local_rank >= ppn:
-        raise ValueError(f"LOCAL_RANK {local_rank} must be below LOCAL_WORLD_SIZE {ppn}")
+    _, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_process_group")
     timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    except (RuntimeError, OSError) as e:
-        raise TimeoutError(f"no rendezvous at {host}:{port} within {timeout_s:g} s ({e}); "
-                           "start it first: python -m qcomm.rendezvous") from e
     nodes = int(store.get(NODES_KEY))
     if node_id is not None:
         node_id = check_int("node_id", node_id, low=0, high=nodes, high_open=True)

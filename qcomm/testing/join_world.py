@@ -26,9 +26,10 @@ import torch.distributed as dist
 
 from qcomm.collectives.gossip import WaitFreeGossip
 from qcomm.collectives.gossip.joining import admit, join_state, start_joined
-from qcomm.collectives.pair_group import PairGroup, claim_incarnation
+from qcomm.collectives.pair_group import PairGroup
 from qcomm.compress import QuantSpec
 from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
+from qcomm.rendezvous.seat import claim_incarnation
 
 NUMEL = 4096
 

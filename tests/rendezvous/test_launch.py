@@ -42,11 +42,15 @@ class Job:
         assert "listening on 127.0.0.1" in line, line
         self.agents: dict[int, subprocess.Popen] = {}
 
-    def start(self, node: int, args: list[str]) -> None:
+    def start(self, node: int, args: list[str], *, restarts: int = 0,
+              node_id: bool = True, nproc: int = 1) -> None:
+        """Start node ``node``'s torchrun (a new log; ``restarts``: its --max-restarts;
+        without ``node_id`` it takes the seat the rendezvous gives it; ``nproc`` ranks)."""
+        seat = ["--node-id", str(node)] if node_id else []
         with open(self.log(node), "w") as f:
             self.agents[node] = subprocess.Popen(
-                [str(TORCHRUN), "--standalone", "--nproc-per-node", "1", "--max-restarts", "0",
-                 str(EXAMPLE), *TINY, "--node-id", str(node), *args],
+                [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "--max-restarts",
+                 str(restarts), str(EXAMPLE), *TINY, *seat, *args],
                 cwd=self.tmp, env=dict(ENV, QCOMM_RENDEZVOUS=self.address), stdout=f,
                 stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -70,6 +74,12 @@ class Job:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         agent.wait(timeout=10)
+
+    def kill_worker(self, node: int) -> None:
+        """The node's training process dies (SIGKILL); its torchrun agent lives on."""
+        for pid in _descendants(self.agents[node].pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def exit_codes(self, nodes: list[int]) -> list[int | None]:
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
@@ -147,12 +157,15 @@ def test_node_zero_killed_the_others_finish_agree_and_exit_0(tmp_path: Path) -> 
     assert after_kill_s < LAUNCH_TIMEOUT_S
 
 
-def test_the_rendezvous_killed_mid_run_stops_no_node(tmp_path: Path) -> None:
-    """The nodes need the rendezvous only while they start: once they train, it may die."""
+@pytest.mark.parametrize("linked", [[], ["--wait-free", "--on-peer-loss", "continue"]],
+                         ids=["one-group", "linked"])
+def test_the_rendezvous_killed_mid_run_stops_no_node(tmp_path: Path, linked: list[str]) -> None:
+    """The nodes need the rendezvous only while they start (linked, while links open): once
+    they train, it may die."""
     job = Job(tmp_path, 2)
     try:
         for node in range(2):
-            job.start(node, ["--steps", "600", "--log-every", "100"])
+            job.start(node, ["--steps", "600", "--log-every", "100", *linked])
         for node in range(2):
             job.wait_for(node, r"^step 100/600")
         os.killpg(job.rendezvous.pid, signal.SIGKILL)

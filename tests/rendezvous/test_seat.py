@@ -19,26 +19,6 @@ SEAT = ("import sys; from qcomm.rendezvous import init_process_group; "
         "print('seated', s.node, s.rank, s.world_size, flush=True)")
 
 
-@pytest.fixture
-def rendezvous():
-    """Start ``python -m qcomm.rendezvous`` for a job of n nodes; yields its starter."""
-    started: list[subprocess.Popen] = []
-
-    def start(nodes: int) -> str:
-        port = free_port()
-        p = subprocess.Popen([sys.executable, "-m", "qcomm.rendezvous", "--host", "127.0.0.1",
-                              "--port", str(port), "--nodes", str(nodes)], env=ENV,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        started.append(p)
-        assert "listening" in p.stdout.readline()
-        return f"127.0.0.1:{port}"
-
-    yield start
-    for p in started:
-        p.terminate()
-        p.wait(timeout=10)
-
-
 def _node(address: str, node_id: int | None, timeout_s: float = 20.0,
           **env: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", SEAT, "-" if node_id is None else

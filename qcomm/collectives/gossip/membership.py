@@ -367,6 +367,12 @@ class Membership:
         joiner starts with :meth:`start_joining`."""
         if not 0 <= member < self.size or member == self.member:
             raise ValueError(f"member must be another member of the {self.size}, got {member}")
+        if member in self.live_peers():
+            # A join is a new process: the link to its old one is to a process that is gone
+            # (its failure not seen yet): lost, as it would be at its next message.
+            self.lose(self.link_to(member), PeerError(
+                f"member {member} started again: the link to its old process is lost",
+                "join", [self.group_ranks[member]], "inter"))
         self.lost.discard(member)
         near = {self.nearest_live(side) for side in (1, -1)} - {None}
         if member not in near:

@@ -1,0 +1,164 @@
+"""A node whose links to the other nodes are made through the rendezvous, so that it can leave and
+come back while the job runs.
+
+:func:`init_node` is the call for a job where each node runs its own torchrun and a node that
+dies is restarted on its own (by its torchrun's ``--max-restarts``, or by hand) and rejoins the
+running job. torch.distributed's default group is *the node*: its torchrun's world. Between
+nodes nothing is a process group fixed at the start: each link of the wait-free gossip is a
+group of two made when the link opens (:class:`~qcomm.collectives.pair_group.PairGroup`), so a
+restarted node links to the running ones with new groups. The node's seat:
+
+1. ``node_id`` when given;
+2. else the seat this torchrun run held before (a torchrun restart takes its seat back);
+3. else the lowest seat never taken, in order of arrival.
+
+Taking a seat claims its next *incarnation*: 1 at the job's start, more for a node that comes
+back, which joins the running job from a neighbour's state (:mod:`qcomm.engine.joins`).
+The optimizers see the seat (:func:`linked_seat`) and build their topology over it
+(:class:`~qcomm.collectives.linked_world.LinkedWorld`): ranks ``node * procs_per_node +
+local_rank`` of ``nodes * procs_per_node``, as under one torchrun for the whole job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from qcomm.validation import check_int
+
+from .seat import _node_token, _wait_get, claim_incarnation, connect, parse_address
+from .server import NODES_KEY
+
+__all__ = ["LinkedSeat", "init_node", "linked_seat"]
+
+_PREFIX = "qcomm/linked/"
+_seat: LinkedSeat | None = None   # this process's seat, once init_node() took it
+_seat_group: object = None         # the default group init_node() made with it
+
+
+@dataclass(frozen=True)
+class LinkedSeat:
+    """Where this process sits in a job of linked nodes: its node among ``nodes`` (and that
+    node's ``incarnation``: 1 at the job's start, more when it came back), its rank among
+    ``world_size`` (node-major), its node's ``procs_per_node``, the rendezvous
+    (``"HOST:PORT"``) and the longest wait ``timeout_s``."""
+
+    node: int
+    nodes: int
+    rank: int
+    world_size: int
+    procs_per_node: int
+    incarnation: int
+    rendezvous: str
+    timeout_s: float
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.procs_per_node
+
+    @property
+    def rejoining(self) -> bool:
+        """Whether this node comes back to a running job (it starts from a neighbour's state)."""
+        return self.incarnation > 1
+
+    def store(self) -> dist.Store:
+        """A new connection to the rendezvous."""
+        host, port = parse_address(self.rendezvous)
+        return dist.TCPStore(host, port, is_master=False,
+                             timeout=datetime.timedelta(seconds=self.timeout_s))
+
+
+def linked_seat() -> LinkedSeat | None:
+    """This process's seat when :func:`init_node` took one and the default group is still
+    the one it made, else None."""
+    if _seat is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return _seat if dist.group.WORLD is _seat_group else None
+
+
+def _run_base() -> str | None:
+    """What a torchrun run keeps across its restarts (its id, host and agent store); None
+    without torchrun."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run is None:
+        return None
+    return "/".join([socket.gethostname(), run, os.environ.get("MASTER_ADDR", ""),
+                     os.environ.get("MASTER_PORT", "")])
+
+
+def _take(store: dist.Store, nodes: int, token: str, node_id: int | None) -> int:
+    """The seat of this node (module docstring). Raises ValueError when none is free."""
+    if node_id is not None:
+        store.set(f"{_PREFIX}seat/{node_id}", token)
+        return node_id
+    base = _run_base()
+    if base is not None and store.check([f"{_PREFIX}run/{base}"]):
+        seat = int(store.get(f"{_PREFIX}run/{base}"))
+        store.set(f"{_PREFIX}seat/{seat}", token)
+        return seat
+    for seat in range(nodes):
+        if store.compare_set(f"{_PREFIX}seat/{seat}", "", token).decode() == token:
+            if base is not None:
+                store.set(f"{_PREFIX}run/{base}", str(seat))
+            return seat
+    raise ValueError(f"every seat of this job's {nodes} nodes has been taken: a node that comes "
+                     "back after a loss names the seat it takes back with node_id= (or is "
+                     "restarted by its own torchrun, which keeps its seat)")
+
+
+def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
+              node_id: int | None = None, timeout_s: float = 300.0) -> LinkedSeat:
+    """Initialize torch.distributed over this node's ranks (its torchrun's world), take the
+    node's seat through the rendezvous, and make the optimizers link to the other nodes
+    through it (module docstring). Call it on every rank of every node instead of
+    ``torch.distributed.init_process_group``; the optimizers need ``wait_free=True`` and
+    ``on_peer_loss="continue"`` (``SLOW_LINK`` with those).
+
+    Args:
+        rendezvous: ``"HOST:PORT"`` of ``python -m qcomm.rendezvous``; None reads
+            ``QCOMM_RENDEZVOUS``.
+        backend: torch.distributed's backend for the node's group (``"gloo"``,
+            ``"cpu:gloo,cuda:nccl"``, ...); the links between nodes are Gloo.
+        node_id: the seat, 0 <= node_id < nodes; None: the one this torchrun run held, else
+            the lowest never taken. Every rank of a node passes the same.
+        timeout_s: the longest wait (for the rendezvous, for a link's other end, for a
+            joiner's state); also the node group's timeout.
+
+    Returns:
+        this process's :class:`LinkedSeat`.
+
+    Raises:
+        ValueError: a bad argument or environment variable (named), no seat free;
+        TimeoutError: the rendezvous or this node's first rank did not answer within
+        ``timeout_s``; RuntimeError: torch.distributed initialized already.
+    """
+    global _seat, _seat_group
+    address, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_node")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    nodes = int(store.get(NODES_KEY))
+    if node_id is not None:
+        node_id = check_int("node_id", node_id, low=0, high=nodes, high_open=True)
+    token = _node_token(ppn)
+    key = f"{_PREFIX}node_of/{token}"
+    if local_rank == 0:
+        node = _take(store, nodes, token, node_id)
+        incarnation = claim_incarnation(store, node)
+        store.set(key, f"{node}:{incarnation}")
+    else:
+        node, incarnation = (int(v) for v in _wait_get(
+            store, key, timeout, "local rank 0 of this node to take its seat").decode().split(":"))
+    if ppn == 1 and "MASTER_ADDR" not in os.environ:
+        # A lone process (no torchrun): its node group is itself, over a store of its own.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+    _seat_group = dist.group.WORLD
+    _seat = LinkedSeat(node, nodes, node * ppn + local_rank, nodes * ppn, ppn, incarnation,
+                       address, timeout_s)
+    return _seat
+

@@ -1,0 +1,59 @@
+"""What the engine checks before nodes linked through the rendezvous exchange anything
+(:mod:`qcomm.engine.joins`, :func:`qcomm.engine.agreement.check_job_agreement`): the options
+they need, a node of several ranks that comes back, and a node whose options or model differ
+from the running job's, refused alone with the field named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from qcomm.engine.agreement import check_job_agreement, fingerprint
+from qcomm.engine.joins import check_linked_options
+from qcomm.engine.options import CommOptions
+from qcomm.rendezvous.node import LinkedSeat
+
+ROBUST = {"wait_free": True, "on_peer_loss": "continue"}
+
+
+def _seat(ppn: int = 1, incarnation: int = 1) -> LinkedSeat:
+    return LinkedSeat(1, 3, ppn, 3 * ppn, ppn, incarnation, "127.0.0.1:1", 5.0)
+
+
+@pytest.mark.parametrize("options", [{}, {"wait_free": True}])
+def test_lockstep_or_stopping_at_a_loss_is_refused_naming_both(options: dict) -> None:
+    with pytest.raises(ValueError, match=r"need wait_free=True and on_peer_loss='continue'"):
+        check_linked_options(CommOptions(**options), _seat())
+
+
+def test_procs_per_node_must_be_the_nodes_own() -> None:
+    check_linked_options(CommOptions(**ROBUST, procs_per_node=2), _seat(ppn=2))
+    with pytest.raises(ValueError, match=r"procs_per_node=1 but this node runs 2 ranks"):
+        check_linked_options(CommOptions(**ROBUST, procs_per_node=1), _seat(ppn=2))
+
+
+def test_a_node_of_several_ranks_that_comes_back_is_refused() -> None:
+    check_linked_options(CommOptions(**ROBUST), _seat(ppn=2))              # at the start: fine
+    check_linked_options(CommOptions(**ROBUST), _seat(ppn=1, incarnation=2))
+    with pytest.raises(ValueError, match="a node of several ranks cannot rejoin yet"):
+        check_linked_options(CommOptions(**ROBUST), _seat(ppn=2, incarnation=2))
+
+
+def _row(params: list[torch.Tensor], **options: object) -> list[int]:
+    return fingerprint(CommOptions(**{**ROBUST, **options}), params, False)
+
+
+def test_the_first_node_sets_the_job_and_one_that_differs_is_refused_naming_the_field() -> None:
+    store = dist.HashStore()
+    params = [torch.zeros(4, 3), torch.zeros(3)]
+    check_job_agreement(_row(params), store, "k")          # the first: the job's now
+    check_job_agreement(_row(params), store, "k")          # the same: admitted
+    with pytest.raises(ValueError, match=r"this node's bits is 2 but the running job's is 4"):
+        check_job_agreement(_row(params, bits=2), store, "k")
+    with pytest.raises(ValueError, match=r"this node's parameter shapes and dtypes is hash "):
+        check_job_agreement(_row([torch.zeros(3, 4), torch.zeros(3)]), store, "k")
+    with pytest.raises(ValueError, match=r"this node's communicated parameters is 1 but the "
+                                         r"running job's is 2"):
+        check_job_agreement(_row(params[:1]), store, "k")
+    check_job_agreement(_row(params), store, "k")          # the job's is unchanged

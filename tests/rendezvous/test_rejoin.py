@@ -1,0 +1,107 @@
+"""A node that dies comes back to the running job, as processes on localhost: a rendezvous and
+one torchrun per node (examples/train_charlm.py, a tiny model, ``--on-peer-loss continue``: the
+nodes linked through the rendezvous, :func:`qcomm.rendezvous.init_node`). Restarted by its own
+torchrun, or by hand with its ``--node-id``, it starts from a running neighbour's state and every
+node ends with the three of them live and the same averaged model. A node that comes back with
+other options is refused alone.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.rendezvous.test_launch import Job, _digest, _outputs, pytestmark  # noqa: F401
+
+LINKED = ["--steps", "2500", "--log-every", "100", "--wait-free", "--on-peer-loss", "continue",
+          "--timeout-s", "20"]
+
+
+def _assert_rejoined(job: Job, codes: list[int | None]) -> None:
+    assert codes == [0, 0, 0], _outputs(job, [0, 1, 2])
+    digests = [_digest(job.output(n)) for n in range(3)]
+    assert [rank for rank, _ in digests] == [0, 1, 2]
+    assert len({d for _, d in digests}) == 1, digests   # one model: the joiner's too
+    back = job.output(1)
+    assert "node 1 (incarnation 2) joins the running job" in back, back[-3000:]
+    at = re.search(r"node 1 joined at step (\d+) from a running neighbour's state", back)
+    assert at is not None and int(at.group(1)) > 500, back[-3000:]   # where the others were
+    for n in (0, 2):
+        out = job.output(n)
+        assert re.search(rf"rank {n} dropped its gossip neighbour rank 1 at step", out), \
+            out[-3000:]
+        assert re.search(rf"rank {n} linked to member 1, which joins; 3 of 3 nodes live", out), \
+            out[-3000:]
+    for n in range(3):
+        assert re.search(r"^nodes live at the end: 3\b", job.output(n), re.M), \
+            job.output(n)[-3000:]
+        assert re.search(r"^step 2500/2500", job.output(n), re.M), job.output(n)[-3000:]
+
+
+def _machine_restarted(tmp: Path, args: list[str]) -> tuple[Job, list[int | None]]:
+    """Node 1's machine dies at step 500, agent and all; once its neighbour dropped it, a new
+    torchrun with --node-id 1 and ``args``. The job and the three exit codes."""
+    job = Job(tmp, 3)
+    try:
+        for node in range(3):
+            job.start(node, LINKED)
+        job.wait_for(1, r"^step 500/2500")
+        job.kill(1)
+        job.wait_for(0, r"dropped its gossip neighbour rank 1")
+        job.start(1, args)
+        return job, job.exit_codes([0, 1, 2])
+    finally:
+        job.stop()
+
+
+def test_a_worker_restarted_by_its_torchrun_rejoins_the_running_job(tmp_path: Path) -> None:
+    """As README.md launches it: torchrun --standalone --nproc-per-node 1 --max-restarts,
+    no --node-id (seats in order of arrival; the restarted worker takes its run's back)."""
+    job = Job(tmp_path, 3)
+    try:
+        for node in range(3):
+            job.start(node, LINKED, restarts=1, node_id=False)
+            job.wait_for(node, r"parameters; 3 processes")   # seated: the next arrives after
+        job.wait_for(1, r"^step 500/2500")
+        job.kill_worker(1)   # its torchrun starts it again: it takes its seat back
+        codes = job.exit_codes([0, 1, 2])
+    finally:
+        job.stop()
+    _assert_rejoined(job, codes)
+
+
+def test_a_machine_restarted_by_hand_takes_its_seat_back_by_node_id(tmp_path: Path) -> None:
+    job, codes = _machine_restarted(tmp_path, LINKED)
+    _assert_rejoined(job, codes)
+
+
+def test_a_node_that_comes_back_with_other_options_is_refused_alone(tmp_path: Path) -> None:
+    job, codes = _machine_restarted(tmp_path, [*LINKED, "--bits", "2"])
+    assert codes[0] == codes[2] == 0 and codes[1] != 0, _outputs(job, [0, 1, 2])
+    assert "this node's bits is 2 but the running job's is 4" in job.output(1), \
+        job.output(1)[-3000:]
+    survivors = [_digest(job.output(n)) for n in (0, 2)]
+    assert survivors[0][1] == survivors[1][1], survivors
+    for n in (0, 2):
+        assert re.search(r"^nodes live at the end: 2\b", job.output(n), re.M), \
+            job.output(n)[-3000:]
+
+
+def test_nodes_of_two_ranks_linked_end_in_one_model(tmp_path: Path) -> None:
+    """Two nodes of two ranks each: each rail (local rank 0, local rank 1) its own group of
+    links; the four ranks end with one averaged model."""
+    job = Job(tmp_path, 2)
+    try:
+        for node in range(2):
+            job.start(node, ["--steps", "300", "--log-every", "100", "--wait-free",
+                             "--on-peer-loss", "continue", "--timeout-s", "20"], nproc=2)
+        codes = job.exit_codes([0, 1])
+    finally:
+        job.stop()
+    assert codes == [0, 0], _outputs(job, [0, 1])
+    found = re.findall(r"rank (\d+): parameters sha256 ([0-9a-f]{64})",
+                       job.output(0) + job.output(1))
+    assert sorted(int(rank) for rank, _ in found) == [0, 1, 2, 3], found
+    assert len({digest for _, digest in found}) == 1, found
+    assert "qcomm: 2 nodes x 2 ranks;" in job.output(0), job.output(0)[-3000:]
+
