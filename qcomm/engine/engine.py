@@ -283,7 +283,7 @@ class AveragingEngine:
             self._joins = self._agree_and_join(row, topo, node)
         self._topology, self._intra, self._node = topo, intra, node
         self._sharded = sharded
-        if self._pending is not None and self._linked is not None and self._linked.rejoining:
+        if self._pending is not None and self._linked is not None and self._linked.joining:
             # the node started from a running neighbour's state, not from its checkpoint's
             self._pending["gossip"] = None
         if self._pending is not None:
@@ -309,8 +309,10 @@ class AveragingEngine:
             return None
         joins = NodeJoins(seat, node, self._buffers)
         try:
-            if seat.rejoining:
+            if seat.joining:
                 joins.join()
+            else:
+                joins.start_without_absent()
             joins.watch()
         except BaseException:
             joins.close()
@@ -442,7 +444,7 @@ class AveragingEngine:
             host_only = self.options.on_nonfinite != "skip"
             finite = node_finite = all_finite(grads, host_only=host_only)
         else:
-            joining = not self._ready and self._linked is not None and self._linked.rejoining
+            joining = not self._ready and self._linked is not None and self._linked.joining
             self.setup()
             if joining and self._node is not None:
                 # This step's gradients are of the parameters the join just replaced.

@@ -7,13 +7,16 @@ thread of its own). At each step, before the round, a running rank admits the me
 announced a join (:func:`~qcomm.collectives.gossip.joining.admit`: the ring opens to them next to
 them) and, when it is the joiner's nearest live member below, offers it its state: its
 parameters (the shard it gossips), its gossip's join state and the attached model's buffers. A
-node that comes back (its seat's incarnation above 1) announces itself at its first step, waits
+node that comes back (its seat's incarnation above 1) or that takes a seat beyond the nodes the
+job started with announces itself at its first step, waits
 for that state (``timeout_s``), starts from it and links to its neighbours. The optimizer's own
 state (momentum, Adam's moments) starts fresh on the joiner: it is its own, rebuilt in a few
 steps.
 
-A node of several ranks cannot rejoin yet: its rails would take their neighbours' states at
-different steps, and the node's ranks must hold one step. It is refused with a named error.
+A node of several ranks cannot join a running job yet: its rails would take their neighbours'
+states at different steps, and the node's ranks must hold one step. It is refused with a named
+error. Seats beyond the nodes the job started with are absent until taken: every node starts
+linked past them (:func:`~qcomm.collectives.gossip.joining.start_without`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from qcomm.collectives.gossip.joining import admit, join_state, start_joined
+from qcomm.collectives.gossip.joining import admit, join_state, start_joined, start_without
 from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
 from qcomm.rendezvous.node import LinkedSeat
 from qcomm.rendezvous.seat import parse_address
@@ -45,11 +48,11 @@ def check_linked_options(options: Any, seat: LinkedSeat) -> None:
     if options.procs_per_node not in (None, seat.procs_per_node):
         raise ValueError(f"procs_per_node={options.procs_per_node} but this node runs "
                          f"{seat.procs_per_node} ranks (its torchrun's --nproc-per-node)")
-    if seat.rejoining and seat.procs_per_node > 1:
+    if seat.joining and seat.procs_per_node > 1:
         raise ValueError(
-            f"node {seat.node} comes back to the running job with {seat.procs_per_node} ranks: "
-            "a node of several ranks cannot rejoin yet (its ranks would start from different "
-            "steps); restart the job from a checkpoint, or run one rank per node")
+            f"node {seat.node} joins the running job with {seat.procs_per_node} ranks: a node "
+            "of several ranks cannot join a running job yet (its ranks would start from "
+            "different steps); restart the job from a checkpoint, or run one rank per node")
 
 
 class NodeJoins:
@@ -106,11 +109,27 @@ class NodeJoins:
     # -----------------------------------------------------------------------------------------
     # the running nodes
 
+    def start_without_absent(self) -> None:
+        """A node of the job's start: link past the seats not taken yet (before its first
+        round)."""
+        seat = self.seat
+        if seat.starting < seat.nodes:
+            start_without(self.node.gossip, set(range(seat.starting, seat.nodes)))
+
     def watch(self) -> None:
         """Start watching the rendezvous for joins after this rank's own (idempotent)."""
         if self._watcher is None:
             host, port = parse_address(self.seat.rendezvous)
             self._watcher = JoinWatcher(host, port, seen=self._seen, prefix=self.prefix)
+            # a neighbour that retires its link to this rank for a joiner not seen yet (this
+            # rank between steps, in a drain or the final average): look now
+            self.node.gossip.membership.on_unknown_join = self.admit_now
+
+    def admit_now(self) -> None:
+        """:meth:`admit_new` after a poll of the rendezvous in this thread."""
+        if self._watcher is not None:
+            self._watcher.poll_now()
+        self.admit_new()
 
     def admit_new(self) -> None:
         """Admit the members that announced a join since the last call; offer the state to the

@@ -19,9 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=29400, help="TCP port to listen on.")
     ap.add_argument("--nodes", type=int, required=True,
                     help="Nodes the job starts with (each runs its own torchrun).")
+    ap.add_argument("--max-nodes", type=int, default=None,
+                    help="Nodes the job may grow to (default: --nodes): with nodes linked "
+                         "through the rendezvous (qcomm.rendezvous.init_node), a node started "
+                         "later takes a seat beyond --nodes and joins the running job.")
     args = ap.parse_args(argv)
     try:
-        serve(args.host, args.port, args.nodes)
+        serve(args.host, args.port, args.nodes, max_nodes=args.max_nodes)
     except (ValueError, RuntimeError) as e:
         ap.error(str(e))
     return 0

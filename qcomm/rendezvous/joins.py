@@ -76,6 +76,7 @@ class JoinWatcher:
         self._seen = seen
         self._found: list[tuple[int, int, int]] = []
         self._lock = threading.Lock()
+        self._polling = threading.Lock()   # the thread's polls and poll_now()'s, one at a time
         self._stop = threading.Event()
         self._store: dist.Store | None = None
         self._warned = False
@@ -87,6 +88,15 @@ class JoinWatcher:
         with self._lock:
             out, self._found = self._found, []
         return out
+
+    def poll_now(self) -> None:
+        """Poll once in the caller's thread (a rendezvous that does not answer is left to the
+        watcher's thread to report)."""
+        with self._polling:
+            try:
+                self._poll()
+            except (RuntimeError, OSError, dist.DistStoreError):
+                self._store = None
 
     def close(self) -> None:
         self._stop.set()
@@ -109,7 +119,8 @@ class JoinWatcher:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._poll()
+                with self._polling:
+                    self._poll()
                 if self._warned:
                     log.warning("qcomm: the rendezvous at %s:%d answers again", self.host,
                                 self.port)

@@ -10,10 +10,12 @@ restarted node links to the running ones with new groups. The node's seat:
 
 1. ``node_id`` when given;
 2. else the seat this torchrun run held before (a torchrun restart takes its seat back);
-3. else the lowest seat never taken, in order of arrival.
+3. else the lowest seat never taken, in order of arrival: the job starts with the rendezvous's
+   ``--nodes`` and may grow to its ``--max-nodes``.
 
-Taking a seat claims its next *incarnation*: 1 at the job's start, more for a node that comes
-back, which joins the running job from a neighbour's state (:mod:`qcomm.engine.joins`).
+Taking a seat claims its next *incarnation*: 1 at its first start, more for a node that comes
+back. A node that comes back, or takes a seat beyond ``--nodes``, joins the running job from a
+neighbour's state (:mod:`qcomm.engine.joins`); until then the others link past its seat.
 The optimizers see the seat (:func:`linked_seat`) and build their topology over it
 (:class:`~qcomm.collectives.linked_world.LinkedWorld`): ranks ``node * procs_per_node +
 local_rank`` of ``nodes * procs_per_node``, as under one torchrun for the whole job.
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from qcomm.validation import check_int
 
 from .seat import _node_token, _wait_get, claim_incarnation, connect, parse_address
-from .server import NODES_KEY
+from .server import MAX_NODES_KEY, NODES_KEY
 
 __all__ = ["LinkedSeat", "init_node", "linked_seat"]
 
@@ -42,9 +44,10 @@ _seat_group: object = None         # the default group init_node() made with it
 
 @dataclass(frozen=True)
 class LinkedSeat:
-    """Where this process sits in a job of linked nodes: its node among ``nodes`` (and that
-    node's ``incarnation``: 1 at the job's start, more when it came back), its rank among
-    ``world_size`` (node-major), its node's ``procs_per_node``, the rendezvous
+    """Where this process sits in a job of linked nodes: its node among the ``nodes`` seats
+    (the job starts with the first ``starting``, the others are taken by nodes that start
+    later), that node's ``incarnation`` (1 at its first start, more when it came back), its
+    rank among ``world_size`` (node-major), its node's ``procs_per_node``, the rendezvous
     (``"HOST:PORT"``) and the longest wait ``timeout_s``."""
 
     node: int
@@ -55,15 +58,17 @@ class LinkedSeat:
     incarnation: int
     rendezvous: str
     timeout_s: float
+    starting: int
 
     @property
     def local_rank(self) -> int:
         return self.rank % self.procs_per_node
 
     @property
-    def rejoining(self) -> bool:
-        """Whether this node comes back to a running job (it starts from a neighbour's state)."""
-        return self.incarnation > 1
+    def joining(self) -> bool:
+        """Whether this node joins a running job (it starts from a neighbour's state): it came
+        back, or its seat is beyond the nodes the job started with."""
+        return self.incarnation > 1 or self.node >= self.starting
 
     def store(self) -> dist.Store:
         """A new connection to the rendezvous."""
@@ -105,7 +110,8 @@ def _take(store: dist.Store, nodes: int, token: str, node_id: int | None) -> int
             if base is not None:
                 store.set(f"{_PREFIX}run/{base}", str(seat))
             return seat
-    raise ValueError(f"every seat of this job's {nodes} nodes has been taken: a node that comes "
+    raise ValueError(f"every seat of this job's {nodes} nodes has been taken (the rendezvous's "
+                     "--max-nodes): a node that comes "
                      "back after a loss names the seat it takes back with node_id= (or is "
                      "restarted by its own torchrun, which keeps its seat)")
 
@@ -139,7 +145,8 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
     global _seat, _seat_group
     address, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_node")
     timeout = datetime.timedelta(seconds=timeout_s)
-    nodes = int(store.get(NODES_KEY))
+    starting = int(store.get(NODES_KEY))
+    nodes = int(store.get(MAX_NODES_KEY)) if store.check([MAX_NODES_KEY]) else starting
     if node_id is not None:
         node_id = check_int("node_id", node_id, low=0, high=nodes, high_open=True)
     token = _node_token(ppn)
@@ -159,6 +166,6 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
         dist.init_process_group(backend, timeout=timeout)
     _seat_group = dist.group.WORLD
     _seat = LinkedSeat(node, nodes, node * ppn + local_rank, nodes * ppn, ppn, incarnation,
-                       address, timeout_s)
+                       address, timeout_s, starting)
     return _seat
 

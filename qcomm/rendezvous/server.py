@@ -18,13 +18,14 @@ import torch.distributed as dist
 
 from qcomm.validation import check_int
 
-__all__ = ["NODES_KEY", "serve"]
+__all__ = ["MAX_NODES_KEY", "NODES_KEY", "serve"]
 
 NODES_KEY = "qcomm/nodes"  # the number of nodes the job starts with
+MAX_NODES_KEY = "qcomm/max_nodes"  # ... and may grow to (nodes linked through it only)
 
 
-def serve(host: str, port: int, nodes: int, *, ready: threading.Event | None = None,
-          stop: threading.Event | None = None) -> None:
+def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
+          ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
     """Serve the rendezvous of a job of ``nodes`` nodes on ``host:port`` until SIGTERM or
     SIGINT (or ``stop`` is set).
 
@@ -32,6 +33,9 @@ def serve(host: str, port: int, nodes: int, *, ready: threading.Event | None = N
         host: the address to listen on (``0.0.0.0``: every interface).
         port: TCP port, 1..65535.
         nodes: nodes the job starts with, >= 1.
+        max_nodes: nodes it may grow to, >= nodes (None: ``nodes``): with nodes linked
+            through the rendezvous (:func:`~qcomm.rendezvous.node.init_node`), a node that
+            starts later takes a seat beyond ``nodes`` and joins the running job.
         ready: set once the store listens (for callers in the same process).
         stop: set it to stop serving (for callers in the same process; signals are handled
             only in the main thread).
@@ -41,6 +45,8 @@ def serve(host: str, port: int, nodes: int, *, ready: threading.Event | None = N
     """
     port = check_int("port", port, low=1, high=65535)
     nodes = check_int("nodes", nodes, low=1)
+    max_nodes = check_int("max_nodes", nodes if max_nodes is None else max_nodes, low=nodes,
+                          what=f"an int >= nodes ({nodes})")
     if not isinstance(host, str) or not host:
         raise ValueError(f"host must be a non-empty string, got {host!r}")
     try:
@@ -49,11 +55,13 @@ def serve(host: str, port: int, nodes: int, *, ready: threading.Event | None = N
     except (RuntimeError, OSError) as e:
         raise RuntimeError(f"the rendezvous cannot listen on {host}:{port}: {e}") from e
     store.set(NODES_KEY, str(nodes))
+    store.set(MAX_NODES_KEY, str(max_nodes))
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-    print(f"qcomm rendezvous: listening on {host}:{port} for a job of {nodes} nodes",
+    grows = f" (up to {max_nodes})" if max_nodes > nodes else ""
+    print(f"qcomm rendezvous: listening on {host}:{port} for a job of {nodes} nodes{grows}",
           flush=True)
     if ready is not None:
         ready.set()

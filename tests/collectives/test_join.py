@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qcomm.collectives.gossip.joining import admit, join_state, start_joined
+from qcomm.collectives.gossip.joining import admit, join_state, start_joined, start_without
 from qcomm.collectives.memory import WaitFreeSimulator
 from qcomm.compress import QuantSpec
 
@@ -79,6 +79,79 @@ def test_the_mixing_moves_no_mass_through_a_join(staleness: int, fragments: int,
         drift = float((after - before - added).norm())
         assert drift < 2e-6 * float(before.norm()), drift
     _check_ring(sim, [0, 1, 2, 3, 4])
+
+
+@pytest.mark.parametrize(("graph", "fragments"), [("ring", 1), ("ring", 2),
+                                                   ("exponential", 1)])
+def test_a_member_that_was_never_there_joins_later(graph: str, fragments: int) -> None:
+    """A job of 6 seats starts with members 3 and 5 absent: the present ones link to their
+    nearest present neighbours in their place (symmetric), mix without moving mass, and the
+    absent one that starts later joins as a lost one would."""
+    sim = _sim(6, graph=graph, fragments=fragments, delay=1)
+    xs = _start(6)
+    absent = {3, 5}
+    for i in sorted(absent):
+        sim.kill(i)                   # never runs until it joins
+    for i in sorted(set(range(6)) - absent):
+        start_without(sim.members[i], absent)
+    present = [0, 1, 2, 4]
+    links = {i: set(_live_peers(sim.members[i])) for i in present}
+    assert all(i in links[j] for i in present for j in links[i]), links   # symmetric
+    if graph == "ring":
+        _check_ring(sim, present)
+    start = torch.stack([xs[i].double() for i in present]).sum(0)
+    sim.run(xs, 30)
+    drift = float((_settled_sum(sim, xs, present) - start).norm())
+    assert drift < 2e-6 * float(start.norm()), drift
+    assert [sim.members[i].live_members() for i in present] == [4, 4, 4, 4]
+    assert sum(len(sim.members[i].losses) for i in present) == 0   # absent is not a loss
+    before = _settled_sum(sim, xs, present)
+    sim.join(3, xs)
+    added = xs[3].double().clone()
+    sim.run(xs, 30)
+    members = [0, 1, 2, 3, 4]
+    drift = float((_settled_sum(sim, xs, members) - before - added).norm())
+    assert drift < 2e-6 * float(before.norm()), drift
+    if graph == "ring":
+        _check_ring(sim, members)
+    assert [sim.members[i].live_members() for i in members] == [5] * 5
+
+
+def test_a_member_not_told_of_a_join_admits_it_when_its_link_is_retired() -> None:
+    """Member 3 is not told that 2 joins (its news comes from elsewhere, late): member 1's
+    retire of the 1-3 link makes it ask (``on_unknown_join``) before the link closes, so it
+    links to the joiner instead of being left with one link; no mass moves."""
+    sim = _sim(5)
+    xs = _start(5)
+    sim.run(xs, 20)
+    sim.kill(2)
+    sim.run(xs, 8)
+    before = _settled_sum(sim, xs, [0, 1, 3, 4])
+    asked = []
+    sim.members[3].membership.on_unknown_join = lambda: (asked.append(1),
+                                                         admit(sim.members[3], 2))
+    sim.boxes.revive(2)
+    sim.killed.discard(2)
+    joiner = sim._make(2)
+    start_joined(joiner, join_state(sim.members[1]))
+    xs[2].copy_(xs[1])
+    sim.members[2] = joiner
+    added = xs[2].double().clone()
+    for j in (0, 1, 4):               # everyone but member 3
+        admit(sim.members[j], 2)
+    sim.run(xs, 30)
+    assert asked == [1]
+    _check_ring(sim, [0, 1, 2, 3, 4])
+    drift = float((_settled_sum(sim, xs, list(range(5))) - before - added).norm())
+    assert drift < 2e-6 * float(before.norm()), drift
+
+
+def test_start_without_after_a_round_is_refused() -> None:
+    sim = _sim(3)
+    xs = _start(3)
+    sim.run(xs, 2)
+    with pytest.raises(RuntimeError, match="start_without\\(\\) must come before"):
+        start_without(sim.members[0], {2})
 
 
 def test_after_a_join_the_members_reach_consensus() -> None:

@@ -17,8 +17,9 @@ from qcomm.rendezvous.node import LinkedSeat
 ROBUST = {"wait_free": True, "on_peer_loss": "continue"}
 
 
-def _seat(ppn: int = 1, incarnation: int = 1) -> LinkedSeat:
-    return LinkedSeat(1, 3, ppn, 3 * ppn, ppn, incarnation, "127.0.0.1:1", 5.0)
+def _seat(ppn: int = 1, incarnation: int = 1, node: int = 1) -> LinkedSeat:
+    """Node ``node`` of a job that starts with 3 nodes and may grow to 4."""
+    return LinkedSeat(node, 4, node * ppn, 4 * ppn, ppn, incarnation, "127.0.0.1:1", 5.0, 3)
 
 
 @pytest.mark.parametrize("options", [{}, {"wait_free": True}])
@@ -33,11 +34,13 @@ def test_procs_per_node_must_be_the_nodes_own() -> None:
         check_linked_options(CommOptions(**ROBUST, procs_per_node=1), _seat(ppn=2))
 
 
-def test_a_node_of_several_ranks_that_comes_back_is_refused() -> None:
+def test_a_node_of_several_ranks_that_joins_a_running_job_is_refused() -> None:
     check_linked_options(CommOptions(**ROBUST), _seat(ppn=2))              # at the start: fine
     check_linked_options(CommOptions(**ROBUST), _seat(ppn=1, incarnation=2))
-    with pytest.raises(ValueError, match="a node of several ranks cannot rejoin yet"):
+    with pytest.raises(ValueError, match="a node of several ranks cannot join a running job"):
         check_linked_options(CommOptions(**ROBUST), _seat(ppn=2, incarnation=2))
+    with pytest.raises(ValueError, match="node 3 joins the running job with 2 ranks"):
+        check_linked_options(CommOptions(**ROBUST), _seat(ppn=2, node=3))   # beyond the start
 
 
 def _row(params: list[torch.Tensor], **options: object) -> list[int]:

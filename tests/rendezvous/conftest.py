@@ -16,10 +16,11 @@ def rendezvous():
     """Start ``python -m qcomm.rendezvous`` for a job of n nodes; yields its starter."""
     started: list[subprocess.Popen] = []
 
-    def start(nodes: int) -> str:
+    def start(nodes: int, max_nodes: int | None = None) -> str:
         port = free_port()
+        grow = [] if max_nodes is None else ["--max-nodes", str(max_nodes)]
         p = subprocess.Popen([sys.executable, "-m", "qcomm.rendezvous", "--host", "127.0.0.1",
-                              "--port", str(port), "--nodes", str(nodes)], env=ENV,
+                              "--port", str(port), "--nodes", str(nodes), *grow], env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         started.append(p)
         assert "listening" in p.stdout.readline()

@@ -22,7 +22,7 @@ SEAT = ("import sys; from qcomm.rendezvous import init_node, linked_seat; "
         "s = init_node(node_id=node, timeout_s=20); "
         "assert linked_seat() is s; import torch.distributed as dist; "
         "print('seat', s.node, s.rank, s.world_size, s.incarnation, dist.get_world_size(), "
-        "flush=True)")
+        "s.joining, flush=True)")
 
 
 def _node(address: str, node_id: int | None, **env: str) -> tuple[int, str]:
@@ -35,13 +35,21 @@ def _node(address: str, node_id: int | None, **env: str) -> tuple[int, str]:
 def test_seats_in_order_of_arrival_then_by_node_id_with_a_new_incarnation(rendezvous) -> None:
     address = rendezvous(2)
     # a node need not wait for the others: its links wait for them when they open
-    assert _node(address, None) == (0, "seat 0 0 2 1 1\n")
-    assert _node(address, None) == (0, "seat 1 1 2 1 1\n")
+    assert _node(address, None) == (0, "seat 0 0 2 1 1 False\n")
+    assert _node(address, None) == (0, "seat 1 1 2 1 1 False\n")
     code, out = _node(address, None)
     assert code != 0 and "every seat of this job's 2 nodes has been taken" in out, out
     assert "node_id=" in out   # it says how to come back
-    assert _node(address, 1) == (0, "seat 1 1 2 2 1\n")   # comes back: incarnation 2
-    assert _node(address, 1) == (0, "seat 1 1 2 3 1\n")
+    assert _node(address, 1) == (0, "seat 1 1 2 2 1 True\n")   # comes back: incarnation 2
+    assert _node(address, 1) == (0, "seat 1 1 2 3 1 True\n")
+
+
+def test_a_job_that_may_grow_seats_later_nodes_beyond_its_start(rendezvous) -> None:
+    address = rendezvous(1, max_nodes=2)
+    assert _node(address, None) == (0, "seat 0 0 2 1 1 False\n")   # ring of 2 seats
+    assert _node(address, None) == (0, "seat 1 1 2 1 1 True\n")    # beyond the start: joins
+    code, out = _node(address, None)
+    assert code != 0 and "every seat of this job's 2 nodes has been taken" in out, out
 
 
 def test_a_torchrun_restart_takes_back_the_seat_its_run_held(monkeypatch) -> None:
@@ -79,7 +87,8 @@ def test_no_address_and_no_rendezvous_are_named(monkeypatch) -> None:
 
 
 def _seat(node: int = 1, nodes: int = 3, ppn: int = 2, local: int = 1) -> LinkedSeat:
-    return LinkedSeat(node, nodes, node * ppn + local, nodes * ppn, ppn, 1, "127.0.0.1:1", 5.0)
+    return LinkedSeat(node, nodes, node * ppn + local, nodes * ppn, ppn, 1, "127.0.0.1:1", 5.0,
+                      nodes)
 
 
 def test_the_world_of_linked_nodes_has_rails_of_pairs_and_no_group_over_the_job() -> None:

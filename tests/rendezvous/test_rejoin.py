@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tests.rendezvous.test_launch import Job, _digest, _outputs, pytestmark  # noqa: F401
 
-LINKED = ["--steps", "2500", "--log-every", "100", "--wait-free", "--on-peer-loss", "continue",
+LINKED = ["--steps", "6000", "--log-every", "100", "--wait-free", "--on-peer-loss", "continue",
           "--timeout-s", "20"]
 
 
@@ -35,7 +35,7 @@ def _assert_rejoined(job: Job, codes: list[int | None]) -> None:
     for n in range(3):
         assert re.search(r"^nodes live at the end: 3\b", job.output(n), re.M), \
             job.output(n)[-3000:]
-        assert re.search(r"^step 2500/2500", job.output(n), re.M), job.output(n)[-3000:]
+        assert re.search(r"^step 6000/6000", job.output(n), re.M), job.output(n)[-3000:]
 
 
 def _machine_restarted(tmp: Path, args: list[str]) -> tuple[Job, list[int | None]]:
@@ -45,7 +45,7 @@ def _machine_restarted(tmp: Path, args: list[str]) -> tuple[Job, list[int | None
     try:
         for node in range(3):
             job.start(node, LINKED)
-        job.wait_for(1, r"^step 500/2500")
+        job.wait_for(1, r"^step 500/6000")
         job.kill(1)
         job.wait_for(0, r"dropped its gossip neighbour rank 1")
         job.start(1, args)
@@ -62,7 +62,7 @@ def test_a_worker_restarted_by_its_torchrun_rejoins_the_running_job(tmp_path: Pa
         for node in range(3):
             job.start(node, LINKED, restarts=1, node_id=False)
             job.wait_for(node, r"parameters; 3 processes")   # seated: the next arrives after
-        job.wait_for(1, r"^step 500/2500")
+        job.wait_for(1, r"^step 500/6000")
         job.kill_worker(1)   # its torchrun starts it again: it takes its seat back
         codes = job.exit_codes([0, 1, 2])
     finally:
@@ -104,4 +104,32 @@ def test_nodes_of_two_ranks_linked_end_in_one_model(tmp_path: Path) -> None:
     assert sorted(int(rank) for rank, _ in found) == [0, 1, 2, 3], found
     assert len({digest for _, digest in found}) == 1, found
     assert "qcomm: 2 nodes x 2 ranks;" in job.output(0), job.output(0)[-3000:]
+
+
+def test_a_fourth_node_started_later_joins_a_job_of_three(tmp_path: Path) -> None:
+    """The rendezvous with --nodes 3 --max-nodes 4: three nodes start linked past seat 3; a
+    fourth started at step 500 takes it, joins from node 2's state, and the four end with one
+    model."""
+    job = Job(tmp_path, 3, max_nodes=4)
+    try:
+        for node in range(3):
+            job.start(node, LINKED, node_id=False)
+            job.wait_for(node, r"parameters; 4 processes")   # seated: the next arrives after
+        job.wait_for(2, r"^step 500/6000")
+        job.start(3, LINKED, node_id=False)
+        codes = job.exit_codes([0, 1, 2, 3])
+    finally:
+        job.stop()
+    assert codes == [0, 0, 0, 0], _outputs(job, [0, 1, 2, 3])
+    digests = [_digest(job.output(n)) for n in range(4)]
+    assert [rank for rank, _ in digests] == [0, 1, 2, 3]
+    assert len({d for _, d in digests}) == 1, digests
+    late = job.output(3)
+    at = re.search(r"node 3 joined at step (\d+) from a running neighbour's state", late)
+    assert at is not None and int(at.group(1)) > 500, late[-3000:]
+    assert "offered its state to node 3" in job.output(2), job.output(2)[-3000:]
+    for n in range(4):
+        out = job.output(n)
+        assert re.search(r"^nodes live at the end: 4\b", out, re.M), out[-3000:]
+        assert "dropped its gossip neighbour" not in out, out[-3000:]   # absent is no loss
 

@@ -105,6 +105,7 @@ def test_a_node_of_several_ranks_without_torchrun_is_refused(rendezvous) -> None
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "0"], "nodes must be"),
     (["--nodes", "2", "--port", "0"], "port must be"),
+    (["--nodes", "2", "--max-nodes", "1"], "max_nodes must be an int >= nodes (2)"),
 ])
 def test_the_rendezvous_refuses_bad_arguments(args: list[str], message: str) -> None:
     done = subprocess.run([sys.executable, "-m", "qcomm.rendezvous", *args], env=ENV,

@@ -321,12 +321,17 @@ def test_another_ranks_file_is_refused(gloo, tmp_path, copy_record) -> None:
 def _legacy_body(rank: int, world: int, fixture: str, resaved: str) -> dict:
     steps = range(legacy.STEPS, legacy.STEPS + 3)
     # The run the fixture was cut from, uninterrupted, with today's code.
+    saved = torch.load(Path(fixture) / f"rank{rank:05d}.pt", weights_only=True)
     full = legacy.model()
     opt = ASSGD(full.parameters(), **legacy.OPTIONS)
-    legacy.train(full, opt, rank, range(legacy.STEPS + 3))
+    legacy.train(full, opt, rank, range(legacy.STEPS))
+    # The fixture's bits come from the machine that wrote it: a CPU whose float kernels round
+    # otherwise (AVX-512 against AVX2 matmuls) reaches step 5 with other bits, and "the bits of
+    # the uninterrupted run" means nothing there.
+    same_machine = all(torch.equal(v, saved["model"][k]) for k, v in full.state_dict().items())
+    legacy.train(full, opt, rank, range(legacy.STEPS, legacy.STEPS + 3))
     opt.close()
     # Resumed from the old file (plain data: the safe loader reads it).
-    saved = torch.load(Path(fixture) / f"rank{rank:05d}.pt", weights_only=True)
     net = legacy.model()
     opt = ASSGD(net.parameters(), **legacy.OPTIONS)
     torch.manual_seed(99)
@@ -347,22 +352,23 @@ def _legacy_body(rank: int, world: int, fixture: str, resaved: str) -> dict:
         return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(),
                                                        strict=True))
 
-    return {"extra": extra, "loaded": loaded, "as_uninterrupted": same(net, full),
-            "as_resaved": same(net, net2)}
+    return {"extra": extra, "loaded": loaded, "same_machine": same_machine,
+            "as_uninterrupted": same(net, full), "as_resaved": same(net, net2)}
 
 
 def test_a_file_written_before_records_existed_resumes_bit_exact(gloo, tmp_path) -> None:
     """The fixture was written by the code before metadata records (2 nodes x 1 rank, lockstep
     4-bit gossip with a round in flight, step 5): it loads with the safe loader, and 3 more
-    steps give the bits of today's uninterrupted run and of a run resumed from a re-save. (A
-    deliberate change of the lockstep gossip's arithmetic would need the fixture rewritten:
-    see its make.py.)"""
+    steps give the bits of a run resumed from a re-save and, on a machine that computes the
+    fixture's first 5 steps bit for bit, of today's uninterrupted run. (A deliberate change of
+    the lockstep gossip's arithmetic would need the fixture rewritten: see its make.py.)"""
     fixture = tmp_path / "plain"
     shutil.copytree(LEGACY / "plain", fixture)
     out = gloo.run(_legacy_body, 2, args=(str(fixture), str(tmp_path / "resaved")))
     for r in out:
         assert r["extra"] == {"step": legacy.STEPS}
-        assert r["loaded"] and r["as_uninterrupted"] and r["as_resaved"], r
+        assert r["loaded"] and r["as_resaved"], r
+        assert r["as_uninterrupted"] or not r["same_machine"], r
 
 
 def test_an_old_file_with_other_objects_needs_trusted_and_says_why() -> None:

@@ -25,7 +25,7 @@ from .pace import TermCounter
 if TYPE_CHECKING:
     from .wait_free import WaitFreeGossip
 
-__all__ = ["admit", "join_state", "start_joined"]
+__all__ = ["admit", "join_state", "start_joined", "start_without"]
 
 
 def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -77,14 +77,36 @@ def start_joined(g: WaitFreeGossip, state: dict, device: torch.device | str = "c
     g._hat_own = on(state["hat_own"])
     g._anchor, g._momentum = on(state["anchor"]), on(state["momentum"])
     g.membership.start_joining({int(m) for m in state["lost"]}, int(state["drains"]))
-    g._links = NeighbourCopies(g.membership, g._codec, g.fragments, g.level)
+    _fresh_links(g)
     g._links.ensure(g.numel, g._hat_own.device)
-    g._terms = TermCounter(g.fragments, 0)
-    g._ledger = MirrorLedger(g._codec, g.fragments, g.fragment_numel,
-                             g.staleness + g.fragments, 0)
     g._ledger.owed = torch.zeros_like(g._hat_own)
     g._drained_at = None
     g.membership.link_up()
+
+
+def _fresh_links(g: WaitFreeGossip) -> None:
+    """``g``'s per-link state anew, for the links its membership holds now."""
+    links = len(g.membership.peers)
+    g._links = NeighbourCopies(g.membership, g._codec, g.fragments, g.level)
+    g._terms = TermCounter(g.fragments, links)
+    g._ledger = MirrorLedger(g._codec, g.fragments, g.fragment_numel,
+                             g.staleness + g.fragments, links)
+
+
+def start_without(g: WaitFreeGossip, absent: set[int]) -> None:
+    """Start ``g`` with members ``absent`` not there yet (a job's seats beyond the nodes it
+    starts with): its links go to the nearest present members instead
+    (:meth:`.membership.Membership.start_without`); an absent member that starts later joins
+    as any joiner (:func:`start_joined`, :func:`admit`). Every present member passes the same
+    ``absent``, before its first round.
+
+    Raises:
+        RuntimeError: ``g`` has gossiped already.
+    """
+    if g._streams is not None or g.rounds_started or g._hat_own is not None:
+        raise RuntimeError("start_without() must come before this member's first round")
+    g.membership.start_without({int(m) for m in absent})
+    _fresh_links(g)
 
 
 def admit(g: WaitFreeGossip, member: int) -> None:

@@ -107,6 +107,10 @@ class Membership:
         self.lost: set[int] = set()              # members known to be lost
         self.losses: list[dict] = []             # what was dropped, when, why
         self._weights: tuple | None = None       # cached (links, weights, their sum)
+        # Called when a neighbour retires a link for a joiner this member was not told of yet
+        # (it learns of joins from elsewhere: the engine's watcher of the rendezvous).
+        self.on_unknown_join: Callable[[], None] | None = None
+        self._unknown_join = False
 
     @property
     def rank(self) -> int:
@@ -330,6 +334,7 @@ class Membership:
     def peer_retired(self, k: int) -> None:
         """Link k's neighbour retired it: answer with this member's retire (when not sent
         yet); the link closes once the messages before it are applied."""
+        self._unknown_join |= self.live[k] and not self.retiring[k]
         self.retire(k)
         if self.live[k]:
             self.retired_in.append(k)
@@ -346,6 +351,10 @@ class Membership:
         no loss. A retired link's neighbour stays live; one that said goodbye left on purpose:
         it is no longer live here, but no loss is recorded and the ring is not closed over it
         (a ring less one member is still connected)."""
+        if self._unknown_join and self.on_unknown_join is not None:
+            # before the link over the gap closes: admit the joiner (link to it) first
+            self._unknown_join = False
+            self.on_unknown_join()
         streams = self.streams()
         for k in self.live_links():
             left = goodbyes and streams.ended(k)
@@ -395,6 +404,24 @@ class Membership:
         self.lost, self.drains = set(lost) - {self.member}, drains
         self.peers, self.peer_ranks = [], []
         self.live, self.greeted, self.markers, self.retiring = [], [], [], []
+        self._weights = None
+
+    def start_without(self, absent: set[int]) -> None:
+        """Members ``absent`` have not started (seats a job may grow into): before any stream
+        is open, this member links to the nearest present one on each side in their place, as
+        a ring closes over a loss, with nothing to greet (every copy starts from zero). The
+        relation stays symmetric: the nearest present member above i has i as its nearest
+        below."""
+        self.lost = set(absent) - {self.member}
+        peers = [p for p in neighbours(self.graph, self.member, self.size) if p not in self.lost]
+        for side in (1, -1):
+            j = self.nearest_live(side)
+            if j is not None and j not in peers:
+                peers.append(j)
+        n = len(peers)
+        self.peers, self.peer_ranks = peers, [self.group_ranks[p] for p in peers]
+        self.live, self.greeted, self.markers, self.retiring = [True] * n, [True] * n, \
+            [0] * n, [False] * n
         self._weights = None
 
     def link_up(self) -> None:
