@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import cpu_model, load_average  # noqa: E402
-from qcomm.testing.multiprocess import free_port  # noqa: E402
+from qcomm.testing.multiprocess import descendants, free_port  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_charlm.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -72,7 +72,7 @@ class Node:
         return next((t for t, line in self.lines if re.search(pattern, line)), None)
 
     def kill_worker(self) -> None:
-        for pid in _descendants(self.proc.pid):
+        for pid in descendants(self.proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -80,19 +80,6 @@ class Node:
         code = self.proc.wait(timeout=timeout_s)
         self._reader.join(10)
         return code
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            out += children
-            todo += children
-    return out
 
 
 def _rate(steps: list[tuple[float, int]], start: float, end: float) -> float:

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from qcomm.validation import check_int
 
-from .seat import _node_token, _wait_get, claim_incarnation, connect, parse_address
+from .seat import _node_token, _wait_get, claim_incarnation, connect, parse_address, run_base
 from .server import MAX_NODES_KEY, NODES_KEY
 
 __all__ = ["LinkedSeat", "init_node", "linked_seat"]
@@ -85,22 +84,12 @@ def linked_seat() -> LinkedSeat | None:
     return _seat if dist.group.WORLD is _seat_group else None
 
 
-def _run_base() -> str | None:
-    """What a torchrun run keeps across its restarts (its id, host and agent store); None
-    without torchrun."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run is None:
-        return None
-    return "/".join([socket.gethostname(), run, os.environ.get("MASTER_ADDR", ""),
-                     os.environ.get("MASTER_PORT", "")])
-
-
 def _take(store: dist.Store, nodes: int, token: str, node_id: int | None) -> int:
     """The seat of this node (module docstring). Raises ValueError when none is free."""
     if node_id is not None:
         store.set(f"{_PREFIX}seat/{node_id}", token)
         return node_id
-    base = _run_base()
+    base = run_base()
     if base is not None and store.check([f"{_PREFIX}run/{base}"]):
         seat = int(store.get(f"{_PREFIX}run/{base}"))
         store.set(f"{_PREFIX}seat/{seat}", token)

@@ -66,18 +66,26 @@ def parse_address(address: object, name: str = "rendezvous") -> tuple[str, int]:
     return host, int(port)
 
 
+def run_base() -> str | None:
+    """What a torchrun run keeps across its restarts (its id, host and agent store); None
+    without torchrun."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run is None:
+        return None
+    return "/".join([socket.gethostname(), run, os.environ.get("MASTER_ADDR", ""),
+                     os.environ.get("MASTER_PORT", "")])
+
+
 def _node_token(procs_per_node: int) -> str:
     """What the ranks of one node share and no other node has: its torchrun run (id, agent
     store, host, restart). A lone process without torchrun is a node of its own."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run is None:
+    base = run_base()
+    if base is None:
         if procs_per_node > 1:
             raise RuntimeError(f"LOCAL_WORLD_SIZE is {procs_per_node} but this process was not "
                                "started by torchrun: start each node with its own torchrun")
         return f"lone/{uuid.uuid4()}"
-    return "/".join([socket.gethostname(), run, os.environ.get("MASTER_ADDR", ""),
-                     os.environ.get("MASTER_PORT", ""),
-                     os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")])
+    return f"{base}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _claim(store: dist.Store, nodes: int, token: str, node_id: int | None) -> int:

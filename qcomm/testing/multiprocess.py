@@ -36,6 +36,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -50,6 +51,21 @@ class WorldError(RuntimeError):
 def free_port() -> int:
     """A TCP port on localhost that is free right now."""
     return free_ports(1)[0]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its workers in sessions of their own, so
+    killing the agent's process group would leave them behind)."""
+    out, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += children
+            todo += children
+    return out
 
 
 def free_ports(count: int) -> list[int]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from qcomm.testing.multiprocess import free_port
+from qcomm.testing.multiprocess import descendants, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_charlm.py"
@@ -33,24 +33,9 @@ TINY = ["--width", "32", "--layers", "1", "--heads", "2", "--context", "32", "--
 LAUNCH_TIMEOUT_S = 150  # a hang fails the test instead of stalling the suite
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun starts its workers in sessions of their own, so
-    killing the agent's process group would leave them behind)."""
-    out, todo = [], [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            out += children
-            todo += children
-    return out
-
-
 def _stop(procs: list[subprocess.Popen]) -> None:
     """SIGTERM the agents (torchrun then stops its workers), SIGKILL whatever remains."""
-    pids = [d for p in procs if p.poll() is None for d in _descendants(p.pid)]
+    pids = [d for p in procs if p.poll() is None for d in descendants(p.pid)]
     for p in procs:
         if p.poll() is None:
             p.terminate()

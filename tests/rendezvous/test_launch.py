@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from qcomm.testing.multiprocess import free_port
-from tests.examples.test_train_charlm import EXAMPLE, REPO, TINY, TORCHRUN, _descendants
+from qcomm.testing.multiprocess import descendants, free_port
+from tests.examples.test_train_charlm import EXAMPLE, REPO, TINY, TORCHRUN
 
 LAUNCH_TIMEOUT_S = 150  # a hang fails the test instead of stalling the suite
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -71,14 +71,14 @@ class Job:
     def kill(self, node: int) -> None:
         """The machine dies: the agent and its worker, SIGKILL, nothing said."""
         agent = self.agents[node]
-        for pid in [*_descendants(agent.pid), agent.pid]:
+        for pid in [*descendants(agent.pid), agent.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         agent.wait(timeout=10)
 
     def kill_worker(self, node: int) -> None:
         """The node's training process dies (SIGKILL); its torchrun agent lives on."""
-        for pid in _descendants(self.agents[node].pid):
+        for pid in descendants(self.agents[node].pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -91,7 +91,7 @@ class Job:
 
     def stop(self) -> None:
         procs = [*self.agents.values(), self.rendezvous]
-        pids = [d for p in procs if p.poll() is None for d in _descendants(p.pid)]
+        pids = [d for p in procs if p.poll() is None for d in descendants(p.pid)]
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 if p.poll() is None:
