@@ -65,6 +65,7 @@ from torch import nn
 from qcomm import rendezvous
 from qcomm.collectives import PeerError
 from qcomm.engine import CommOptions
+from qcomm.rendezvous.seat import init_torchrun_group
 from qcomm.sgd import (
     HierarchicalOptimizer,
     checkpoint_path,
@@ -261,7 +262,9 @@ def start_processes(backend: str, timeout_s: float, address: str | None = None,
         seat = rendezvous.init_process_group(address, backend=pg_backend, node_id=node_id,
                                              timeout_s=timeout_s)
         return Place(seat.rank, seat.world_size, device, speaks=local_rank == 0)
-    dist.init_process_group(pg_backend, timeout=datetime.timedelta(seconds=timeout_s))
+    # torch.distributed.init_process_group, but fit for torchrun --max-restarts (torch's agent
+    # keeps its store across restarts; see init_torchrun_group)
+    init_torchrun_group(pg_backend, datetime.timedelta(seconds=timeout_s))
     return Place(dist.get_rank(), dist.get_world_size(), device, speaks=dist.get_rank() == 0)
 
 
@@ -273,7 +276,8 @@ def comm_options(args: argparse.Namespace) -> dict[str, object]:
                    sync_every=args.sync_every, fragments=args.fragments,
                    outer_momentum=args.outer_momentum, intra_bits=args.intra_bits,
                    procs_per_node=args.procs_per_node, wait_free=args.wait_free,
-                   on_peer_loss=args.on_peer_loss, timeout_s=args.timeout_s, seed=args.seed)
+                   on_peer_loss=args.on_peer_loss, timeout_s=args.timeout_s, seed=args.seed,
+                   join_optimizer_state=args.join_optimizer_state)
     CommOptions.from_kwargs(options)  # ValueError/TypeError naming the bad option
     return options
 
@@ -303,6 +307,30 @@ def shard_inside_nodes(model: nn.Module, place: Place, procs_per_node: int | Non
     for block in model.blocks:
         fully_shard(block, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
+
+
+def latest_checkpoint(root: str, place: Place, sharded: bool) -> Path | None:
+    """The newest step directory under ``root`` that every rank finished writing its part of,
+    or None. Each rank looks at what it sees (a directory per machine is fine): its file's
+    record, written after the file (with FSDP2, DCP's metadata, written last); the ranks then
+    agree on the newest step all of them hold (collective)."""
+    def done(where: Path) -> bool:
+        if sharded:
+            return (where / ".metadata").is_file()
+        return checkpoint_path(where, place.rank).with_suffix(".json").is_file()
+
+    steps = sorted(int(w.name[4:]) for w in Path(root).glob("step[0-9]*") if done(w))
+    newest = steps[-1] if steps else -1
+    if place.distributed:
+        common = torch.tensor([newest], dtype=torch.int64)  # CPU: Gloo moves it either way
+        dist.all_reduce(common, op=dist.ReduceOp.MIN)
+        newest = int(common.item())
+    if newest < 0:
+        return None
+    if newest not in steps:
+        raise FileNotFoundError(f"rank {place.rank}: the newest checkpoint every rank holds is "
+                                f"step {newest}, which this rank does not have under {root}")
+    return step_dir(root, newest)
 
 
 def same_start(model: nn.Module, place: Place) -> None:
@@ -344,6 +372,11 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
         **options)
     try:
         start = 0
+        if args.resume == "latest":
+            found = latest_checkpoint(args.ckpt_dir, place, args.fsdp)
+            args.resume = None if found is None else str(found)
+            if found is None:
+                say(place, f"no checkpoint under {args.ckpt_dir}: starting at step 0")
         if args.resume and args.fsdp:  # one DCP checkpoint of the sharded state, RNG included
             start = int(load_sharded_checkpoint(args.resume, opt, model)["step"])
             say(place, f"resumed from {args.resume} at step {start}")
@@ -500,6 +533,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--on-peer-loss", default="raise", choices=("raise", "continue"),
                    help="continue: a node that dies or falls silent is dropped and the others "
                         "go on without it (needs --wait-free); raise: the job stops.")
+    g.add_argument("--join-optimizer-state", default="copy", choices=("copy", "fresh"),
+                   help="A node that comes back to the running job (--rendezvous) starts "
+                        "AdamW's moments from the neighbour that hands it its parameters "
+                        "(copy) or afresh (fresh).")
     g.add_argument("--rendezvous", default=os.environ.get(rendezvous.ENV_VAR),
                    metavar="HOST:PORT",
                    help="The job's rendezvous (python -m qcomm.rendezvous), when each node "
@@ -522,7 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", default=None,
                    help="A step directory written by --ckpt-dir (DIR/stepNNNNNNN): go on "
                         "from it, up to --steps in all. Same number of machines and "
-                        "processes, same options.")
+                        "processes, same options. 'latest': the newest step under --ckpt-dir "
+                        "that every rank finished writing, or step 0 when there is none (the "
+                        "command a job restarted by torchrun's --max-restarts runs again).")
     return ap
 
 
@@ -534,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.steps, args.log_every, args.batch_size, args.context) < 1 or args.save_every < 0:
         ap.error("--steps, --log-every, --batch-size and --context must be >= 1, "
                  "--save-every >= 0")
+    if args.resume == "latest" and not args.ckpt_dir:
+        ap.error("--resume latest looks under --ckpt-dir: give one")
     if args.fsdp:
         clash = [flag for flag, on in (("--ddp", args.ddp), ("--intra-bits", args.intra_bits))
                  if on]

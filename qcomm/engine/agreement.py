@@ -20,7 +20,14 @@ from typing import Any
 import torch
 
 from qcomm.collectives.primitives import all_gather_flat, wait_works
-from qcomm.engine.options import GRAPHS, MIXINGS, NONFINITE_MODES, PEER_LOSS_MODES, CommOptions
+from qcomm.engine.options import (
+    GRAPHS,
+    JOIN_OPTIMIZER_STATES,
+    MIXINGS,
+    NONFINITE_MODES,
+    PEER_LOSS_MODES,
+    CommOptions,
+)
 from qcomm.kernels.wire_format import ROUNDING_MODES
 
 __all__ = ["check_agreement", "fingerprint"]
@@ -69,6 +76,7 @@ _OPTION_CODECS: dict[str, tuple[Callable[[Any], int], Callable[[int], Any]]] = {
     "on_nonfinite": _choice(NONFINITE_MODES),
     "wait_free": _choice((False, True)),
     "on_peer_loss": _choice(PEER_LOSS_MODES),
+    "join_optimizer_state": _choice(JOIN_OPTIMIZER_STATES),
 }
 _LAYOUT_FIELDS = ("communicated parameters", "communicated elements",
                   "parameter shapes and dtypes", "node gradient mean by DDP",

@@ -307,7 +307,8 @@ class AveragingEngine:
         check_job_agreement(row, seat.store(), "qcomm/linked/agreement")
         if node is None:
             return None
-        joins = NodeJoins(seat, node, self._buffers)
+        copies = self.options.join_optimizer_state == "copy" and not node.sharded
+        joins = NodeJoins(seat, node, self._buffers, self.owner if copies else None)
         try:
             if seat.joining:
                 joins.join()

@@ -9,13 +9,20 @@ them) and, when it is the joiner's nearest live member below, offers it its stat
 parameters (the shard it gossips), its gossip's join state and the attached model's buffers. A
 node that comes back (its seat's incarnation above 1) or that takes a seat beyond the nodes the
 job started with announces itself at its first step, waits
-for that state (``timeout_s``), starts from it and links to its neighbours. The optimizer's own
-state (momentum, Adam's moments) starts fresh on the joiner: it is its own, rebuilt in a few
-steps.
+for that state (``timeout_s``), starts from it and links to its neighbours. The wrapped
+optimizer's state (momentum, Adam's moments and step counts) comes with it
+(``join_optimizer_state="copy"``, the default; its hyperparameters stay the joiner's own) or
+starts fresh (``"fresh"``: the join moves less; parameters FSDP2 shards always start fresh).
 
-A node of several ranks cannot join a running job yet: its rails would take their neighbours'
-states at different steps, and the node's ranks must hold one step. It is refused with a named
-error. Seats beyond the nodes the job started with are absent until taken: every node starts
+A node of several ranks joins on every rail at once: local rank l takes rail l's neighbour's
+state. Those neighbours answer when their own watchers see the join, so their steps may differ
+by a few; the node's ranks then agree (one all-reduce over the node) on the latest of those
+steps as the node's clock, and each rank keeps the shard it gossips from its own neighbour and
+takes the other shards from its node-mates (the node's all-gather), so that the node's ranks
+hold one model and one step. No rank applies anything until every rank of the node received its
+state: a rank that could not join fails the node's join on every rank, each naming why.
+
+Seats beyond the nodes the job started with are absent until taken: every node starts
 linked past them (:func:`~qcomm.collectives.gossip.joining.start_without`).
 """
 
@@ -28,6 +35,7 @@ from typing import Any
 import torch
 
 from qcomm.collectives.gossip.joining import admit, join_state, start_joined, start_without
+from qcomm.collectives.primitives import all_reduce
 from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
 from qcomm.rendezvous.node import LinkedSeat
 from qcomm.rendezvous.seat import parse_address
@@ -48,11 +56,6 @@ def check_linked_options(options: Any, seat: LinkedSeat) -> None:
     if options.procs_per_node not in (None, seat.procs_per_node):
         raise ValueError(f"procs_per_node={options.procs_per_node} but this node runs "
                          f"{seat.procs_per_node} ranks (its torchrun's --nproc-per-node)")
-    if seat.joining and seat.procs_per_node > 1:
-        raise ValueError(
-            f"node {seat.node} joins the running job with {seat.procs_per_node} ranks: a node "
-            "of several ranks cannot join a running job yet (its ranks would start from "
-            "different steps); restart the job from a checkpoint, or run one rank per node")
 
 
 class NodeJoins:
@@ -63,10 +66,13 @@ class NodeJoins:
         node: the rank's :class:`~qcomm.engine.node_gossip.NodeGossip` (wait-free).
         buffers: the attached model's buffers (:class:`~qcomm.engine.buffers.ModelBuffers`),
             or None.
+        optimizer: the wrapped torch optimizer whose state a join copies, or None (it
+            starts fresh).
     """
 
-    def __init__(self, seat: LinkedSeat, node: Any, buffers: Any = None) -> None:
-        self.seat, self.node, self.buffers = seat, node, buffers
+    def __init__(self, seat: LinkedSeat, node: Any, buffers: Any = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.seat, self.node, self.buffers, self.optimizer = seat, node, buffers, optimizer
         self.prefix = f"qcomm/linked/rail{seat.local_rank}/"
         self._client = seat.store()
         self.store = torch.distributed.PrefixStore(self.prefix, self._client)
@@ -80,31 +86,107 @@ class NodeJoins:
         """Announce this node's join, wait for a running neighbour's state, start from it (the
         parameters this rank gossips, its gossip, the buffers). Before the first round.
 
+        Collective over the node's ranks when it has several (module docstring).
+
         Raises:
             TimeoutError: no running node offered a state within ``timeout_s``.
             ValueError: the running nodes' gossip or model differ from this one's (named);
                 nothing of this rank changed.
+            RuntimeError: another rank of this node could not join; nothing of this rank
+                changed.
         """
         seat = self.seat
         seq = announce(self.store, seat.node, seat.incarnation)
         log.info("qcomm: node %d (incarnation %d) joins the running job (join %d)", seat.node,
                  seat.incarnation, seq)
-        payload = await_state(self.store, seq, seat.timeout_s)
-        state = torch.load(io.BytesIO(payload), weights_only=True)
+        state, failure = None, None
+        try:
+            state = self._received(seq)
+        except (TimeoutError, ValueError) as e:
+            failure = e
+        others_failed = self._node_failed(failure is not None)
+        if failure is not None:
+            raise failure
+        if others_failed:
+            raise RuntimeError(f"node {seat.node} could not join the running job: another of "
+                               "its ranks received no state from its rail (its error says why)")
         flat = self.node.flat
-        x = state["x"]
-        if x.shape != flat.flat.shape:
-            raise ValueError(f"the running nodes gossip {tuple(x.shape)} elements and this node "
-                             f"{tuple(flat.flat.shape)}: not the same model")
         if self.buffers is not None and state.get("buffers") is not None:
             self.buffers.load(state["buffers"])
         start_joined(self.node.gossip, state["gossip"], flat.flat.device)
         flat.check_aliased()
-        flat.flat.copy_(x)
+        flat.flat.copy_(state["x"])
         flat.store_to_params()
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            mine = self.optimizer.state_dict()   # its hyperparameters stay this node's
+            self.optimizer.load_state_dict({**mine, "state": state["optimizer"]})
+        self._one_node()
         self._seen = seq
         log.info("qcomm: node %d joined at step %d from a running neighbour's state", seat.node,
                  self.node.gossip.steps)
+
+    def _received(self, seq: int) -> dict:
+        """The state a running neighbour offered to join ``seq``, checked against this rank's
+        model."""
+        payload = await_state(self.store, seq, self.seat.timeout_s)
+        state = torch.load(io.BytesIO(payload), weights_only=True)
+        x, flat = state["x"], self.node.flat
+        if x.shape != flat.flat.shape:
+            raise ValueError(f"the running nodes gossip {tuple(x.shape)} elements and this node "
+                             f"{tuple(flat.flat.shape)}: not the same model")
+        return state
+
+    def _node_failed(self, failed: bool) -> bool:
+        """Whether any rank of this node failed (collective over the node; False alone)."""
+        topo = self.node.topology
+        if topo.procs_per_node == 1:
+            return failed
+        flag = torch.tensor([int(failed)], dtype=torch.int64, device=topo.control_device())
+        all_reduce(flag, topo.intra_group, "max", timeout_s=self.seat.timeout_s, link="intra",
+                   operation="join")
+        return bool(flag.item())
+
+    def _one_node(self) -> None:
+        """The node's ranks, each started from its own rail's neighbour, agree on one clock
+        (the latest) and one model (shard l from local rank l). Collective over the node."""
+        topo, g = self.node.topology, self.node.gossip
+        if topo.procs_per_node == 1:
+            return
+        steps = torch.tensor([g.steps], dtype=torch.int64, device=topo.control_device())
+        all_reduce(steps, topo.intra_group, "max", timeout_s=self.seat.timeout_s,
+                   link="intra", operation="join")
+        if int(steps.item()) != g.steps:
+            log.info("qcomm: rank %d of joining node %d moves its clock from step %d to the "
+                     "node's %d", topo.rank, self.seat.node, g.steps, int(steps.item()))
+            g.restart_clock(int(steps.item()))
+        self.node.share_own_shard()
+        if self.optimizer is not None:
+            self._node_takes_optimizer_state_of_local_rank_0()
+
+    def _node_takes_optimizer_state_of_local_rank_0(self) -> None:
+        """Every rank's optimizer state <- local rank 0's (it came from rail 0's neighbour; the
+        others' from theirs, a few steps apart): one sum per value over the node, to which
+        only local rank 0 adds anything, so every rank holds its bits."""
+        topo, opt = self.node.topology, self.optimizer
+        first = topo.local_rank == 0
+        for group in opt.param_groups:
+            for p in group["params"]:
+                st = opt.state.get(p, {})
+                for key in sorted(st):
+                    value = st[key]
+                    if isinstance(value, torch.Tensor):
+                        t = value if first else torch.zeros_like(value)
+                    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                        t = torch.tensor([float(value) if first else 0.0], dtype=torch.float64)
+                    else:
+                        continue
+                    all_reduce(t, topo.intra_group, "sum", timeout_s=self.seat.timeout_s,
+                               link="intra", operation="join")
+                    if isinstance(value, torch.Tensor):
+                        if not first:
+                            value.copy_(t)
+                    else:
+                        st[key] = type(value)(t.item())
 
     # -----------------------------------------------------------------------------------------
     # the running nodes
@@ -151,8 +233,10 @@ class NodeJoins:
         flat.check_aliased()
         x = flat.load_from_params().detach().to("cpu", torch.float32, copy=True)
         buffers = self.buffers.values() if self.buffers is not None else None
+        optimizer = self.optimizer.state_dict()["state"] if self.optimizer is not None else None
         out = io.BytesIO()
-        torch.save({"x": x, "gossip": join_state(self.node.gossip), "buffers": buffers}, out)
+        torch.save({"x": x, "gossip": join_state(self.node.gossip), "buffers": buffers,
+                    "optimizer": optimizer}, out)
         return out.getvalue()
 
     def close(self) -> None:

@@ -231,6 +231,19 @@ class NodeGossip:
         self._gather(flat.flat, shard, self._node_share)
         flat.store_to_params()
 
+    @torch.no_grad()
+    def share_own_shard(self) -> None:
+        """Every rank's parameters <- shard l of local rank l's (collective over the node): the
+        node's ranks hold one model after each started its shard from elsewhere (a join).
+        Nothing to do alone on the node or sharded (each rank holds its own parts only)."""
+        if self._node_share is None:
+            return
+        flat = self.flat
+        flat.check_aliased()
+        flat.load_from_params()
+        self._gather(flat.flat, flat.shard(self._index).clone(), self._node_share)
+        flat.store_to_params()
+
     def reduce_over_nodes(self, full: torch.Tensor, op: str) -> tuple[torch.Tensor, int]:
         """``full`` (1-D, the same on every rank of the node) summed (``op="sum"``) or maxed
         (``"max"``) over the live nodes, and their count; the same bits on every rank

@@ -26,10 +26,11 @@ from qcomm.validation import (
     did_you_mean,
 )
 
-__all__ = ["GRAPHS", "MIXINGS", "NONFINITE_MODES", "PEER_LOSS_MODES",
+__all__ = ["GRAPHS", "JOIN_OPTIMIZER_STATES", "MIXINGS", "NONFINITE_MODES", "PEER_LOSS_MODES",
            "WIRE_FIELDS", "CommOptions"]
 
 NONFINITE_MODES = ("raise", "skip")
+JOIN_OPTIMIZER_STATES = ("copy", "fresh")
 
 
 # Options that shape the wire format and the mixing: a checkpoint loads only into the same ones.
@@ -88,13 +89,21 @@ class CommOptions:
             its own is due, and nodes may take different numbers of steps (see
             :mod:`qcomm.collectives.gossip.wait_free`).
         max_backlog: with ``wait_free``, messages per neighbour sent and not yet taken, >= 1:
-            the memory bound of a stream (a sender that reaches it waits for the neighbour).
+            the memory bound of a stream (a sender that reaches it waits for the neighbour,
+            at most ``timeout_s / 2``, so that its other neighbours never hear it silent for
+            ``timeout_s``; then that neighbour counts as failed).
         on_peer_loss: what a node does when a neighbouring node dies or stays silent past
             ``timeout_s``: ``"raise"`` (default) the named
             :class:`~qcomm.collectives.errors.PeerError` on every survivor, or ``"continue"``
             without it: the neighbour is dropped, the ring closes over the gap and the
             survivors train on; :meth:`average_parameters` averages the survivors. Needs
             ``wait_free=True``. A failure inside a node still ends that node.
+        join_optimizer_state: what the wrapped optimizer's state (momentum, Adam's moments and
+            step counts) of a node that joins a running job starts from (nodes linked through
+            :func:`qcomm.rendezvous.init_node`): ``"copy"`` (default) the running neighbour's
+            that hands it its parameters, ``"fresh"`` empty, as a new optimizer's (the join
+            then moves only the parameters and the gossip's state: Adam's state is twice the
+            parameters' bytes). Parameters FSDP2 shards start fresh either way.
     """
 
     bits: int = 4
@@ -117,6 +126,7 @@ class CommOptions:
     wait_free: bool = False
     max_backlog: int = 64
     on_peer_loss: str = "raise"
+    join_optimizer_state: str = "copy"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CommOptions:
         # Before the generated __init__, whose TypeError for an unknown keyword names no
@@ -152,6 +162,7 @@ class CommOptions:
         check_int("procs_per_node", self.procs_per_node, low=1, allow_none=True)
         check_bucket_mb(self.bucket_mb)
         check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_MODES)
+        check_choice("join_optimizer_state", self.join_optimizer_state, JOIN_OPTIMIZER_STATES)
         check_instance("wait_free", self.wait_free, bool, what="True or False")
         if self.on_peer_loss == "continue" and not self.wait_free:
             raise ValueError("on_peer_loss='continue' needs wait_free=True: a node that waits "

@@ -31,7 +31,15 @@ import torch.distributed as dist
 
 from qcomm.validation import check_int
 
-from .seat import _node_token, _wait_get, claim_incarnation, connect, parse_address, run_base
+from .seat import (
+    _node_token,
+    _wait_get,
+    claim_incarnation,
+    connect,
+    init_torchrun_group,
+    parse_address,
+    run_base,
+)
 from .server import MAX_NODES_KEY, NODES_KEY
 
 __all__ = ["LinkedSeat", "init_node", "linked_seat"]
@@ -152,7 +160,7 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     else:
-        dist.init_process_group(backend, timeout=timeout)
+        init_torchrun_group(backend, timeout)
     _seat_group = dist.group.WORLD
     _seat = LinkedSeat(node, nodes, node * ppn + local_rank, nodes * ppn, ppn, incarnation,
                        address, timeout_s, starting)

@@ -29,10 +29,30 @@ from qcomm.validation import check_int, check_timeout, env_int
 from .server import NODES_KEY
 
 __all__ = ["ENV_VAR", "INCARNATION_KEY", "Seat", "claim_incarnation", "connect",
-           "init_process_group", "parse_address"]
+           "init_process_group", "init_torchrun_group", "parse_address"]
 
 ENV_VAR = "QCOMM_RENDEZVOUS"
 INCARNATION_KEY = "qcomm/incarnation/{member}"
+
+
+def init_torchrun_group(backend: str, timeout: datetime.timedelta) -> None:
+    """``torch.distributed.init_process_group`` over the world of one torchrun agent (one node,
+    ``--standalone``), fit for its restarts. torch's agent keeps the store it shares with its
+    workers across ``--max-restarts``, and its workers' env:// groups take no prefix per
+    attempt, so a restarted node of several ranks read its predecessors' Gloo addresses and
+    failed to connect (``connectFullMesh ... Connection refused``): each attempt's group keys
+    live under its restart count here. Elsewhere (no agent store, or the agents of several
+    nodes, whose restart counts need not agree) torch's own env:// as it is."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if not agent_store or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"qcomm/attempt{attempt}/", store),
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def claim_incarnation(store: dist.Store, member: int) -> int:

@@ -5,7 +5,8 @@ would have two addresses: torchrun orders the nodes by it, so the ranks survive 
 
 Checked: both agents exit 0; the validation loss falls and is finite; both ranks end with the
 same parameters after the final average; and a run resumed from the step-4 checkpoints (each
-agent reading only its own directory) ends with exactly the bytes of the uninterrupted run.
+agent reading only its own directory), named or found by ``--resume latest`` (the newest step
+both machines hold), ends with exactly the bytes of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -132,3 +133,63 @@ def test_two_agents_train_average_and_resume_exactly(tmp_path: Path) -> None:
     assert "resumed from" in resumed[0] and "at step 4" in resumed[0], resumed[0][-4000:]
     assert _digest(resumed[0], 0) == digest
     assert _digest(resumed[1], 1) == digest
+
+    # As a job restarted by torchrun runs again: --resume latest. Machine 1 died while it
+    # wrote its step-8 checkpoint (no record beside the file): both resume from step 4, the
+    # newest step both hold, and end with the uninterrupted run's bytes.
+    (dirs[1] / "step0000008" / "rank00001.json").unlink()
+    latest = _launch(tmp_path, "latest", [["--ckpt-dir", str(d), "--resume", "latest"]
+                                          for d in dirs])
+    assert f"resumed from {dirs[0] / 'step0000004'} at step 4" in latest[0], latest[0][-4000:]
+    assert _digest(latest[0], 0) == digest
+    assert _digest(latest[1], 1) == digest
+
+
+def test_resume_latest_with_nothing_saved_starts_at_step_0_and_needs_a_directory(
+        tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    run = lambda *extra: subprocess.run([sys.executable, str(EXAMPLE), *TINY, *extra], env=env,
+                                        capture_output=True, text=True, timeout=120)
+    fresh = run("--ckpt-dir", str(tmp_path / "none"), "--resume", "latest")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert f"no checkpoint under {tmp_path / 'none'}: starting at step 0" in fresh.stdout
+    assert (tmp_path / "none" / "step0000008" / "rank00000.pt").is_file()
+    bad = run("--resume", "latest")
+    assert bad.returncode == 2 and "--resume latest looks under --ckpt-dir" in bad.stderr
+
+
+def test_a_job_restarted_by_its_torchrun_resumes_from_its_newest_checkpoint(
+        tmp_path: Path) -> None:
+    """One torchrun of two processes, --max-restarts 1 and --resume latest: rank 1 is killed
+    after the step-100 checkpoint, torchrun starts both again and they go on from it. (torch's
+    agent keeps its store across restarts: the restarted ranks' group must not read their
+    predecessors' addresses, or its Gloo connect is refused.)"""
+    if not TORCHRUN.exists():
+        pytest.skip(f"no torchrun next to {sys.executable}")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    log = tmp_path / "job.log"
+    flags = [*TINY[:TINY.index("--steps")], "--steps", "400", "--log-every", "10",
+             "--val-windows", "32", "--wait-free", "--timeout-s", "20", "--procs-per-node",
+             "1", "--ckpt-dir", str(tmp_path / "ck"), "--save-every", "100", "--resume",
+             "latest"]
+    with open(log, "w") as f:
+        agent = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc-per-node", "2",
+                                  "--max-restarts", "1", str(EXAMPLE), *flags], env=env,
+                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while not re.search(r"^step 150/400", log.read_text(), re.M):
+            assert time.monotonic() < deadline and agent.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        for pid in descendants(agent.pid):
+            with contextlib.suppress(OSError):
+                environ = b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+                if b"\0RANK=1\0" in environ:
+                    os.kill(pid, signal.SIGKILL)
+        code = agent.wait(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        _stop([agent])
+    out = log.read_text()
+    assert code == 0, out[-3000:]
+    assert re.search(r"^resumed from .*step0000[12]00 at step [12]00$", out, re.M), out[-3000:]
+    assert len({d for d in re.findall(r"parameters sha256 ([0-9a-f]{64})", out)}) == 1

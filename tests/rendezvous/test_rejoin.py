@@ -3,7 +3,8 @@ one torchrun per node (examples/train_charlm.py, a tiny model, ``--on-peer-loss 
 nodes linked through the rendezvous, :func:`qcomm.rendezvous.init_node`). Restarted by its own
 torchrun, or by hand with its ``--node-id``, it starts from a running neighbour's state and every
 node ends with the three of them live and the same averaged model. A node that comes back with
-other options is refused alone.
+other options is refused alone; one that dies again while it joins is a loss like any other; a
+node of two ranks rejoins as one node.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ def _assert_rejoined(job: Job, codes: list[int | None]) -> None:
         assert re.search(r"^step 6000/6000", job.output(n), re.M), job.output(n)[-3000:]
 
 
-def _machine_restarted(tmp: Path, args: list[str]) -> tuple[Job, list[int | None]]:
+def _machine_restarted(tmp: Path, args: list[str], *, dies_again: bool = False
+                       ) -> tuple[Job, list[int | None]]:
     """Node 1's machine dies at step 500, agent and all; once its neighbour dropped it, a new
-    torchrun with --node-id 1 and ``args``. The job and the three exit codes."""
+    torchrun with --node-id 1 and ``args`` (``dies_again``: killed too, the moment it has
+    announced its join). The job and the three exit codes."""
     job = Job(tmp, 3)
     try:
         for node in range(3):
@@ -49,6 +52,9 @@ def _machine_restarted(tmp: Path, args: list[str]) -> tuple[Job, list[int | None
         job.kill(1)
         job.wait_for(0, r"dropped its gossip neighbour rank 1")
         job.start(1, args)
+        if dies_again:
+            job.wait_for(1, r"node 1 \(incarnation 2\) joins the running job")
+            job.kill(1)
         return job, job.exit_codes([0, 1, 2])
     finally:
         job.stop()
@@ -85,6 +91,20 @@ def test_a_node_that_comes_back_with_other_options_is_refused_alone(tmp_path: Pa
     for n in (0, 2):
         assert re.search(r"^nodes live at the end: 2\b", job.output(n), re.M), \
             job.output(n)[-3000:]
+
+
+def test_a_joiner_that_dies_during_its_join_is_a_loss_like_any_other(tmp_path: Path) -> None:
+    """Node 1 comes back by hand and its machine dies again the moment it has announced its
+    join: the running nodes that admitted it (or admit it after) lose it as any node, and the
+    two finish with one model."""
+    job, codes = _machine_restarted(tmp_path, LINKED, dies_again=True)
+    assert codes[0] == codes[2] == 0, _outputs(job, [0, 1, 2])
+    survivors = [_digest(job.output(n)) for n in (0, 2)]
+    assert survivors[0][1] == survivors[1][1], survivors
+    for n in (0, 2):
+        out = job.output(n)
+        assert re.search(r"^nodes live at the end: 2\b", out, re.M), out[-3000:]
+        assert re.search(r"^step 6000/6000", out, re.M), out[-3000:]
 
 
 def test_nodes_of_two_ranks_linked_end_in_one_model(tmp_path: Path) -> None:
@@ -133,3 +153,34 @@ def test_a_fourth_node_started_later_joins_a_job_of_three(tmp_path: Path) -> Non
         assert re.search(r"^nodes live at the end: 4\b", out, re.M), out[-3000:]
         assert "dropped its gossip neighbour" not in out, out[-3000:]   # absent is no loss
 
+
+
+def test_a_node_of_two_ranks_restarted_by_its_torchrun_rejoins_as_one_node(tmp_path: Path) -> None:
+    """Two nodes of two ranks: node 1's workers die at step 500 and its torchrun starts both
+    again. Each rank takes its own rail's neighbour's state; the node's two ranks agree on one
+    step and one model, and the four ranks end with one model."""
+    job = Job(tmp_path, 2)
+    # 3000 steps: its torchrun restarts the node at once (no wait for the neighbour to drop it)
+    linked = [*LINKED[:1], "3000", *LINKED[2:]]
+    try:
+        for node in range(2):
+            job.start(node, linked, restarts=1, nproc=2)
+        job.wait_for(1, r"^step 500/3000")
+        job.kill_worker(1)
+        codes = job.exit_codes([0, 1])
+    finally:
+        job.stop()
+    assert codes == [0, 0], _outputs(job, [0, 1])
+    found = re.findall(r"rank (\d+): parameters sha256 ([0-9a-f]{64})",
+                       job.output(0) + job.output(1))
+    assert sorted(int(rank) for rank, _ in found) == [0, 1, 2, 3], found
+    assert len({digest for _, digest in found}) == 1, found
+    back = job.output(1)
+    joined = re.findall(r"node 1 joined at step (\d+) from a running neighbour's state", back)
+    assert len(joined) == 2 and len(set(joined)) == 1, back[-3000:]   # one step, both ranks
+    assert int(joined[0]) > 500, back[-3000:]
+    offered = re.findall(r"node 0 offered its state to node 1 \(incarnation 2\)", job.output(0))
+    assert len(offered) == 2, job.output(0)[-3000:]   # one per rail
+    for n in range(2):
+        assert re.search(r"^nodes live at the end: 2\b", job.output(n), re.M), \
+            job.output(n)[-3000:]

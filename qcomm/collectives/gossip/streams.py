@@ -313,15 +313,20 @@ class GlooStreams(MessageStreams):
 
     def send_to(self, k: int, message: torch.Tensor) -> PeerError | None:
         link = self._links[k]
+        # Half the silence bound: while this sender waits here, it sends nothing to its other
+        # neighbours, who would count it lost after timeout_s of silence (seen: a joiner that
+        # died before its link was made held both its neighbours here for timeout_s, and
+        # each timed the other out as well).
+        wait_s = self.timeout_s / 2
         with self.cond:
             ok = self.cond.wait_for(lambda: link.unconfirmed < self.max_backlog
-                                    or link.send_error is not None, self.timeout_s)
+                                    or link.send_error is not None, wait_s)
             if link.send_error is not None:
                 return link.recv_error or link.send_error
             if not ok:
                 link.send_error = PeerTimeoutError(
                     f"gossip stream to rank {link.rank} (rank {self.rank}): max_backlog="
-                    f"{self.max_backlog} messages not taken", self.timeout_s,
+                    f"{self.max_backlog} messages not taken", wait_s,
                     [link.rank], self.level)
                 return link.send_error
             link.outbox.append(message)
