@@ -137,7 +137,7 @@ class NodeJoins:
         return state
 
     def _node_failed(self, failed: bool) -> bool:
-        """Whether any rank of this node failed (collective over the node; False alone)."""
+        """Whether any rank of this node failed (collective over the node; alone: ``failed``)."""
         topo = self.node.topology
         if topo.procs_per_node == 1:
             return failed

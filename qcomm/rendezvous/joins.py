@@ -99,8 +99,15 @@ class JoinWatcher:
                 self._store = None
 
     def close(self) -> None:
+        """Stop polling; returns once the thread has left. A poll in flight ends within its
+        store calls' 5 s each (a rendezvous that is down: one connect attempt); the thread must
+        not outlive this call, or interpreter exit meets it inside torch's store (seen under
+        load: a 5 s join returned first, and the process aborted at exit)."""
         self._stop.set()
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=60.0)
+        if self._thread.is_alive():
+            log.warning("qcomm: the join watcher of %s:%d did not stop within 60 s", self.host,
+                        self.port)
 
     def _poll(self) -> None:
         if self._store is None:
@@ -109,6 +116,8 @@ class JoinWatcher:
             self._store = dist.PrefixStore(self.prefix, store) if self.prefix else store
         joins = int(self._store.add(JOINS_KEY, 0))
         for seq in range(self._seen + 1, joins + 1):
+            if self._stop.is_set():
+                return
             self._store.wait([_join_key(seq)], datetime.timedelta(seconds=5))
             member, incarnation = (int(v) for v in
                                    self._store.get(_join_key(seq)).decode().split(":"))
