@@ -104,7 +104,7 @@ class NodeJoins:
             state = self._received(seq)
         except (TimeoutError, ValueError) as e:
             failure = e
-        others_failed = self._node_failed(failure is not None)
+        others_failed = bool(self._node_max(int(failure is not None)))
         if failure is not None:
             raise failure
         if others_failed:
@@ -136,15 +136,16 @@ class NodeJoins:
                              f"{tuple(flat.flat.shape)}: not the same model")
         return state
 
-    def _node_failed(self, failed: bool) -> bool:
-        """Whether any rank of this node failed (collective over the node; alone: ``failed``)."""
+    def _node_max(self, value: int) -> int:
+        """The largest ``value`` of this node's ranks (collective over the node; alone: its
+        own)."""
         topo = self.node.topology
         if topo.procs_per_node == 1:
-            return failed
-        flag = torch.tensor([int(failed)], dtype=torch.int64, device=topo.control_device())
-        all_reduce(flag, topo.intra_group, "max", timeout_s=self.seat.timeout_s, link="intra",
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=topo.control_device())
+        all_reduce(t, topo.intra_group, "max", timeout_s=self.seat.timeout_s, link="intra",
                    operation="join")
-        return bool(flag.item())
+        return int(t.item())
 
     def _one_node(self) -> None:
         """The node's ranks, each started from its own rail's neighbour, agree on one clock
@@ -152,13 +153,11 @@ class NodeJoins:
         topo, g = self.node.topology, self.node.gossip
         if topo.procs_per_node == 1:
             return
-        steps = torch.tensor([g.steps], dtype=torch.int64, device=topo.control_device())
-        all_reduce(steps, topo.intra_group, "max", timeout_s=self.seat.timeout_s,
-                   link="intra", operation="join")
-        if int(steps.item()) != g.steps:
+        steps = self._node_max(g.steps)
+        if steps != g.steps:
             log.info("qcomm: rank %d of joining node %d moves its clock from step %d to the "
-                     "node's %d", topo.rank, self.seat.node, g.steps, int(steps.item()))
-            g.restart_clock(int(steps.item()))
+                     "node's %d", topo.rank, self.seat.node, g.steps, steps)
+            g.restart_clock(steps)
         self.node.share_own_shard()
         if self.optimizer is not None:
             self._node_takes_optimizer_state_of_local_rank_0()

@@ -56,3 +56,10 @@ def test_the_first_node_sets_the_job_and_one_that_differs_is_refused_naming_the_
                                          r"running job's is 2"):
         check_job_agreement(_row(params[:1]), store, "k")
     check_job_agreement(_row(params), store, "k")          # the job's is unchanged
+
+
+@pytest.mark.parametrize("value", ["keep", None, 1])
+def test_a_bad_join_optimizer_state_is_named_with_what_is_allowed(value: object) -> None:
+    with pytest.raises(ValueError, match=r"join_optimizer_state must be one of \('copy', "
+                                         r"'fresh'\)"):
+        CommOptions(**ROBUST, join_optimizer_state=value)

@@ -39,6 +39,14 @@ def _assert_rejoined(job: Job, codes: list[int | None]) -> None:
         assert re.search(r"^step 6000/6000", job.output(n), re.M), job.output(n)[-3000:]
 
 
+def _assert_two_nodes_of_two_end_in_one_model(job: Job, codes: list[int | None]) -> None:
+    assert codes == [0, 0], _outputs(job, [0, 1])
+    found = re.findall(r"rank (\d+): parameters sha256 ([0-9a-f]{64})",
+                       job.output(0) + job.output(1))
+    assert sorted(int(rank) for rank, _ in found) == [0, 1, 2, 3], found
+    assert len({digest for _, digest in found}) == 1, found
+
+
 def _machine_restarted(tmp: Path, args: list[str], *, dies_again: bool = False
                        ) -> tuple[Job, list[int | None]]:
     """Node 1's machine dies at step 500, agent and all; once its neighbour dropped it, a new
@@ -118,11 +126,7 @@ def test_nodes_of_two_ranks_linked_end_in_one_model(tmp_path: Path) -> None:
         codes = job.exit_codes([0, 1])
     finally:
         job.stop()
-    assert codes == [0, 0], _outputs(job, [0, 1])
-    found = re.findall(r"rank (\d+): parameters sha256 ([0-9a-f]{64})",
-                       job.output(0) + job.output(1))
-    assert sorted(int(rank) for rank, _ in found) == [0, 1, 2, 3], found
-    assert len({digest for _, digest in found}) == 1, found
+    _assert_two_nodes_of_two_end_in_one_model(job, codes)
     assert "qcomm: 2 nodes x 2 ranks;" in job.output(0), job.output(0)[-3000:]
 
 
@@ -170,11 +174,7 @@ def test_a_node_of_two_ranks_restarted_by_its_torchrun_rejoins_as_one_node(tmp_p
         codes = job.exit_codes([0, 1])
     finally:
         job.stop()
-    assert codes == [0, 0], _outputs(job, [0, 1])
-    found = re.findall(r"rank (\d+): parameters sha256 ([0-9a-f]{64})",
-                       job.output(0) + job.output(1))
-    assert sorted(int(rank) for rank, _ in found) == [0, 1, 2, 3], found
-    assert len({digest for _, digest in found}) == 1, found
+    _assert_two_nodes_of_two_end_in_one_model(job, codes)
     back = job.output(1)
     joined = re.findall(r"node 1 joined at step (\d+) from a running neighbour's state", back)
     assert len(joined) == 2 and len(set(joined)) == 1, back[-3000:]   # one step, both ranks
