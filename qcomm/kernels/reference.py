@@ -93,7 +93,10 @@ def block_scales(vb: torch.Tensor, n: int, spec: QuantSpec) -> torch.Tensor:
     if spec.bits == 2:
         return absmax  # the top level is absmax itself: nothing to bump or lower
     levels = float(spec.max_level)
-    scale = absmax / levels
+    # A tensor divisor, not a Python float: on CUDA torch computes x / scalar as
+    # x * fl(1 / scalar), which is one ulp off fl(x / L) for some x, and the reference on a
+    # GPU would then disagree with itself on the CPU and with the kernels (which divide).
+    scale = torch.div(absmax, torch.full_like(absmax, levels))
     # Round the scale up by one ulp where rounding made scale * L < absmax (mostly subnormal
     # scales, whose relative rounding error is large): the top level then reaches absmax.
     bumped = (scale.view(torch.int32) + 1).view(torch.float32)
