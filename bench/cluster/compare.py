@@ -54,6 +54,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.cluster import methods as M
+from bench.cluster import rejoining as J
 from bench.cluster import training as T
 from bench.cluster import worker_flags as F
 from bench.cluster import workloads as W
@@ -263,8 +264,10 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
     timed = [r for r in ranks if r["step_median_s"] is not None and r["steps"] > 0]
     step_med = statistics.median(r["step_median_s"] for r in timed) if timed else None
     loop = max(r["loop_s"] for r in ranks)
+    # A node that came back (--join-at) skipped the compute-only baseline.
+    based = [r for r in timed if r["baseline_median_s"] is not None]
     comm_frac = statistics.fmean(max(0.0, 1.0 - r["baseline_median_s"] / r["step_median_s"])
-                                 for r in timed) if timed else None
+                                 for r in based) if based else None
     counted = [r for r in ranks if r["iface_tx_bytes"] is not None and r["steps"] > 0]
     iface = statistics.fmean(r["iface_tx_bytes"] / r["steps"] for r in counted) \
         if counted else None
@@ -328,7 +331,8 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
         "bytes_reference": ref_kind,
         "bytes_rel_diff": agree,
         "comm_fraction": comm_frac,
-        "compute_step_s": statistics.fmean(r["baseline_median_s"] for r in ranks),
+        "compute_step_s": statistics.fmean(
+            r["baseline_median_s"] for r in ranks if r["baseline_median_s"] is not None),
         "fwd_bwd_s": statistics.fmean(r["fwd_bwd_median_s"] for r in timed) if timed else None,
         "opt_step_s": statistics.fmean(r["opt_step_median_s"] for r in timed) if timed else None,
         "loop_s": loop,
@@ -338,7 +342,70 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
     if result.get("kill") is not None:
         row.update(kill_summary(result, target))
         row["bytes_rel_diff"] = row["payload_rel_diff"] = None
+    if result.get("rejoin") is not None:
+        row.update(rejoin_summary(result, row, target))
     return row
+
+
+# What a lost node that came back adds (rejoining.join_summary's figures).
+REJOIN_FIELDS = ("kill_to_first_step_s", "restart_to_first_step_s", "seat_to_first_step_s",
+                 "running_rate_vs_before_join_min", "running_rate_vs_before_join_median")
+
+
+def rejoin_summary(result: dict[str, Any], row: dict[str, Any],
+                   target: float) -> dict[str, Any]:
+    """The row's rejoin figures, and its behaviour saying whether the node came back. Ranks of
+    the returning node that stopped (a join that failed) do not make the run one that stops:
+    the others went on, and their whole curve counts."""
+    rejoin, node = result["rejoin"], result["kill"]["node"]
+    out: dict[str, Any] = {"rejoin": {k: rejoin.get(k) for k in REJOIN_FIELDS}}
+    stop = row.get("stop")
+    node_of = {r["rank"]: r["node"] for r in result["ranks"]}
+    if stop is not None and not all(node_of.get(r) == node for r in stop["ranks"]):
+        return out   # a running node stopped: the run stops, as kill_summary says
+    back = rejoin.get("kill_to_first_step_s")
+    metric, goal = _metric(result)
+    out.update(outcome="continues", counted_curve=result["curve"],
+               time_to_target_s=time_to_target(result["curve"], target, metric, goal),
+               steps_to_target=steps_to_target(result["curve"], target, metric, goal),
+               behaviour=(f"continues; node {node} did not come back"
+                          + ("" if stop is None else f" (its join: {stop['error']})")
+                          if back is None else
+                          f"continues; node {node} back {back:.1f} s after its loss"))
+    return out
+
+
+def aggregate_rejoin(ok: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per rejoin figure, the median over the repetitions that have it and its [min, max]."""
+    out: dict[str, Any] = {}
+    for k in REJOIN_FIELDS:
+        vals = [r["rejoin"][k] for r in ok if (r.get("rejoin") or {}).get(k) is not None]
+        out[k] = statistics.median(vals) if vals else None
+        out[f"{k}_spread"] = [min(vals), max(vals)] if vals else None
+    return {"rejoin": out}
+
+
+def rejoin_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown: per cell, when the lost node took its first step again (after its loss, after
+    its restart, after taking its seat) and the running nodes' step rate during its join over
+    their rate before it (min and median over the running ranks), medians [min-max]."""
+    lines = ["| workload | layout | rate | method | loss to first step s | restart to first "
+             "step s | seat to first step s | running rate during join (min) | (median) | "
+             "time to target s |", "|" + "---|" * 10]
+    for r in rows:
+        rj = r.get("rejoin")
+        if r.get("status") != "ok" or not rj:
+            continue
+        cells = [_median_spread(rj.get(k), rj.get(f"{k}_spread")) for k in REJOIN_FIELDS]
+        ttt = fmt_spread(r["time_to_target_s"], (r.get("spread") or {}).get("time_to_target_s"),
+                         ".1f", none="never")
+        lines.append(f"| {r.get('workload', 'mnist1d')} | {r['layout']} | {r['rate']} | "
+                     f"{r['method']} | " + " | ".join(cells) + f" | {ttt} |")
+    return "\n".join(lines)
+
+
+def _median_or_none(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
 
 
 def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -381,7 +448,9 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for key in ("node_steps", "node_steps_per_s", "node_compute_step_s"):
         lists = [r[key] for r in ok if r.get(key)]
         if lists and all(len(v) == len(lists[0]) for v in lists):
-            row[key] = [statistics.median(col) for col in zip(*lists, strict=True)]
+            # (a node that came back has no compute-only baseline: None there)
+            row[key] = [_median_or_none([v for v in col if v is not None])
+                        for col in zip(*lists, strict=True)]
     for key in ("inter_bytes_qcomm", "intra_bytes_qcomm", "inter_bytes_formula",
                 "inter_packets_iface", "inter_payload_iface", "compute_step_s", "fwd_bwd_s",
                 "opt_step_s"):
@@ -410,7 +479,9 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if any(r.get("kill") for r in ok):
         row.update(aggregate_kill(ok))
         for r, out in zip(reps, row["per_repeat"], strict=True):
-            out.update({k: r.get(k) for k in KILL_FIELDS})
+            out.update({k: r.get(k) for k in (*KILL_FIELDS, "rejoin")})
+    if any(r.get("rejoin") for r in ok):
+        row.update(aggregate_rejoin(ok))
     return row
 
 
@@ -625,24 +696,29 @@ def workload_command(workload: str, method: str, args: argparse.Namespace, data:
 
 def launch_command(cluster: str, layout: T.Layout, cmd_args: list[str], timeout: int,
                    log: Path, slow: tuple[int, float] = (0, 1.0), lost: int | None = None,
-                   equal_cpu: bool = False) -> list[str]:
-    """netns.sh's command that launches one run on the cluster (see :func:`run_one`)."""
+                   equal_cpu: bool = False, comes_back: bool = False) -> list[str]:
+    """netns.sh's command that launches one run on the cluster (see :func:`run_one`);
+    ``comes_back``: the lost node comes back (``--join-at``): nodes linked through a rendezvous,
+    the lost node's torchrun restarting its ranks."""
+    back = ["--linked", "--restart-node", str(lost)] if comes_back and lost is not None else []
     return ["bash", str(NETNS), "launch", "--id", cluster, "--nodes", str(layout.nodes),
             "--procs", str(layout.procs), "--timeout", str(timeout),
             "--slow-nodes", str(slow[0]), "--slowdown", str(slow[1]),
-            *(["--lost-node", str(lost)] if lost is not None else []),
-            *(["--equal-cpu"] if equal_cpu else []),
+            *(["--lost-node", str(lost)] if lost is not None and not comes_back else []),
+            *back, *(["--equal-cpu"] if equal_cpu else []),
             "--logdir", str(log.parent / log.stem), "--", *cmd_args]
 
 
 def run_one(cluster: str, layout: T.Layout, cmd_args: list[str], timeout: int, out_json: Path,
             log: Path, bar: Any, slow: tuple[int, float] = (0, 1.0),
-            lost: int | None = None, equal_cpu: bool = False) -> tuple[int, str]:
+            lost: int | None = None, equal_cpu: bool = False,
+            comes_back: bool = False) -> tuple[int, str]:
     """Launch one run on the cluster (``slow``: the last ``slow[0]`` nodes capped to
     ``1 / slow[1]`` of the others' CPU; ``lost``: the node the run kills, whose end is no
     failure); stream node 0's progress into ``bar``."""
     out_json.unlink(missing_ok=True)
-    cmd = launch_command(cluster, layout, cmd_args, timeout, log, slow, lost, equal_cpu)
+    cmd = launch_command(cluster, layout, cmd_args, timeout, log, slow, lost, equal_cpu,
+                         comes_back)
     # torchrun of this interpreter's environment (netns.sh looks for TORCHRUN first).
     torchrun = Path(sys.executable).with_name("torchrun")
     extra = {"TORCHRUN": str(torchrun)} if torchrun.exists() else {}
@@ -800,7 +876,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "SECONDS per node for every layout, or LAYOUT=SECONDS,... one per "
                         "layout (e.g. 4x1=8,2x2=16).")
     # unset: a healthy sweep passes no timeout on (and its summary records none)
-    F.add_flags(p, ("max_steps", "kill_node", "kill_at", "pg_timeout"), unset=("pg_timeout",))
+    F.add_flags(p, ("max_steps", "kill_node", "kill_at", "join_at", "pg_timeout"),
+                unset=("pg_timeout",))
     p.add_argument("--timeout", type=int, default=900, help="The seconds allowed per run.")
     p.add_argument("--agree", type=float, default=0.05,
                    help="Largest relative difference allowed between the two byte counts.")
@@ -822,6 +899,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(str(e))
     if args.pg_timeout is not None and args.pg_timeout <= 0:
         p.error(f"--pg-timeout must be a number of seconds > 0, got {args.pg_timeout:g}")
+    if args.join_at is not None:
+        seconds = args.time_budget is not None and all(
+            v != FASTEST for v in args.time_budget.values())
+        for name in M.parse_methods(args.methods):
+            problem = J.join_problem(name, args.kill_at, args.join_at, seconds)
+            if problem:
+                p.error(problem)
     return args
 
 
@@ -894,7 +978,12 @@ def announce(args: argparse.Namespace, env: dict[str, Any]) -> None:
     print(f"environment: {json.dumps(env)}")
     if args.repeats < 3:
         print(f"repeats: {args.repeats} (fewer than 3: the spread columns say little)")
-    if args.kill_node is not None:
+    if args.kill_node is not None and args.join_at is not None:
+        print(f"lost node that comes back: node {args.kill_node}'s ranks are killed (SIGKILL) at "
+              f"{args.kill_at:g} x time budget, its torchrun starts them again, and they join "
+              f"the running nodes at {args.join_at:g} x time budget (nodes linked through "
+              "qcomm's rendezvous)")
+    elif args.kill_node is not None:
         print(f"lost node: node {args.kill_node} is killed (SIGKILL, every process) after step "
               f"round({args.kill_at:g} x steps), or at {args.kill_at:g} x time budget for "
               "per-node budgets")
@@ -965,7 +1054,7 @@ def run_cell(sweep: Sweep, args: argparse.Namespace, cluster: str,
         rc, tail = run_one(cluster, layout, cmd, args.timeout, out_json,
                            sweep.outdir / "runs" / f"{stem}.log", bar,
                            (args.slow_nodes, args.slowdown), args.kill_node,
-                           args.equal_cpu)
+                           args.equal_cpu, args.join_at is not None)
     if rc != 0 or not out_json.exists():
         note(f"{stem}: FAILED (exit {rc}); log {sweep.outdir}/runs/{stem}.log\n{tail}")
         return {**base, "status": f"failed (exit {rc})"}
@@ -1020,6 +1109,9 @@ def print_tables(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> No
     if args.kill_node is not None:
         print(f"\nnode {args.kill_node} lost at {args.kill_at:g} of each run:\n")
         print(kill_table(rows))
+    if args.join_at is not None:
+        print(f"\nnode {args.kill_node} back at {args.join_at:g} of each run:\n")
+        print(rejoin_table(rows))
 
 
 def print_targets(rows: Sequence[dict[str, Any]], sweep: Sweep) -> dict[str, list[dict]]:
@@ -1060,7 +1152,7 @@ def write_summary(sweep: Sweep, args: argparse.Namespace, env: dict[str, Any],
     """Everything the sweep found, as ``summary.json`` in the output directory."""
     # The lost-node and timeout options only when given (a healthy sweep's summary as before).
     given = {k: v for k, v in vars(args).items()
-             if not (k in ("kill_node", "kill_at", "pg_timeout") and v is None)}
+             if not (k in ("kill_node", "kill_at", "join_at", "pg_timeout") and v is None)}
     summary = {"environment": env, "args": given, "data": sweep.data_info, "targets_quality":
                sweep.targets, "rows": rows, "targets": checks,
                "bytes_disagree": [r["method"] for r in bad_bytes],

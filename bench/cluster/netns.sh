@@ -26,7 +26,14 @@
 #   netns.sh up     --id ID --nodes N --rate RATE [--burst 256kb] [--delay-ms D] [--owner PID]
 #   netns.sh launch --id ID --nodes N --procs P [--timeout S] [--port PORT] [--logdir DIR] \
 #                   [--slow-nodes K --slowdown S] [--equal-cpu] [--lost-node K] \
+#                   [--linked [--restart-node K]] \
 #                   -- SCRIPT [ARGS...]          # one torchrun per node, in its namespace
+#
+# Linked nodes (--linked): each node's torchrun is a world of its own (the node), and the nodes
+# find each other through qcomm's rendezvous (python -m qcomm.rendezvous), started in node 0's
+# namespace on PORT and stopped when the launch ends; every rank gets QCOMM_RENDEZVOUS, its
+# node QCB_NODE and the job's nodes QCB_NODES. --restart-node K: node K's torchrun starts its
+# ranks again once (--max-restarts 1) after they die, as a restarted machine would.
 #
 # A planned node loss (--lost-node K, K >= 1; the script kills node K, e.g. workload.py
 # --kill-node K): node K's end, whatever its status, stops no other node and is not a failure.
@@ -357,6 +364,7 @@ reap_survivors() {
 
 cmd_launch() {
     local id="" nodes="" procs="" tmo=600 port="" logdir="" slow=0 slowdown=1 lost="" equal=0
+    local linked=0 restart=""
     while [ $# -gt 0 ]; do
         case "$1" in
         --id) id=$2; shift 2 ;;
@@ -369,12 +377,16 @@ cmd_launch() {
         --slowdown) slowdown=$2; shift 2 ;;
         --lost-node) lost=$2; shift 2 ;;
         --equal-cpu) equal=1; shift ;;
+        --linked) linked=1; shift ;;
+        --restart-node) restart=$2; shift 2 ;;
         --) shift; break ;;
         *) die "launch: unknown argument '$1'" ;;
         esac
     done
     [ -z "$lost" ] || { [[ "$lost" =~ ^[0-9]+$ ]] && [ "$lost" -ge 1 ] && [ "$lost" -lt "${nodes:-0}" ]; } ||
         die "--lost-node must be an integer in [1, nodes) (node 0 hosts the rendezvous store), got '$lost'"
+    [ -z "$restart" ] || { [ "$linked" = 1 ] && [[ "$restart" =~ ^[0-9]+$ ]] && [ "$restart" -ge 1 ] && [ "$restart" -lt "${nodes:-0}" ]; } ||
+        die "--restart-node needs --linked and an integer in [1, nodes) (node 0 hosts the rendezvous), got '$restart'"
     [[ "$slow" =~ ^[0-9]+$ ]] && [ "$slow" -lt "${nodes:-0}" ] ||
         die "--slow-nodes must be an integer in [0, nodes) (one node at least stays fast), got '$slow'"
     [[ "$slowdown" =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
@@ -393,7 +405,16 @@ cmd_launch() {
     [ -n "$torchrun" ] || die "torchrun not found (activate the venv or set TORCHRUN)"
 
     local -a pids=() cgroups=()
-    local k ns cores lost_pid="" reaper="" reaped="$logdir/reaped-launchers"
+    local k ns cores lost_pid="" reaper="" reaped="$logdir/reaped-launchers" rdzv_pid=""
+    if [ "$linked" = 1 ]; then
+        # The job's rendezvous, beside node 0 (in its namespace: the nodes reach it over their
+        # links) and apart from it: a process of its own, stopped when the launch ends.
+        local py=${PYTHON:-$(dirname "$torchrun")/python}
+        [ -x "$py" ] || py=python3
+        ip netns exec "$(ns_name "$id" 0)" "$py" -m qcomm.rendezvous --host "$SUBNET.1" \
+            --port "$port" --nodes "$nodes" >"$logdir/rendezvous.log" 2>&1 &
+        rdzv_pid=$!
+    fi
     rm -f "$reaped"
     touch "$reaped"
     cores=$(nproc)
@@ -428,11 +449,18 @@ cmd_launch() {
             cgroups+=("$cg")
             wrap=(bash -c 'echo $$ >"$0/cgroup.procs" && exec "$@"' "$cg")
         fi
+        local -a world=(--nnodes "$nodes" --node-rank "$k" --master-addr "$SUBNET.1"
+            --master-port "$port" --max-restarts 0)
+        local -a linked_env=()
+        if [ "$linked" = 1 ]; then
+            # Linked nodes: each torchrun's world is its node; node --restart-node's agent
+            # starts its ranks once more after they are killed.
+            world=(--standalone --nnodes 1 --max-restarts $([ "$k" = "$restart" ] && echo 1 || echo 0))
+            linked_env=(QCOMM_RENDEZVOUS="$SUBNET.1:$port" QCB_NODE="$k" QCB_NODES="$nodes")
+        fi
         local -a cmd=("${wrap[@]}" ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$IFACE" OMP_NUM_THREADS=1
-            QCB_IFACE="$IFACE" timeout --kill-after=15 "$tmo"
-            "$torchrun" --nnodes "$nodes" --node-rank "$k" --nproc-per-node "$procs"
-            --master-addr "$SUBNET.1" --master-port "$port" --max-restarts 0
-            --monitor-interval 0.5 "$@")
+            QCB_IFACE="$IFACE" "${linked_env[@]}" timeout --kill-after=15 "$tmo"
+            "$torchrun" "${world[@]}" --nproc-per-node "$procs" --monitor-interval 0.5 "$@")
         # `ip netns exec`, env and timeout each exec the next, so $! is timeout's pid and a TERM
         # sent to it reaches torchrun, which passes it on to its workers.
         if [ "$k" -eq 0 ]; then
@@ -455,6 +483,7 @@ cmd_launch() {
         for p in "${cgroups[@]}"; do
             remove_cgroup "$p"
         done
+        [ -z "$rdzv_pid" ] || kill "$rdzv_pid" 2>/dev/null || true
         exit 143
     }
     trap stop_nodes TERM INT
@@ -513,6 +542,10 @@ cmd_launch() {
         wait "$reaper" 2>/dev/null || true
     fi
     exec 2>&3 3>&-
+    if [ -n "$rdzv_pid" ]; then
+        kill "$rdzv_pid" 2>/dev/null || true
+        wait "$rdzv_pid" 2>/dev/null || true
+    fi
     rm -f "$reaped"
     for k in "${cgroups[@]}"; do
         remove_cgroup "$k"

@@ -135,6 +135,13 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
     Flag("--kill-at", float, None, "When --kill-node dies, a fraction strictly between 0 and "
          "1: after step round(F x steps) of that node, or F x --time-budget seconds into the "
          "timed window for the methods with a per-node budget."),
+    Flag("--join-at", float, None, "With --kill-node: the lost node comes back and joins the "
+         "running job. The launch links the nodes through a rendezvous (each node its own "
+         "torchrun, python -m qcomm.rendezvous beside node 0); at --kill-at the node's ranks "
+         "are killed but not its torchrun agent, which starts them again; they wait until F x "
+         "--time-budget seconds into the timed window (F above --kill-at, below 1), then join "
+         "from their neighbours' state. Only the wait-free methods that go on without a lost "
+         "node (names ending in -cont), with a --time-budget in seconds."),
     Flag("--profile", None, False, "cProfile every rank's timed steps; the top functions go "
          "to OUT.prof<rank>.txt (compare.py: runs/<run>.json.prof<rank>.txt)."),
 )}
@@ -142,7 +149,7 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
 PASSED_ON = ("width", "depth", "batch", "lr", "momentum", "weight_decay", "steps", "warmup",
              "seed", "powersgd_rank", "localsgd_period", "diloco_sync_every",
              "streaming_fragments", "streaming_delay", "profile", "pg_timeout", "kill_node",
-             "kill_at")
+             "kill_at", "join_at")
 """What compare.py passes on to every run as it got it (``--max-steps`` goes with the time
 budget, which compare.py sets per layout)."""
 

@@ -47,6 +47,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import logging
 import os
 import signal
 import socket
@@ -55,7 +56,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -68,6 +69,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.cluster import methods as M
+from bench.cluster import rejoining as J
 from bench.cluster import training as T
 from bench.cluster import worker_flags as F
 from bench.cluster import workloads as W
@@ -113,6 +115,10 @@ def average_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
     return out
 
 
+# (step, seconds since the window opened, parameters)
+Snapshot = tuple[int, float, dict[str, torch.Tensor]]
+
+
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -135,7 +141,7 @@ def rank_record(rank: int, node: int, local_rank: int, steps: int, step_times: l
                        if t > 10 * med][:50] if step_times else [],
         "fwd_bwd_median_s": _median(fwd_bwd),
         "opt_step_median_s": _median(opt_times),
-        "baseline_median_s": statistics.median(base_times),
+        "baseline_median_s": _median(base_times),
         "loop_s": t_loop, "window_s": t_window,
         "iface_tx_bytes": None if counters is None else counters[1][0] - counters[0][0],
         "iface_rx_bytes": None if counters is None else counters[1][1] - counters[0][1],
@@ -146,16 +152,19 @@ def rank_record(rank: int, node: int, local_rank: int, steps: int, step_times: l
     }
 
 
-def evaluate_curve(work, per_node: list[list[tuple[int, float, dict[str, torch.Tensor]]]]
-                   ) -> list[dict[str, float]]:
+def evaluate_curve(work, per_node: list[list[Snapshot | None]]) -> list[dict[str, float]]:
     """The snapshots of several nodes -> the curve: at each mark, the average of the nodes'
     parameters evaluated, timed at the latest of the nodes' snapshot times."""
     evaluator = work.make_model()
     metric = work.info.metric
     curve = []
     for i in range(max(len(snaps) for snaps in per_node)):
-        # A node that stopped before this mark (--max-steps) counts with its last snapshot.
+        # A node that stopped before this mark (--max-steps) counts with its last snapshot; a
+        # node that came back (--join-at) has None at the marks before its return.
         points = [snaps[min(i, len(snaps) - 1)] for snaps in per_node]
+        points = [p for p in points if p is not None]
+        if not points:
+            continue
         evaluator.load_state_dict(average_states([st for _, _, st in points]))
         curve.append({"step": statistics.fmean(p[0] for p in points),
                       "fastest_step": max(p[0] for p in points),
@@ -201,12 +210,14 @@ def node_processes() -> list[int]:
     return [pid for pid in out if pid != me]
 
 
-def kill_this_node(marker: Path, what: dict[str, Any]) -> NoReturn:
+def kill_this_node(marker: Path, what: dict[str, Any], *, agent: bool = True) -> NoReturn:
     """The node is lost: write ``what`` (when, by whom) to ``marker`` for the survivors' record,
-    then SIGKILL the node's torchrun agent, its other ranks and this process. No cleanup of any
-    kind: the kernel closes the sockets, as when a machine dies."""
+    then SIGKILL the node's torchrun agent (unless ``agent`` is False: it then starts the ranks
+    again, ``--join-at``), its other ranks and this process. No cleanup of any kind: the kernel
+    closes the sockets, as when a machine dies."""
     write_json(marker, what)
-    for pid in node_processes():
+    pids = node_processes()
+    for pid in pids if agent else pids[1:]:
         with contextlib.suppress(OSError):  # gone already
             os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -264,7 +275,7 @@ def _write_profile(profiler, path: Path) -> None:
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The command line as the JSON records it (the kill options only when given)."""
     return {k: v for k, v in vars(args).items()
-            if k != "out" and not (k in ("kill_node", "kill_at") and v is None)}
+            if k != "out" and not (k in ("kill_node", "kill_at", "join_at") and v is None)}
 
 
 @dataclass(frozen=True)
@@ -295,21 +306,23 @@ class Timed:
         step_times, fwd_bwd, opt_times: per step, seconds of the whole step, of forward and
             backward, and of the optimizer step.
         snapshots: ``(step, seconds since the window opened, parameters)``, on the rank that
-            keeps its node's snapshots.
+            keeps its node's snapshots; None at the marks before a node came back.
         t_open: ``time.perf_counter()`` when the window opened.
         t_loop: seconds from the window's opening to the end of the training loop.
         stop: where and why the rank stopped (:func:`stop_record`), when a lost node made its
             communication fail; else None.
+        step_ends: ``time.time()`` at the end of each step (for what a join costs).
     """
 
     steps: int
     step_times: list[float]
     fwd_bwd: list[float]
     opt_times: list[float]
-    snapshots: list[tuple[int, float, dict[str, torch.Tensor]]]
+    snapshots: list[Snapshot | None]
     t_open: float
     t_loop: float
     stop: dict[str, Any] | None
+    step_ends: list[float] = field(default_factory=list)
 
 
 # The byte counters read when the window opens (and again when it closes): the node's
@@ -320,7 +333,8 @@ Readings = tuple[tuple[int, int, int] | None, int | None, dict[str, int] | None]
 
 def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, timed: Timed,
                    start: Readings, base_times: list[float], kill: dict[str, Any],
-                   marker: Path, model: tuple[int, list]) -> NoReturn:
+                   marker: Path, model: tuple[int, list],
+                   timeline: dict[str, float] | None = None) -> NoReturn:
     """The end of a run in which a node is lost (every rank but the lost node's): no
     collective over all ranks, files instead.
 
@@ -331,7 +345,8 @@ def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, 
     record to ``OUT.rank<r>.json`` and leaves, except rank 0, which waits for the records of
     every rank not killed (at most the longest any communication may block, plus two
     minutes), evaluates the surviving nodes' snapshots and final parameters and writes the
-    JSON."""
+    JSON. With ``--join-at`` the record also holds the wall-clock end of every step and, on
+    the ranks that came back, their ``timeline``, and rank 0 waits for every rank."""
     counters0, retrans0, stats0 = start
     counters1 = retrans1 = stats1 = None
     live = pace = None
@@ -374,6 +389,9 @@ def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, 
         rec["live_nodes"] = live
     if pace is not None:
         rec.update(pace)
+    if args.join_at is not None:
+        rec["step_ends"] = timed.step_ends
+        rec["timeline"] = timeline
     if here.keeps_snapshots:
         torch.save(timed.snapshots, Path(f"{args.out}.node{here.node}.snapshots"))
         if stop is None:
@@ -395,14 +413,17 @@ def assemble_after_kill(args: argparse.Namespace, work, built: T.Built, kill: di
     procs, world = layout.procs, layout.world
     records = {r: Path(f"{args.out}.rank{r}.json") for r in range(world)}
 
+    comes_back = args.join_at is not None
+
     def accounted(r: int) -> bool:
-        return records[r].exists() or (r // procs == kill["node"] and marker.exists())
+        return records[r].exists() or (
+            not comes_back and r // procs == kill["node"] and marker.exists())
 
     deadline = time.monotonic() + max(args.pg_timeout, 300.0) + 120.0
     while not all(accounted(r) for r in range(world)) and time.monotonic() < deadline:
         time.sleep(0.2)
     killed = json.loads(marker.read_text()) if marker.exists() else None
-    lost = {killed["node"]} if killed else set()
+    lost = {killed["node"]} if killed and not comes_back else set()
     ranks = [json.loads(f.read_text()) for r, f in records.items() if f.exists()]
     missing = [r for r, f in records.items() if not f.exists() and r // procs not in lost]
     metric = work.info.metric
@@ -445,6 +466,9 @@ def assemble_after_kill(args: argparse.Namespace, work, built: T.Built, kill: di
         "final_from": final_from,
         "missing_ranks": missing,
     }
+    if comes_back:
+        result["rejoin"] = {"at": args.join_at, **(J.join_summary(
+            ranks, None if killed is None else killed.get("time"), kill["node"]) or {})}
     write_json(Path(args.out), result)
     for n in range(layout.nodes):
         for suffix in ("snapshots", "final"):
@@ -452,6 +476,7 @@ def assemble_after_kill(args: argparse.Namespace, work, built: T.Built, kill: di
     for f in records.values():
         f.unlink(missing_ok=True)
     marker.unlink(missing_ok=True)
+    J.window_file(args.out).unlink(missing_ok=True)
     shown = "-" if final is None else f"{final:.4f}"
     print(f"QCB_DONE {args.method} final {metric}={shown} (node {kill['node']} "
           f"{'killed' if killed else 'not killed'}, {final_from})", flush=True)
@@ -488,7 +513,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Instead of --time-budget: every node of a method whose nodes may take "
                         "different numbers of steps trains until the first node has taken "
                         "--steps steps (the same work as a lockstep run, for the fastest node).")
-    F.add_flags(p, ("pg_timeout", "kill_node", "kill_at", "profile"))
+    F.add_flags(p, ("pg_timeout", "kill_node", "kill_at", "join_at", "profile"))
     args = p.parse_args(argv)
     if (args.kill_node is None) != (args.kill_at is None):
         p.error("--kill-node and --kill-at go together")
@@ -500,6 +525,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.until_fastest and args.time_budget is not None:
         p.error("--until-fastest and --time-budget are two ways to end a per-node run: "
                 "give one")
+    if args.join_at is not None:
+        problem = J.join_problem(args.method, args.kill_at, args.join_at,
+                               args.time_budget is not None)
+        if problem:
+            p.error(problem)
     info = W.WORKLOADS[args.workload]
     for key in ("width", "depth", "batch", "lr", "momentum", "weight_decay", "steps"):
         if getattr(args, key) is None:
@@ -509,14 +539,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def find_place() -> Place:
-    """This rank's place, from the process group and torchrun's environment."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def find_place(seat: Any = None, nodes: int | None = None) -> Place:
+    """This rank's place, from the process group and torchrun's environment; for linked nodes
+    (``seat`` from :func:`rejoining.init_linked`, the job's ``nodes``) from the seat: the
+    default group is then the node."""
+    iface = os.environ.get("QCB_IFACE", "qceth0")
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if seat is not None and nodes is not None:
+        return Place(seat.rank, nodes * procs, seat.node, local_rank, T.Layout(nodes, procs),
+                     iface)
+    rank, world = dist.get_rank(), dist.get_world_size()
     node = int(os.environ.get("GROUP_RANK", str(rank // procs)))
-    return Place(rank, world, node, local_rank, T.Layout(world // procs, procs),
-                 os.environ.get("QCB_IFACE", "qceth0"))
+    return Place(rank, world, node, local_rank, T.Layout(world // procs, procs), iface)
 
 
 def method_config(args: argparse.Namespace, layout: T.Layout, optimizer: str) -> T.Config:
@@ -607,15 +642,18 @@ def kill_plan(args: argparse.Namespace, layout: T.Layout,
 def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
                 train_step: Callable[[int], tuple[float, float]], budget: float | None,
                 max_steps: int, kill: dict[str, Any] | None, marker: Path,
-                fastest: tuple[Path, float] | None = None) -> Timed:
+                fastest: tuple[Path, float] | None = None, *, origin: float | None = None,
+                spare_agent: bool = False) -> Timed:
     """Step 4, the timed window: ``--steps`` steps, or each node's own ``budget`` seconds (at
     most ``max_steps`` steps), or (``fastest``: the flag file and the snapshots' spacing in
     seconds) until the first node has taken ``--steps`` steps; snapshots of the parameters at
     evenly spaced steps (or times); progress lines from rank 0; the node ``kill`` names dies on
     its step or time. Under a lost node a rank whose communication fails stops there
-    (``Timed.stop``)."""
+    (``Timed.stop``). A rank that came back (``--join-at``) measures the window from ``origin``
+    (the first ranks' opening, a ``perf_counter`` reading) and has no snapshots for the marks
+    before it; ``spare_agent``: the node's loss kills its ranks, not its torchrun agent."""
     rank, node = here.rank, here.node
-    doomed = kill is not None and node == kill["node"]
+    doomed = kill is not None and node == kill["node"] and origin is None
     # Snapshot marks: steps (every rank takes the same ones), or times (per-node budgets).
     snap_steps = {round(k * args.steps / args.snapshots) for k in range(1, args.snapshots + 1)}
     snap_times = [k * budget / args.snapshots for k in range(1, args.snapshots + 1)] \
@@ -623,12 +661,13 @@ def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
     if fastest is not None:
         flag, spacing = fastest
         snap_times = fastest_marks(spacing, args.snapshots)
-    snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
+    snapshots: list[Snapshot | None] = []
     step_times: list[float] = []
+    step_ends: list[float] = []
     fwd_bwd: list[float] = []
     opt_times: list[float] = []
     report_every = max(1, args.steps // 50)
-    t_open = time.perf_counter()
+    t_open = time.perf_counter() if origin is None else origin
     keeps_snapshots = here.keeps_snapshots
 
     def snapshot(step: int) -> None:
@@ -636,8 +675,11 @@ def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
         snapshots.append((step, time.perf_counter() - t_open,
                           {k: v.clone() for k, v in built.module.state_dict().items()}))
 
-    if keeps_snapshots:
+    if keeps_snapshots and origin is None:
         snapshot(0)
+    elif keeps_snapshots:  # came back: no snapshot for the start and the marks passed
+        passed = time.perf_counter() - t_open
+        snapshots.extend([None] * (1 + sum(m <= passed for m in snap_times)))
 
     profiler = None
     if args.profile:
@@ -649,7 +691,8 @@ def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
 
     def lose_node() -> NoReturn:
         kill_this_node(marker, {"node": node, "rank": rank, "step": s,
-                                "time_s": time.perf_counter() - t_open})
+                                "time_s": time.perf_counter() - t_open, "time": time.time()},
+                       agent=not spare_agent)
 
     if doomed and kill["time_s"] is not None:
         # Whatever the main thread is doing (a step, a wait): the machine dies on time.
@@ -679,6 +722,7 @@ def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
             t = time.perf_counter()
             a, b = train_step(args.warmup + s - 1)
             step_times.append(time.perf_counter() - t)
+            step_ends.append(time.time())
             fwd_bwd.append(a)
             opt_times.append(b)
             elapsed = time.perf_counter() - t_open
@@ -715,7 +759,8 @@ def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
     if profiler is not None:
         profiler.disable()
         _write_profile(profiler, Path(f"{args.out}.prof{rank}.txt"))
-    return Timed(steps_done, step_times, fwd_bwd, opt_times, snapshots, t_open, t_loop, stop)
+    return Timed(steps_done, step_times, fwd_bwd, opt_times, snapshots, t_open, t_loop, stop,
+                 step_ends)
 
 
 def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: Timed,
@@ -822,11 +867,33 @@ def snapshot_spacing(base_times: list[float], args: argparse.Namespace) -> float
     return float(fastest) * args.steps / args.snapshots
 
 
+def join_job(args: argparse.Namespace) -> tuple[Place, dict[str, float] | None]:
+    """This rank's place in the job: one torchrun world, or (``--join-at``) nodes linked through
+    the rendezvous. A rank started again by its torchrun (the lost node coming back) first
+    waits until ``--join-at`` of the window; its timeline (wall-clock) is returned, else None."""
+    if args.join_at is None:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+        return find_place(), None
+    # The join's steps (announced, offered, joined) in every node's log, with times.
+    logging.basicConfig(format="%(asctime)s.%(msecs)03d %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("qcomm").setLevel(logging.INFO)
+    timeline = None
+    if J.restarted():
+        timeline = {"process_start": time.time()}
+        opened = J.wait_for_window(args.out, args.pg_timeout)
+        time.sleep(max(0.0, opened + args.join_at * args.time_budget - time.time()))
+        timeline["window_opened"] = opened
+    seat, nodes = J.init_linked(args.pg_timeout)
+    if timeline is not None:
+        timeline["seat_taken"] = time.time()
+    return find_place(seat, nodes), timeline
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # several ranks per 2-core machine: oversubscription distorts times
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
-    here = find_place()
+    here, timeline = join_job(args)
+    came_back = timeline is not None
     # Per-rank batches for every step a rank may take (a per-node budget may take more).
     per_node = args.time_budget is not None and M.per_node_budget(args.method)
     until_fastest = args.until_fastest and M.per_node_budget(args.method)
@@ -841,25 +908,33 @@ def main(argv: list[str] | None = None) -> None:
              [list(p.shape) for p in module.parameters()])
 
     # The steps of the module's docstring, 1 to 6.
-    base_times = baseline(work, module, cfg, args.baseline_steps, total)  # 1.
+    # A node that came back skips the baseline and the warm-up (the others are training).
+    base_times = [] if came_back else baseline(work, module, cfg, args.baseline_steps,
+                                               total)  # 1.
     if here.rank == 0:
         # A run before this one into the same --out left its flag files: they would stop this
         # one at its first step (warm_up's barrier orders the removal before any check).
-        for stale in (f"{args.out}.fastest", f"{args.out}.killed"):
+        for stale in (f"{args.out}.fastest", f"{args.out}.killed", f"{args.out}.window"):
             Path(stale).unlink(missing_ok=True)
     built = M.build(args.method, module, cfg)
     train_step = step_function(work, built)
-    warm_up(built, train_step, args.warmup)  # 2.
+    warm_up(built, train_step, 0 if came_back else args.warmup)  # 2.
     start = read_counters(here, built, here.local_rank == 0 and here.layout.nodes > 1)  # 3.
     budget = args.time_budget if per_node else None
     kill = kill_plan(args, here.layout, budget)
     marker = Path(f"{args.out}.killed")
     fastest = (Path(f"{args.out}.fastest"), snapshot_spacing(base_times, args)) \
         if until_fastest else None
+    if args.join_at is not None and here.rank == 0:
+        J.publish_window(args.out)  # the window opens now
+    origin = J.perf_origin(timeline["window_opened"]) if came_back else None
     timed = timed_steps(args, here, built, train_step, budget, max_steps, kill, marker,
-                        fastest)  # 4.
+                        fastest, origin=origin, spare_agent=args.join_at is not None)  # 4.
+    if timeline is not None:
+        timeline["first_step_end"] = timed.step_ends[0] if timed.step_ends else None
     if kill is not None:
-        end_after_kill(args, work, built, here, timed, start, base_times, kill, marker, model)
+        end_after_kill(args, work, built, here, timed, start, base_times, kill, marker, model,
+                       timeline)
     finish(args, work, built, here, timed, start, base_times, model)  # 5. and 6.
 
 

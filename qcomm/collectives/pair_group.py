@@ -18,6 +18,7 @@ collective would wait for change while it runs: the gossip sums along its ring i
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 
 import torch
@@ -32,6 +33,22 @@ from .links import MessageStreams
 __all__ = ["INCARNATION_KEY", "PairChannel", "PairGroup", "claim_incarnation"]
 
 
+
+
+def gloo_devices() -> list:
+    """The Gloo devices of a link: one per interface named in ``GLOO_SOCKET_IFNAME`` (a comma
+    list) when it is set, as torch's own Gloo groups do, else the default one (the address
+    the host name resolves to). A group made with explicit options skips torch's reading of
+    the variable, and where the host name resolves to loopback (containers, network
+    namespaces) a link would then offer 127.0.0.1 to a peer on another machine.
+
+    Raises:
+        RuntimeError: a named interface does not exist or has no address (Gloo's message).
+    """
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    if names:
+        return [dist.ProcessGroupGloo.create_device(interface=n) for n in names]
+    return [dist.ProcessGroupGloo.create_default_device()]
 
 class PairChannel:
     """One link's point-to-point on its own Gloo group of two (this end and the peer)."""
@@ -114,7 +131,7 @@ class PairGroup(CommGroup):
         prefix = f"qcomm/link/{self.name}/{lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}/{n}/"
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = self.timeout
-        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        opts._devices = gloo_devices()
         pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store),
                                    0 if me == lo else 1, 2, opts)
         return PairChannel(pg, 1 if me == lo else 0)

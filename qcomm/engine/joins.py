@@ -223,7 +223,15 @@ class NodeJoins:
                 continue
             admit(g, member)
             if g.membership.nearest_live(1) == member and g.rounds_started:
-                offer_state(self.store, seq, self._payload())
+                try:
+                    offer_state(self.store, seq, self._payload())
+                except RuntimeError as e:   # the rendezvous: down, or it dropped us
+                    # The running node trains on; the joiner, without a state, fails its join
+                    # in its own bound, and its link here counts as lost like any other.
+                    log.warning("qcomm: node %d could not offer its state to node %d "
+                                "(incarnation %d): %s", self.seat.node, member, incarnation,
+                                str(e).splitlines()[0] if str(e) else type(e).__name__)
+                    continue
                 log.info("qcomm: node %d offered its state to node %d (incarnation %d) at step "
                          "%d", self.seat.node, member, incarnation, g.steps)
 

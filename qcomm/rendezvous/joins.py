@@ -7,7 +7,10 @@ running members see it, and one of them hands it the state to start from.
               for seq, member, incarnation in watcher.new(): ...; offer_state(store, seq, b)
 
 The store holds ``qcomm/joins`` (how many joins were announced) and per join ``qcomm/join/<seq>``
-(``"member:incarnation"``) and ``qcomm/join/<seq>/state`` (the first offer wins). The watcher
+(``"member:incarnation"``) and ``qcomm/join/<seq>/state`` (the first offer wins: it names the
+offer, ``"<offer id>:<parts>:<bytes>"``, whose parts lie under
+``qcomm/join/<seq>/state/<offer id>/<i>``). A state goes in parts because torch's TCPStore
+server refuses a value over 8 MiB, and drops the connection that sent it. The watcher
 polls from a thread of its own, on a connection of its own, so a rendezvous that is down or slow
 never stops a training step: it warns once and keeps trying; joins wait until it is back.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import secrets
 import threading
 
 import torch.distributed as dist
@@ -38,11 +42,26 @@ def announce(store: dist.Store, member: int, incarnation: int) -> int:
     return seq
 
 
+# The largest part of a state in one store value: torch's TCPStore server (its libuv backend)
+# refuses a message over 8 MiB and closes the connection that sent it.
+STATE_PART_BYTES = 4 << 20
+
+
 def offer_state(store: dist.Store, seq: int, payload: bytes) -> bool:
     """Offer join ``seq`` the state to start from; True when this offer is the one taken (the
-    first)."""
-    key = _join_key(seq) + "/state"
-    return store.compare_set(key, "", payload) == payload
+    first). The parts go first, under this offer's own keys, then one small compare-and-set
+    names the offer; an offer not taken deletes its parts."""
+    offer = secrets.token_hex(8)
+    base = f"{_join_key(seq)}/state/{offer}"
+    parts = range(0, len(payload), STATE_PART_BYTES)
+    for i, lo in enumerate(parts):
+        store.set(f"{base}/{i}", payload[lo:lo + STATE_PART_BYTES])
+    header = f"{offer}:{len(parts)}:{len(payload)}"
+    taken = store.compare_set(_join_key(seq) + "/state", "", header).decode() == header
+    if not taken:
+        for i in range(len(parts)):
+            store.delete_key(f"{base}/{i}")
+    return taken
 
 
 def await_state(store: dist.Store, seq: int, timeout_s: float) -> bytes:
@@ -57,7 +76,15 @@ def await_state(store: dist.Store, seq: int, timeout_s: float) -> bytes:
     except (RuntimeError, dist.DistStoreError) as e:
         raise TimeoutError(f"no running member handed this joiner its state within "
                            f"{timeout_s:g} s (join {seq})") from e
-    return store.get(key)
+    offer, parts, nbytes = store.get(key).decode().split(":")
+    base = f"{key}/{offer}"
+    payload = b"".join(store.get(f"{base}/{i}") for i in range(int(parts)))
+    if len(payload) != int(nbytes):
+        raise RuntimeError(f"the state offered to join {seq} is {len(payload)} bytes, its offer "
+                           f"said {nbytes}")
+    for i in range(int(parts)):   # the rendezvous keeps nothing it no longer needs
+        store.delete_key(f"{base}/{i}")
+    return payload
 
 
 class JoinWatcher:

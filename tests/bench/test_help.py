@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p for p in [*REPO.glob("bench/*.py"), *REPO.glob("bench/cluster/*.py")]
                  if p.name != "__init__.py")
 LIBRARIES = {"bench/common.py", "bench/cluster/charlm.py", "bench/cluster/corpus.py",
-             "bench/cluster/methods.py", "bench/cluster/torchft_methods.py",
+             "bench/cluster/methods.py", "bench/cluster/rejoining.py",
+             "bench/cluster/torchft_methods.py",
              "bench/cluster/training.py", "bench/cluster/worker_flags.py",
              "bench/cluster/workloads.py", "bench/progress.py"}
 # Where the documentation shows commands to run: the fenced bash blocks of the guides. The

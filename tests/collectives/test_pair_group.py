@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qcomm.collectives.pair_group import PairGroup
+from qcomm.collectives.pair_group import PairGroup, gloo_devices
 
 
 @pytest.mark.parametrize(("args", "kwargs", "match"), [
@@ -36,3 +36,18 @@ def test_it_contacts_nothing_until_a_link_opens_and_refuses_every_collective() -
     for call in calls:
         with pytest.raises(NotImplementedError, match="over a PairGroup: its members change"):
             call()
+
+
+def test_links_use_the_interfaces_gloo_socket_ifname_names(monkeypatch) -> None:
+    """A link's devices follow GLOO_SOCKET_IFNAME as torch's own Gloo groups do: an interface
+    that does not exist fails there (so the variable is read), a comma list gives a device per
+    interface, and without it the default device. (Found on the emulated cluster: a link built
+    with explicit options offered 127.0.0.1, where the host name resolves, to the other
+    nodes.)"""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "qcomm-no-such-if0")
+    with pytest.raises(RuntimeError, match="qcomm-no-such-if0"):
+        gloo_devices()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,lo")
+    assert len(gloo_devices()) == 2
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    assert len(gloo_devices()) == 1

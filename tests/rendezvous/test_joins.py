@@ -16,7 +16,13 @@ import pytest
 import torch.distributed as dist
 
 from qcomm.rendezvous import serve
-from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
+from qcomm.rendezvous.joins import (
+    STATE_PART_BYTES,
+    JoinWatcher,
+    announce,
+    await_state,
+    offer_state,
+)
 from qcomm.testing.multiprocess import free_port
 
 
@@ -106,3 +112,28 @@ def test_a_rendezvous_that_is_down_stops_nothing_and_joins_wait_for_it(caplog) -
         t.join(5)
     finally:
         watcher.close()
+
+
+def test_a_state_larger_than_a_store_value_goes_in_parts_and_leaves_nothing(rendezvous) -> None:
+    """torch's TCPStore server refuses a value over 8 MiB (and drops the connection that sent
+    it): a 20 MiB state (a model of a few million parameters with its optimizer state and the
+    gossip's copies) arrives whole, byte for byte; an offer not taken and the parts of the one
+    taken are deleted from the rendezvous."""
+    _, store = rendezvous
+    seq = announce(store, 1, 2)
+    state = bytes(range(256)) * (20 * 4096) + b"tail"   # 20 MiB + 4 bytes
+    assert len(state) > 2 * STATE_PART_BYTES
+    assert offer_state(store, seq, state)
+    keys_before = store.num_keys()
+    assert not offer_state(store, seq, b"x" * (STATE_PART_BYTES + 1))  # a second donor
+    assert store.num_keys() == keys_before   # its parts are gone again
+    assert await_state(store, seq, 5) == state
+    parts = -(-len(state) // STATE_PART_BYTES)
+    assert store.num_keys() == keys_before - parts
+
+
+def test_an_empty_state_is_offered_and_taken(rendezvous) -> None:
+    _, store = rendezvous
+    seq = announce(store, 1, 2)
+    assert offer_state(store, seq, b"")
+    assert await_state(store, seq, 5) == b""
