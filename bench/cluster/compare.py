@@ -348,7 +348,7 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
 
 
 # What a lost node that came back adds (rejoining.join_summary's figures).
-REJOIN_FIELDS = ("kill_to_first_step_s", "restart_to_first_step_s", "seat_to_first_step_s",
+REJOIN_FIELDS = ("kill_to_first_step_s", "restart_to_first_step_s", "join_s",
                  "running_rate_vs_before_join_min", "running_rate_vs_before_join_median")
 
 
@@ -387,10 +387,12 @@ def aggregate_rejoin(ok: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def rejoin_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown: per cell, when the lost node took its first step again (after its loss, after
-    its restart, after taking its seat) and the running nodes' step rate during its join over
-    their rate before it (min and median over the running ranks), medians [min-max]."""
+    its restart), how long its join took (the method's build, which announces it, takes the
+    state and links, and the first step), and
+    the running nodes' step rate during the join over their rate before it (min and median
+    over the running ranks), medians [min-max]."""
     lines = ["| workload | layout | rate | method | loss to first step s | restart to first "
-             "step s | seat to first step s | running rate during join (min) | (median) | "
+             "step s | the join s | running rate during join (min) | (median) | "
              "time to target s |", "|" + "---|" * 10]
     for r in rows:
         rj = r.get("rejoin")

@@ -121,11 +121,12 @@ def join_summary(ranks: list[dict[str, Any]], kill_time: float | None,
     """What the join cost and when the joiner took part, from the ranks' records.
 
     The joiner's timeline (wall-clock, from its ranks' ``timeline``): its process started
-    again, it took its seat (the running nodes can see it from then on), its first step ended.
-    The running ranks' step rate in the join's window (from the seat taken until
-    :data:`AFTER_FIRST_STEP_S` after the joiner's first step) over their rate in the
-    :data:`RATE_WINDOW_S` before the seat was taken (after the ring closed around the lost node)
-    and before the kill. None when the joiner never took a step.
+    again, it took its seat, it began to build the method (whose setup announces the join to
+    the running nodes, takes the state and links: the join), its first step started and ended.
+    The running ranks' step rate in the join's window (from the build's start until
+    :data:`AFTER_FIRST_STEP_S` after the first step's end) over their rate in the
+    :data:`RATE_WINDOW_S` before the window (after the ring closed around the lost node) and
+    before the kill. None when the joiner never took a step.
     """
     joiner = [r for r in ranks if r["node"] == join_node and r.get("timeline")]
     firsts = [r["timeline"].get("first_step_end") for r in joiner]
@@ -133,8 +134,9 @@ def join_summary(ranks: list[dict[str, Any]], kill_time: float | None,
         return None
     start = min(r["timeline"]["process_start"] for r in joiner)
     seat = max(r["timeline"]["seat_taken"] for r in joiner)
+    announced = min(r["timeline"]["build_start"] for r in joiner)
     first = max(firsts)
-    lo, hi = seat, first + AFTER_FIRST_STEP_S
+    lo, hi = announced, first + AFTER_FIRST_STEP_S
     during, vs_before, vs_kill = [], [], []
     for r in ranks:
         if r["node"] == join_node or not r.get("step_ends"):
@@ -153,6 +155,7 @@ def join_summary(ranks: list[dict[str, Any]], kill_time: float | None,
         "restart_to_first_step_s": first - start,
         "restart_to_seat_s": seat - start,
         "seat_to_first_step_s": first - seat,
+        "join_s": first - announced,
         "kill_to_first_step_s": None if kill_time is None else first - kill_time,
         "running_rate_during_join": during,
         "running_rate_vs_before_join": vs_before,

@@ -916,6 +916,8 @@ def main(argv: list[str] | None = None) -> None:
         # one at its first step (warm_up's barrier orders the removal before any check).
         for stale in (f"{args.out}.fastest", f"{args.out}.killed", f"{args.out}.window"):
             Path(stale).unlink(missing_ok=True)
+    if timeline is not None:   # a node that came back announces its join as its method is built
+        timeline["build_start"] = time.time()
     built = M.build(args.method, module, cfg)
     train_step = step_function(work, built)
     warm_up(built, train_step, 0 if came_back else args.warmup)  # 2.
@@ -931,7 +933,10 @@ def main(argv: list[str] | None = None) -> None:
     timed = timed_steps(args, here, built, train_step, budget, max_steps, kill, marker,
                         fastest, origin=origin, spare_agent=args.join_at is not None)  # 4.
     if timeline is not None:
-        timeline["first_step_end"] = timed.step_ends[0] if timed.step_ends else None
+        stepped = bool(timed.step_ends)
+        timeline["first_step_start"] = \
+            timed.step_ends[0] - timed.step_times[0] if stepped else None
+        timeline["first_step_end"] = timed.step_ends[0] if stepped else None
     if kill is not None:
         end_after_kill(args, work, built, here, timed, start, base_times, kill, marker, model,
                        timeline)

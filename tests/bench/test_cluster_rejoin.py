@@ -41,14 +41,15 @@ def test_workload_refuses_join_at_without_a_budget(capsys) -> None:
 
 
 def _ranks(seat: float = 100.0) -> list[dict]:
-    """Node 1 came back: seat at ``seat``, first step 2 s later. Node 0 steps 10/s before the
-    seat and 8/s from it; node 2 steps 10/s throughout."""
+    """Node 1 came back: its join (the method's build and first step) from ``seat`` to 2 s
+    later. Node 0 steps 10/s before and 8/s from then; node 2 steps 10/s throughout."""
     before = [seat - 5 + i / 10 for i in range(50)]
     during = [seat + i / 8 for i in range(8 * 6)]
     steady = [seat - 5 + i / 10 for i in range(110)]
     joiner = {"rank": 1, "node": 1, "step_ends": [seat + 2 + i / 10 for i in range(20)],
               "timeline": {"process_start": seat - 1.5, "window_opened": seat - 20,
-                           "seat_taken": seat, "first_step_end": seat + 2}}
+                           "seat_taken": seat - 0.5, "build_start": seat,
+                           "first_step_start": seat + 1.9, "first_step_end": seat + 2}}
     return [{"rank": 0, "node": 0, "step_ends": before + during, "timeline": None}, joiner,
             {"rank": 2, "node": 2, "step_ends": steady, "timeline": None}]
 
@@ -56,10 +57,11 @@ def _ranks(seat: float = 100.0) -> list[dict]:
 def test_join_summary_measures_the_running_nodes_rate_and_the_joiners_timeline() -> None:
     s = J.join_summary(_ranks(), kill_time=90.0, join_node=1)
     assert s["restart_to_first_step_s"] == pytest.approx(3.5)
-    assert s["restart_to_seat_s"] == pytest.approx(1.5)
-    assert s["seat_to_first_step_s"] == pytest.approx(2.0)
+    assert s["restart_to_seat_s"] == pytest.approx(1.0)
+    assert s["seat_to_first_step_s"] == pytest.approx(2.5)
+    assert s["join_s"] == pytest.approx(2.0)
     assert s["kill_to_first_step_s"] == pytest.approx(12.0)
-    # The join's window: the seat until 1 s after the first step (3 s).
+    # The join's window: the build's start until 1 s after the first step's end (3 s).
     assert s["join_window_s"] == pytest.approx(3.0)
     assert sorted(s["running_rate_vs_before_join"]) == pytest.approx([0.8, 1.0], abs=0.04)
     assert s["running_rate_vs_before_join_min"] == pytest.approx(0.8, abs=0.04)
