@@ -7,7 +7,7 @@ in node 0's namespace); node K's torchrun may restart its ranks once. Each rank 
 
 Node K's ranks are killed at ``--kill-at`` (not its torchrun agent); the agent starts them
 again, and the new ranks (:func:`restarted`) wait until ``--join-at`` of the timed window,
-whose opening rank 0 publishes as wall-clock time (:func:`publish_window`), then build the
+whose opening rank 0 publishes as wall-clock time (in :func:`window_file`), then build the
 method, whose first step joins from the neighbours' state. Every rank records the wall-clock
 end of each step; :func:`join_summary` turns those into what the join cost the running nodes
 and how soon the joiner took part.
@@ -78,15 +78,8 @@ def init_linked(timeout_s: float) -> tuple[Any, int]:
 
 
 def window_file(out: str) -> Path:
+    """Where rank 0 writes ``{"time": <wall-clock opening of the timed window>}``."""
     return Path(f"{out}.window")
-
-
-def publish_window(out: str) -> None:
-    """Rank 0 at the timed window's opening: its wall-clock time, for a node that comes back."""
-    path = window_file(out)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"time": time.time()}))
-    tmp.replace(path)
 
 
 def wait_for_window(out: str, timeout_s: float) -> float:

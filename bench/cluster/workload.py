@@ -928,7 +928,7 @@ def main(argv: list[str] | None = None) -> None:
     fastest = (Path(f"{args.out}.fastest"), snapshot_spacing(base_times, args)) \
         if until_fastest else None
     if args.join_at is not None and here.rank == 0:
-        J.publish_window(args.out)  # the window opens now
+        write_json(J.window_file(args.out), {"time": time.time()})  # the window opens now
     origin = J.perf_origin(timeline["window_opened"]) if came_back else None
     timed = timed_steps(args, here, built, train_step, budget, max_steps, kill, marker,
                         fastest, origin=origin, spare_agent=args.join_at is not None)  # 4.

@@ -33,8 +33,6 @@ from .links import MessageStreams
 __all__ = ["INCARNATION_KEY", "PairChannel", "PairGroup", "claim_incarnation"]
 
 
-
-
 def gloo_devices() -> list:
     """The Gloo devices of a link: one per interface named in ``GLOO_SOCKET_IFNAME`` (a comma
     list) when it is set, as torch's own Gloo groups do, else the default one (the address
@@ -49,6 +47,7 @@ def gloo_devices() -> list:
     if names:
         return [dist.ProcessGroupGloo.create_device(interface=n) for n in names]
     return [dist.ProcessGroupGloo.create_default_device()]
+
 
 class PairChannel:
     """One link's point-to-point on its own Gloo group of two (this end and the peer)."""

@@ -35,6 +35,11 @@ def _join_key(seq: int) -> str:
     return f"qcomm/join/{seq}"
 
 
+def _state_key(seq: int) -> str:
+    """The key naming the offer taken by join ``seq``; its parts lie below it."""
+    return _join_key(seq) + "/state"
+
+
 def announce(store: dist.Store, member: int, incarnation: int) -> int:
     """Announce that ``member`` (at ``incarnation``) joins the running job; its join's number."""
     seq = int(store.add(JOINS_KEY, 1))
@@ -52,12 +57,12 @@ def offer_state(store: dist.Store, seq: int, payload: bytes) -> bool:
     first). The parts go first, under this offer's own keys, then one small compare-and-set
     names the offer; an offer not taken deletes its parts."""
     offer = secrets.token_hex(8)
-    base = f"{_join_key(seq)}/state/{offer}"
+    base = f"{_state_key(seq)}/{offer}"
     parts = range(0, len(payload), STATE_PART_BYTES)
     for i, lo in enumerate(parts):
         store.set(f"{base}/{i}", payload[lo:lo + STATE_PART_BYTES])
     header = f"{offer}:{len(parts)}:{len(payload)}"
-    taken = store.compare_set(_join_key(seq) + "/state", "", header).decode() == header
+    taken = store.compare_set(_state_key(seq), "", header).decode() == header
     if not taken:
         for i in range(len(parts)):
             store.delete_key(f"{base}/{i}")
@@ -68,9 +73,10 @@ def await_state(store: dist.Store, seq: int, timeout_s: float) -> bytes:
     """The state offered to join ``seq``.
 
     Raises:
-        TimeoutError: no running member offered it within ``timeout_s``.
+        TimeoutError: no running member offered it within ``timeout_s``;
+        ValueError: its parts do not add up to the size its offer named.
     """
-    key = _join_key(seq) + "/state"
+    key = _state_key(seq)
     try:
         store.wait([key], datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistStoreError) as e:
@@ -80,7 +86,7 @@ def await_state(store: dist.Store, seq: int, timeout_s: float) -> bytes:
     base = f"{key}/{offer}"
     payload = b"".join(store.get(f"{base}/{i}") for i in range(int(parts)))
     if len(payload) != int(nbytes):
-        raise RuntimeError(f"the state offered to join {seq} is {len(payload)} bytes, its offer "
+        raise ValueError(f"the state offered to join {seq} is {len(payload)} bytes, its offer "
                            f"said {nbytes}")
     for i in range(int(parts)):   # the rendezvous keeps nothing it no longer needs
         store.delete_key(f"{base}/{i}")
