@@ -295,7 +295,7 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
         window=(cfg.get("warmup", 0), steps),
         diloco_sync_every=notes.get("sync_every", cfg.get("diloco_sync_every", 16)),
         fragment_numel=notes.get("fragment_numel"),
-        fragment_delay=notes.get("fragment_sync_delay", 0))
+        fragment_delay=notes.get("fragment_sync_delay", 0), sharded=bool(cfg.get("fsdp")))
     metric, goal = _metric(result)
     reference = qcomm_inter if qcomm_inter is not None else expected
     ref_kind = "qcomm" if qcomm_inter is not None else ("formula" if expected is not None else None)
@@ -878,7 +878,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "SECONDS per node for every layout, or LAYOUT=SECONDS,... one per "
                         "layout (e.g. 4x1=8,2x2=16).")
     # unset: a healthy sweep passes no timeout on (and its summary records none)
-    F.add_flags(p, ("max_steps", "kill_node", "kill_at", "join_at", "pg_timeout"),
+    F.add_flags(p, ("max_steps", "kill_node", "kill_at", "join_at", "pg_timeout", "fsdp"),
                 unset=("pg_timeout",))
     p.add_argument("--timeout", type=int, default=900, help="The seconds allowed per run.")
     p.add_argument("--agree", type=float, default=0.05,
@@ -894,6 +894,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     check_kill(p, args)
+    if args.fsdp and (args.kill_node is not None or args.time_budget is not None):
+        p.error("--fsdp runs are healthy and take --steps steps: it cannot be combined with "
+                "--kill-node or --time-budget")
     if args.time_budget is not None:
         try:
             args.time_budget = parse_time_budget(args.time_budget, args.layouts)
@@ -1044,7 +1047,7 @@ def run_cell(sweep: Sweep, args: argparse.Namespace, cluster: str,
     others)."""
     w, tag, rate, name = cell
     base = {"method": name, "workload": w, "layout": tag, "rate": rate}
-    ok, why = M.applicability(name, w)
+    ok, why = M.applicability(name, w, args.fsdp)
     if ok:
         ok, why = M.availability(name)
     if not ok:

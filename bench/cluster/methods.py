@@ -32,6 +32,7 @@ if __package__ in (None, ""):
     # `bench.cluster` imports.
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.cluster import sharding as S
 from bench.cluster.training import Built, Config, Layout, average_all, inner_optimizer
 
 FP32 = 4
@@ -205,6 +206,8 @@ METHODS: dict[str, MethodInfo] = _Registry({
         MethodInfo("ddp", "torch", "DDP, fp32 allreduce", 32),
         MethodInfo("ddp-fp16", "torch", "DDP + fp16_compress_hook", 16),
         MethodInfo("ddp-powersgd", "torch", "DDP + PowerSGD hook (rank r, error feedback)", None),
+        MethodInfo("hsdp", "torch", "HSDP: FSDP2 over the 2-D mesh, shards allreduced in fp32 "
+                   "between nodes (--fsdp runs only)", 32),
         MethodInfo("localsgd", "torch", "post-local SGD + HierarchicalModelAverager", 32),
         MethodInfo("torchft-diloco", "torchft",
                    "torchft DiLoCo: H inner steps, outer Nesterov on the averaged delta", 32,
@@ -290,13 +293,43 @@ def availability(name: str) -> tuple[bool, str]:
     return True, ""
 
 
-def applicability(name: str, workload: str) -> tuple[bool, str]:
-    """Whether method ``name`` applies to ``workload``, and why not."""
+def applicability(name: str, workload: str, fsdp: bool = False) -> tuple[bool, str]:
+    """Whether method ``name`` applies to ``workload`` (with the model sharded by FSDP2 inside
+    the node when ``fsdp``), and why not."""
     info = METHODS[name]
-    if info.workloads is None or workload in info.workloads:
-        return True, ""
-    return False, (f"n/a on {workload}: {name} is an SGD optimizer, run on "
-                   f"{', '.join(info.workloads)} only")
+    if info.workloads is not None and workload not in info.workloads:
+        return False, (f"n/a on {workload}: {name} is an SGD optimizer, run on "
+                       f"{', '.join(info.workloads)} only")
+    form = sharded_form(name)
+    if fsdp and form is None:
+        return False, f"n/a with --fsdp: {_unsharded_why(name)}"
+    if not fsdp and form == "mesh":
+        return False, f"n/a without --fsdp: {name} is FSDP2's hybrid sharding"
+    return True, ""
+
+
+def sharded_form(name: str) -> str | None:
+    """How method ``name`` runs with the model sharded inside the node (sharding.SHARDED_FORMS:
+    ``"mesh"`` FSDP2's hybrid sharding, ``"shard"`` FSDP2 over the node's ranks and the method
+    between nodes), or None where it has no sharded form."""
+    opts = qcomm_variant(name)
+    if opts is not None:
+        lockstep = not (opts["ddp"] or opts.get("wait_free"))
+        return S.SHARDED_FORMS.get(opts["kind"]) if lockstep else None
+    return S.SHARDED_FORMS.get(resolve(name)[0])
+
+
+def _unsharded_why(name: str) -> str:
+    """Why method ``name`` has no sharded form (:func:`sharded_form` is None)."""
+    opts = qcomm_variant(name)
+    if opts is not None and opts["ddp"]:
+        return f"{name} averages the node's gradients by DDP, which FSDP2 replaces"
+    if opts is not None and opts.get("wait_free"):
+        return (f"{name} trains each node for its own time, and a sharded model's snapshots "
+                "are gathered at steps every rank of a node takes")
+    sharded = [m for m in S.SHARDED_FORMS if m != "qcomm-hier"]
+    return (f"{name} keeps a whole model per rank; the sharded methods are "
+            f"{', '.join(sharded)} and qcomm-hier variants in lockstep (no -ddp, -wf, -cont)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,7 +438,7 @@ def expected_inter_bytes(name: str, shapes: Sequence[Sequence[int]], layout: Lay
                          powersgd_rank: int = 4, localsgd_period: int = 8,
                          window: tuple[int, int] | None = None,
                          diloco_sync_every: int = 16, fragment_numel: Sequence[int] | None = None,
-                         fragment_delay: int = 0) -> float | None:
+                         fragment_delay: int = 0, sharded: bool = False) -> float | None:
     """Bytes per training step one node sends to other nodes, from the algorithm (payload only:
     no TCP/IP or Gloo framing), or None when the algorithm does not fix it (qcomm methods: their
     own stats count what they send).
@@ -413,10 +446,20 @@ def expected_inter_bytes(name: str, shapes: Sequence[Sequence[int]], layout: Lay
     ``window = (first_step, steps)``: the optimizer steps measured (0-based); post-local SGD's
     averaging and DiLoCo's syncs then count the rounds inside it exactly, else one per period.
     DiLoCo: ``fragment_numel`` is the parameters of each fragment (one fragment: the whole
-    model, the default), ``fragment_delay`` torchft's ``fragment_sync_delay``.
+    model, the default), ``fragment_delay`` torchft's ``fragment_sync_delay``. ``sharded``: the
+    model is sharded by FSDP2 over each node's ranks (``--fsdp``), so each rail carries one
+    rank's shard, ``1 / procs`` of the model (FSDP2's padding of uneven shards not counted).
     """
     numel = sum(_prod(s) for s in shapes)
     name, settings = resolve(name)
+    if name == "hsdp":
+        # Each rank allreduces its shard of the fp32 gradient with the same rank of every node.
+        return rail_allreduce_inter_bytes(numel * FP32 / layout.procs, layout)
+    if sharded and name in ("torchft-diloco", "torchft-streaming-diloco"):
+        whole = expected_inter_bytes(name, shapes, layout, window=window,
+                                     diloco_sync_every=diloco_sync_every,
+                                     fragment_numel=fragment_numel, fragment_delay=fragment_delay)
+        return whole / layout.procs
     powersgd_rank = settings.get("powersgd_rank", powersgd_rank)
     localsgd_period = settings.get("localsgd_period", localsgd_period)
     diloco_sync_every = settings.get("diloco_sync_every", diloco_sync_every)
@@ -512,6 +555,15 @@ def build_ddp_powersgd(module, cfg: Config) -> Built:
                  notes={"powersgd_rank": cfg.powersgd_rank})
 
 
+def build_hsdp(module, cfg: Config) -> Built:
+    """torch's hybrid sharding: FSDP2 over the whole ``(nodes, procs)`` mesh (sharding.py), each
+    rank's shard of the gradient allreduced in fp32 with the same rank of every node, every
+    step; the nodes' replicas stay identical."""
+    S.shard(module, cfg.layout, "mesh")
+    return Built(module, module, inner_optimizer(module.parameters(), cfg), sharded=True,
+                 notes={"fsdp": "hybrid sharding over the (replicate, shard) mesh"})
+
+
 def build_localsgd(module, cfg: Config) -> Built:
     """torch's post-local SGD: gradients averaged inside the node every step (the hook's
     subgroup), parameters averaged over all ranks every ``localsgd_period`` steps by the
@@ -594,6 +646,10 @@ def _qcomm_hierarchical(module, cfg: Config, bits: int, ddp: bool = False,
     from qcomm.sgd import HierarchicalOptimizer
 
     comm = {"graph": "ring", "staleness": 1, **comm}
+    if cfg.fsdp:
+        # FSDP2 over the node's ranks (its reduce-scatter is the node's gradient mean); the
+        # optimizer gossips each rank's shards with the same local rank of the other nodes.
+        S.shard(module, cfg.layout, "shard")
     opt = HierarchicalOptimizer(inner_optimizer(module.parameters(), cfg), bits=bits,
                                 procs_per_node=cfg.layout.procs, seed=cfg.seed, **comm)
     # "-ddp": the node's gradient mean by DDP over the node's ranks, during backward.
@@ -608,7 +664,7 @@ def _qcomm_hierarchical(module, cfg: Config, bits: int, ddp: bool = False,
                  comm_stats=stats, close=opt.close, notes={"bits": bits, **comm},
                  node_any=opt.node_any if comm.get("wait_free") else None,
                  live_nodes=lambda: _live_nodes(opt),
-                 pace=lambda: _pace(opt))
+                 pace=lambda: _pace(opt), sharded=cfg.fsdp)
 
 
 def _pace(opt) -> dict[str, Any] | None:
@@ -663,6 +719,7 @@ BUILDERS: dict[str, Callable[[Any, Config], Built]] = {
     "ddp-fp16": build_ddp_fp16,
     "ddp-powersgd": build_ddp_powersgd,
     "localsgd": build_localsgd,
+    "hsdp": build_hsdp,
 }
 
 
@@ -674,6 +731,9 @@ def build(name: str, module, cfg: Config) -> Built:
     ok, why = availability(name)
     if not ok:
         raise RuntimeError(f"method {name}: {why}")
+    form = sharded_form(name)
+    if (cfg.fsdp and form is None) or (not cfg.fsdp and form == "mesh"):
+        raise ValueError(f"method {name}: {applicability(name, '', cfg.fsdp)[1]}")
     base, settings = resolve(name)
     if settings:
         cfg = replace(cfg, **settings)

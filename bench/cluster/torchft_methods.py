@@ -17,8 +17,8 @@ group rank its own process group: group rank r of every node forms one Gloo ring
 a replicated model inside the node (DDP), every rank therefore allreduces the *whole*
 pseudo-gradient on its rail: a node with P ranks sends P identical copies. torchft's intended
 multi-rank replica group is sharded (FSDP/HSDP, as in torchtitan), where each rank sends its
-shard only; that is not built here. The byte formula (methods.diloco_inter_bytes) counts what
-this setup sends.
+shard only: that is the ``--fsdp`` form (sharding.py: FSDP2 over the node's ranks instead of
+DDP). The byte formula (methods.diloco_inter_bytes) counts what each setup sends.
 
 Outer optimizer as in the DiLoCo papers: SGD lr 0.7, momentum 0.9, Nesterov (one per fragment).
 The streaming form cuts the model into ``streaming_fragments`` contiguous fragments of about
@@ -45,6 +45,7 @@ if __package__ in (None, ""):
     # `bench.cluster` imports.
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.cluster import sharding as S
 from bench.cluster import training as T
 
 OUTER_NESTEROV = True
@@ -173,7 +174,15 @@ def build(name: str, module: nn.Module, cfg: T.Config) -> T.Built:
         # Every rank starts from the same seeded weights: no checkpoint transfer at step 0.
         init_sync=False,
     )
-    model = DDP(module, process_group=subgroup) if layout.procs > 1 else module
+    rails = None
+    if cfg.fsdp:
+        # FSDP2 over the node's ranks (torchtitan's layout): each rank's manager allreduces its
+        # local shards of the pseudo-gradient on its rail. Its finalize averages shards on the
+        # rails' own groups, made now (collective) rather than in the teardown.
+        model = S.shard(module, layout, "shard")
+        rails = S.rail_groups(layout)
+    else:
+        model = DDP(module, process_group=subgroup) if layout.procs > 1 else module
     inner = T.inner_optimizer(module.parameters(), cfg)
     frags = split_fragments(module, cfg.streaming_fragments) if streaming else [module]
     # Nesterov needs momentum: with outer momentum 0 the outer step is plain SGD (lr 1.0 and
@@ -209,14 +218,21 @@ def build(name: str, module: nn.Module, cfg: T.Config) -> T.Built:
         store = None
 
     numel = [sum(p.numel() for p in f.parameters()) for f in frags]
-    return T.Built(model, module, inner, flush=flush, finalize=lambda: T.average_all(module),
-                   close=close, context=diloco,
+    def finalize() -> None:
+        if rails is not None:
+            S.average_rails(module, layout, rails)
+        else:
+            T.average_all(module)
+
+    intra = "FSDP2" if cfg.fsdp else ("DDP" if layout.procs > 1 else "none (1 rank)")
+    return T.Built(model, module, inner, flush=flush, finalize=finalize,
+                   close=close, context=diloco, sharded=cfg.fsdp,
                    notes={"sync_every": cfg.diloco_sync_every, "fragments": len(frags),
                           "fragment_numel": numel, "fragment_sync_delay": delay,
                           "outer": f"SGD lr {cfg.diloco_outer_lr} momentum "
                                    f"{cfg.diloco_outer_momentum} nesterov",
                           "should_quantize": False, "torchft": torchft_version(),
-                          "intra_node": "DDP" if layout.procs > 1 else "none (1 rank)"})
+                          "intra_node": intra})
 
 
 def torchft_version() -> str:

@@ -45,7 +45,8 @@ class Config:
     ``optimizer`` is the workload's: ``"sgd"`` (lr, momentum) or ``"adamw"`` (lr, betas
     0.9/0.95, weight_decay). DiLoCo: ``diloco_sync_every`` inner steps per round (streaming:
     each fragment once per round), ``streaming_fragments`` and ``streaming_delay`` (torchft's
-    ``fragment_sync_delay``: inner steps the allreduce of a fragment overlaps).
+    ``fragment_sync_delay``: inner steps the allreduce of a fragment overlaps). ``fsdp``: the
+    model is sharded by FSDP2 inside each node (sharding.py; the methods with a sharded form).
     """
 
     lr: float
@@ -68,6 +69,7 @@ class Config:
     streaming_fragments: int = 4
     streaming_delay: int = 1
     pg_timeout: float = 300.0
+    fsdp: bool = False
 
 
 @dataclass
@@ -92,6 +94,8 @@ class Built:
             ``stats()["live_nodes"]`` where it reports one), or None.
         pace: the wait-free gossip's pace per rank, recorded as they are: ``terms_paired``
             and ``mix_lag_rounds`` of qcomm's ``stats()``; None for other methods.
+        sharded: the module's parameters are FSDP2 shards (``--fsdp``): its snapshots and
+            final model are gathered whole by every rank of the node together.
     """
 
     model: Any
@@ -106,6 +110,7 @@ class Built:
     node_any: Callable[[bool], bool] | None = None
     live_nodes: Callable[[], int | None] = lambda: None
     pace: Callable[[], dict[str, Any] | None] = lambda: None
+    sharded: bool = False
 
 
 OPTIMIZERS = ("sgd", "adamw")

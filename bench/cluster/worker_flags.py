@@ -142,6 +142,10 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          "--time-budget seconds into the timed window (F above --kill-at, below 1), then join "
          "from their neighbours' state. Only the wait-free methods that go on without a lost "
          "node (names ending in -cont), with a --time-budget in seconds."),
+    Flag("--fsdp", None, False, "Shard the model inside each node with FSDP2 (fully_shard over "
+         "the node's ranks, torchtitan's layout): hsdp, qcomm-hier variants in lockstep and "
+         "torchft's DiLoCo run sharded; the other methods keep a whole model per rank and say "
+         "n/a."),
     Flag("--profile", None, False, "cProfile every rank's timed steps; the top functions go "
          "to OUT.prof<rank>.txt (compare.py: runs/<run>.json.prof<rank>.txt)."),
 )}
@@ -149,7 +153,7 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
 PASSED_ON = ("width", "depth", "batch", "lr", "momentum", "weight_decay", "steps", "warmup",
              "seed", "powersgd_rank", "localsgd_period", "diloco_sync_every",
              "streaming_fragments", "streaming_delay", "profile", "pg_timeout", "kill_node",
-             "kill_at", "join_at")
+             "kill_at", "join_at", "fsdp")
 """What compare.py passes on to every run as it got it (``--max-steps`` goes with the time
 budget, which compare.py sets per layout)."""
 

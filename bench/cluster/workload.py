@@ -70,6 +70,7 @@ if __package__ in (None, ""):
 
 from bench.cluster import methods as M
 from bench.cluster import rejoining as J
+from bench.cluster import sharding as S
 from bench.cluster import training as T
 from bench.cluster import worker_flags as F
 from bench.cluster import workloads as W
@@ -513,7 +514,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Instead of --time-budget: every node of a method whose nodes may take "
                         "different numbers of steps trains until the first node has taken "
                         "--steps steps (the same work as a lockstep run, for the fastest node).")
-    F.add_flags(p, ("pg_timeout", "kill_node", "kill_at", "join_at", "profile"))
+    F.add_flags(p, ("pg_timeout", "kill_node", "kill_at", "join_at", "fsdp", "profile"))
     args = p.parse_args(argv)
     if (args.kill_node is None) != (args.kill_at is None):
         p.error("--kill-node and --kill-at go together")
@@ -530,6 +531,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                args.time_budget is not None)
         if problem:
             p.error(problem)
+    if args.fsdp:
+        problem = fsdp_problem(args)
+        if problem:
+            p.error(problem)
     info = W.WORKLOADS[args.workload]
     for key in ("width", "depth", "batch", "lr", "momentum", "weight_decay", "steps"):
         if getattr(args, key) is None:
@@ -537,6 +542,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.snapshots:
         args.snapshots = 30 if args.workload == "charlm" else 60
     return args
+
+
+def fsdp_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--fsdp`` cannot run with the rest of the command line, or None: the method needs a
+    sharded form (methods.sharded_form); a sharded run is healthy and takes --steps steps (its
+    snapshots are collectives of a node's ranks, at steps they all take)."""
+    ok, why = M.applicability(args.method, args.workload, fsdp=True)
+    if not ok:
+        return f"--method {args.method}: {why}"
+    clash = [flag for flag, on in (("--kill-node", args.kill_node is not None),
+                                   ("--join-at", args.join_at is not None),
+                                   ("--time-budget", args.time_budget is not None),
+                                   ("--until-fastest", args.until_fastest)) if on]
+    if clash:
+        return (f"--fsdp cannot be combined with {', '.join(clash)}: a sharded run is healthy "
+                "and takes --steps steps on every rank")
+    return None
 
 
 def find_place(seat: Any = None, nodes: int | None = None) -> Place:
@@ -561,7 +583,8 @@ def method_config(args: argparse.Namespace, layout: T.Layout, optimizer: str) ->
                     powersgd_rank=args.powersgd_rank, localsgd_period=args.localsgd_period,
                     localsgd_warmup=args.warmup, diloco_sync_every=args.diloco_sync_every,
                     streaming_fragments=args.streaming_fragments,
-                    streaming_delay=args.streaming_delay, pg_timeout=args.pg_timeout)
+                    streaming_delay=args.streaming_delay, pg_timeout=args.pg_timeout,
+                    fsdp=args.fsdp)
 
 
 def baseline(work, module, cfg: T.Config, steps: int, total: int) -> list[float]:
@@ -669,13 +692,18 @@ def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
     report_every = max(1, args.steps // 50)
     t_open = time.perf_counter() if origin is None else origin
     keeps_snapshots = here.keeps_snapshots
+    # A sharded model's snapshot is gathered whole by every rank of the node (at step marks,
+    # which they all take); one of them keeps it.
+    takes_snapshots = keeps_snapshots or built.sharded
 
     def snapshot(step: int) -> None:
         # Parameters only: a copy of 2 MB costs ~1 ms, evaluation happens after the run.
-        snapshots.append((step, time.perf_counter() - t_open,
-                          {k: v.clone() for k, v in built.module.state_dict().items()}))
+        state = S.full_state(built.module) if built.sharded else \
+            {k: v.clone() for k, v in built.module.state_dict().items()}
+        if keeps_snapshots:
+            snapshots.append((step, time.perf_counter() - t_open, state))
 
-    if keeps_snapshots and origin is None:
+    if takes_snapshots and origin is None:
         snapshot(0)
     elif keeps_snapshots:  # came back: no snapshot for the start and the marks passed
         passed = time.perf_counter() - t_open
@@ -728,7 +756,7 @@ def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
             elapsed = time.perf_counter() - t_open
             if fastest is not None and s >= args.steps:
                 fastest[0].touch()   # the first node there ends every node's window
-            if keeps_snapshots:
+            if takes_snapshots:
                 if not snap_times and s in snap_steps:
                     snapshot(s)
                 # Time marks: snapshot 0 is the start, snapshot k belongs to snap_times[k - 1].
@@ -777,6 +805,8 @@ def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: T
 
     built.context.__exit__(None, None, None)
     built.finalize()
+    # The final model whole, gathered by the node's ranks together (rank 0 evaluates it alone).
+    final_state = S.full_state(built.module) if built.sharded else None
     snap_file = Path(f"{args.out}.node{here.node}.snapshots")
     if here.keeps_snapshots:  # every namespace shares the file system
         torch.save(timed.snapshots, snap_file)
@@ -798,7 +828,7 @@ def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: T
     # under the group's timeout; the transformer's once outlasted 30 s, and a run that had
     # trained to the end failed in its last barrier.
     if here.rank == 0:
-        write_result(args, work, built, here, gathered, model)
+        write_result(args, work, built, here, gathered, model, final_state)
     # Leave without tearing down the process group: with PowerSGD's hook a rank sometimes
     # aborts in Gloo's teardown ("terminate called without an active exception", SIGABRT) after
     # everything finished, which would turn a complete run into a failed one. Every rank passed
@@ -809,9 +839,11 @@ def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: T
 
 
 def write_result(args: argparse.Namespace, work, built: T.Built, here: Place,
-                 ranks: list[dict], model: tuple[int, list]) -> None:
+                 ranks: list[dict], model: tuple[int, list],
+                 final_state: dict[str, torch.Tensor] | None = None) -> None:
     """Rank 0 at the end of a run without a lost node: every node's snapshots evaluated into
-    the curve, the final model evaluated, one JSON with every rank's record."""
+    the curve, the final model (``final_state`` when the module is sharded) evaluated, one
+    JSON with every rank's record."""
     info = work.info
     metric = info.metric
     per_node = []
@@ -820,7 +852,11 @@ def write_result(args: argparse.Namespace, work, built: T.Built, here: Place,
         per_node.append(torch.load(f, weights_only=True))
         f.unlink()
     curve = evaluate_curve(work, per_node)
-    final = work.evaluate(built.module)
+    evaluator = built.module
+    if final_state is not None:
+        evaluator = work.make_model()
+        evaluator.load_state_dict(final_state)
+    final = work.evaluate(evaluator)
     numel, shapes = model
     result = {
         "method": args.method,
