@@ -320,14 +320,37 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("summary", help="A compare.py summary.json.")
     p.add_argument("--json", default="", help="Also write the verdicts, by cell, here.")
+    p.add_argument("--targets", default="",
+                   help="The targets judged, a comma list of qualities, easiest first (e.g. "
+                        "2.4,2.3,2.2 for a charlm run of another size or length); left out: "
+                        "each workload's own (" + "; ".join(
+                            f"{w} {', '.join(f'{t:g}' for t in g.targets)}"
+                            for w, g in GOALS.items()) + ").")
+    p.add_argument("--budgets", default="",
+                   help="The wall-clock budgets judged, a comma list of seconds; left out: each "
+                        "workload's own. Given with --targets.")
     args = p.parse_args(argv)
+    goals = None
+    if bool(args.targets) != bool(args.budgets):
+        p.error("--targets and --budgets go together (a run of another size or length needs "
+                "both)")
+    if args.targets:
+        try:
+            own = Goals(tuple(float(v) for v in args.targets.split(",")),
+                        tuple(float(v) for v in args.budgets.split(",")))
+        except ValueError as e:
+            p.error(f"--targets / --budgets: comma lists of numbers, got {args.targets!r} and "
+                    f"{args.budgets!r} ({e})")
+        if any(b <= 0 for b in own.budgets_s):
+            p.error(f"--budgets must be seconds > 0, got {args.budgets!r}")
+        goals = {w: own for w in GOALS}
     try:
         summary = json.loads(Path(args.summary).read_text())
     except (OSError, ValueError) as e:
         p.error(f"summary: cannot read a compare.py summary.json from {args.summary!r}: {e}")
     if not isinstance(summary, dict) or not isinstance(summary.get("rows"), list):
         p.error(f"summary: {args.summary!r} has no 'rows' list; give a compare.py summary.json")
-    md, data = report(summary)
+    md, data = report(summary, goals)
     print(md)
     if args.json:
         Path(args.json).write_text(json.dumps(data, indent=1, default=str))

@@ -55,7 +55,7 @@ def test_every_torch_method_has_a_builder():
 
 
 @pytest.mark.parametrize(("spec", "want"), [
-    ("torch", ["ddp", "ddp-fp16", "ddp-powersgd", "localsgd"]),
+    ("torch", ["ddp", "ddp-fp16", "ddp-powersgd", "hsdp", "localsgd"]),
     ("torchft", ["torchft-diloco", "torchft-streaming-diloco"]),
     ("qcomm", ["qcomm-hook", "qcomm-hier-4", "assgd-8", "assgd-4", "assgd-2", "assgd-1",
                "assgd-4-ddp"]),
@@ -747,7 +747,7 @@ def _stop_votes(tmp_path, steps: int, flag_at: int | None) -> tuple[int, list[in
 
     here = types.SimpleNamespace(rank=1, node=0, keeps_snapshots=False)
     args = types.SimpleNamespace(steps=steps, snapshots=4, profile=False, warmup=0)
-    built = types.SimpleNamespace(node_any=node_any)
+    built = types.SimpleNamespace(node_any=node_any, sharded=False)
     timed = WL.timed_steps(args, here, built, train_step, None, 1000, None, tmp_path / "m",
                            fastest=(flag, 1.0))
     return timed.steps, votes

@@ -38,7 +38,7 @@ def _finish_calls(monkeypatch, tmp_path, rank: int) -> list[str]:
     monkeypatch.setattr(WL.os, "_exit", leave)
     built = types.SimpleNamespace(
         flush=lambda: calls.append("flush"), finalize=lambda: calls.append("finalize"),
-        close=lambda: calls.append("close"), pace=lambda: None,
+        close=lambda: calls.append("close"), pace=lambda: None, sharded=False,
         context=types.SimpleNamespace(__exit__=lambda *a: None))
     here = WL.Place(rank=rank, world=4, node=rank // 2, local_rank=rank % 2,
                     layout=T.Layout(nodes=2, procs=2), iface="lo")

@@ -31,6 +31,7 @@ SCRIPTS = sorted(p for p in [*REPO.glob("bench/*.py"), *REPO.glob("bench/cluster
                  if p.name != "__init__.py")
 LIBRARIES = {"bench/common.py", "bench/cluster/charlm.py", "bench/cluster/corpus.py",
              "bench/cluster/methods.py", "bench/cluster/rejoining.py",
+             "bench/cluster/sharding.py",
              "bench/cluster/torchft_methods.py",
              "bench/cluster/training.py", "bench/cluster/worker_flags.py",
              "bench/cluster/workloads.py", "bench/progress.py"}

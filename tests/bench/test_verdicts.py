@@ -188,3 +188,29 @@ def test_quality_at_equal_work_reads_the_nodes_mean_steps() -> None:
 def test_a_summary_without_step_marks_has_no_equal_work_table() -> None:
     md, _ = V.cell_table(_summary()["rows"], GOALS)
     assert "steps each" not in md
+
+
+def test_targets_and_budgets_of_another_run_replace_the_workloads(tmp_path: Path) -> None:
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(_summary()))
+    out = subprocess.run([sys.executable, str(SCRIPT), str(path), "--targets", "0.6,0.7",
+                          "--budgets", "1,3", "--json", str(tmp_path / "v.json")],
+                         capture_output=True, text=True, check=True)
+    assert "| method | s to 60% | s to 70% | % at 1 s | % at 3 s | final |" in out.stdout
+    data = json.loads((tmp_path / "v.json").read_text())
+    assert [v["goal"] for v in data["mnist1d 4x1 100mbit"]][:4] == [
+        "time to 0.6", "time to 0.7", "quality at 1 s", "quality at 3 s"]
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    (["--targets", "0.6"], "--targets and --budgets go together"),
+    (["--budgets", "1"], "--targets and --budgets go together"),
+    (["--targets", "0.6,x", "--budgets", "1"], "--targets / --budgets"),
+    (["--targets", "0.6", "--budgets", "0"], "--budgets must be seconds > 0"),
+])
+def test_bad_targets_or_budgets_are_refused_by_name(tmp_path: Path, extra, words) -> None:
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(_summary()))
+    r = subprocess.run([sys.executable, str(SCRIPT), str(path), *extra], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
