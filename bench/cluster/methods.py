@@ -215,6 +215,9 @@ METHODS: dict[str, MethodInfo] = _Registry({
         MethodInfo("torchft-streaming-diloco", "torchft",
                    "torchft streaming DiLoCo: fragments synced in turn, overlapped", 32,
                    "torchft"),
+        MethodInfo("torchft-hsdp", "torchft",
+                   "torchft fault-tolerant HSDP: FSDP2 in the node, gradient shards allreduced "
+                   "between nodes by torchft's manager (--fsdp runs only)", 32, "torchft"),
         MethodInfo("qcomm-hook", "qcomm", "DDP + qcomm hierarchical quantized hook (4 bit)", 4,
                    "qcomm.hooks"),
         MethodInfo("qcomm-hier-4", "qcomm",
@@ -303,8 +306,8 @@ def applicability(name: str, workload: str, fsdp: bool = False) -> tuple[bool, s
     form = sharded_form(name)
     if fsdp and form is None:
         return False, f"n/a with --fsdp: {_unsharded_why(name)}"
-    if not fsdp and form == "mesh":
-        return False, f"n/a without --fsdp: {name} is FSDP2's hybrid sharding"
+    if not fsdp and resolve(name)[0] in S.SHARDED_ONLY:
+        return False, f"n/a without --fsdp: {name} is hybrid sharding (FSDP2 inside the node)"
     return True, ""
 
 
@@ -452,7 +455,7 @@ def expected_inter_bytes(name: str, shapes: Sequence[Sequence[int]], layout: Lay
     """
     numel = sum(_prod(s) for s in shapes)
     name, settings = resolve(name)
-    if name == "hsdp":
+    if name in S.SHARDED_ONLY:
         # Each rank allreduces its shard of the fp32 gradient with the same rank of every node.
         return rail_allreduce_inter_bytes(numel * FP32 / layout.procs, layout)
     if sharded and name in ("torchft-diloco", "torchft-streaming-diloco"):
@@ -732,7 +735,7 @@ def build(name: str, module, cfg: Config) -> Built:
     if not ok:
         raise RuntimeError(f"method {name}: {why}")
     form = sharded_form(name)
-    if (cfg.fsdp and form is None) or (not cfg.fsdp and form == "mesh"):
+    if (cfg.fsdp and form is None) or (not cfg.fsdp and resolve(name)[0] in S.SHARDED_ONLY):
         raise ValueError(f"method {name}: {applicability(name, '', cfg.fsdp)[1]}")
     base, settings = resolve(name)
     if settings:

@@ -12,7 +12,10 @@ is the method's:
 - qcomm (``qcomm-hier-*``): ``fully_shard`` over the "shard" dimension only; the optimizer
   gossips each rank's local shards with the same local rank of the other nodes;
 - torchft's DiLoCo: ``fully_shard`` over the "shard" dimension; torchft's manager allreduces each
-  rank's local shards of the pseudo-gradient on its rail (torchft handles DTensor parameters).
+  rank's local shards of the pseudo-gradient on its rail (torchft handles DTensor parameters);
+- ``torchft-hsdp`` (torchft's fault-tolerant HSDP, as torchtitan wires it): ``fully_shard`` over
+  the "shard" dimension, each reduce-scattered gradient shard allreduced between nodes by
+  torchft's manager from FSDP2's all-reduce hook, every step.
 
 Snapshots and the final model are whole: :func:`full_state` all-gathers the shards inside the
 node (a collective of the node's ranks, taken at steps every rank takes).
@@ -34,8 +37,10 @@ from bench.cluster.training import Layout
 # What --fsdp gives each method: where its mesh shards (None: the method has no sharded form).
 # "mesh": FSDP2's hybrid sharding over the whole (replicate, shard) mesh; "shard": FSDP2 over
 # the node's ranks, the method between nodes.
-SHARDED_FORMS = {"hsdp": "mesh", "torchft-diloco": "shard", "torchft-streaming-diloco": "shard",
-                 "qcomm-hier": "shard"}
+SHARDED_FORMS = {"hsdp": "mesh", "torchft-hsdp": "shard", "torchft-diloco": "shard",
+                 "torchft-streaming-diloco": "shard", "qcomm-hier": "shard"}
+# The methods that only exist sharded (HSDP, torch's and torchft's).
+SHARDED_ONLY = ("hsdp", "torchft-hsdp")
 
 
 def repeated_layers(module: Any) -> list[Any]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -125,19 +126,37 @@ def split_fragments(module: nn.Module, count: int) -> list[nn.Module]:
     return out
 
 
-def build(name: str, module: nn.Module, cfg: T.Config) -> T.Built:
-    """torchft-diloco or torchft-streaming-diloco around ``module`` (collective: every rank)."""
+@dataclass
+class Replicas:
+    """torchft's side of a run: the node's manager (one replica group per node), what keeps its
+    servers alive (the lighthouse on rank 0, the node's store on its local rank 0), and the
+    node's own process group (for DDP inside the node)."""
+
+    manager: Any
+    lighthouse: Any
+    store: Any
+    subgroup: Any
+
+    def close(self) -> None:
+        # Also what keeps the node's TCPStore alive until the end: a store dropped when build()
+        # returns takes the server down while the node's other ranks still use it.
+        self.manager.shutdown(wait=False)
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+        self.store = None
+
+
+def replica_groups(cfg: T.Config) -> Replicas:
+    """One lighthouse, one store per node and a Manager on every rank, as torchft's
+    documentation sets them up (collective: every rank)."""
     from torch.distributed import TCPStore
-    from torch.nn.parallel import DistributedDataParallel as DDP
     from torchft import Manager, ProcessGroupGloo
     from torchft._torchft import LighthouseServer
-    from torchft.local_sgd import DiLoCo
 
     layout = cfg.layout
     rank = dist.get_rank()
     node, local = divmod(rank, layout.procs)
     timeout = timedelta(seconds=cfg.pg_timeout)
-    streaming = name == "torchft-streaming-diloco"
 
     # Intra-node group for DDP (collective: every rank creates every node's group).
     subgroup, _ = dist.new_subgroups(group_size=layout.procs)
@@ -174,6 +193,53 @@ def build(name: str, module: nn.Module, cfg: T.Config) -> T.Built:
         # Every rank starts from the same seeded weights: no checkpoint transfer at step 0.
         init_sync=False,
     )
+    return Replicas(manager, lighthouse, store, subgroup)
+
+
+def build(name: str, module: nn.Module, cfg: T.Config) -> T.Built:
+    """torchft-diloco, torchft-streaming-diloco or torchft-hsdp around ``module`` (collective:
+    every rank)."""
+    if name == "torchft-hsdp":
+        return build_hsdp(module, cfg)
+    return build_diloco(name, module, cfg)
+
+
+def build_hsdp(module: nn.Module, cfg: T.Config) -> T.Built:
+    """torchft's fault-tolerant HSDP (``--fsdp`` only), as torchtitan wires it: FSDP2 over the
+    node's ranks, each FSDP module's all-reduce hook averaging its reduce-scattered gradient
+    shard over the nodes through the manager (every step, fp32), and torchft's
+    ``OptimizerWrapper`` (a quorum at ``zero_grad``, the step taken only if the manager
+    commits)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchft.optim import OptimizerWrapper
+
+    if not cfg.fsdp:
+        raise ValueError("torchft-hsdp shards the model: run it with --fsdp")
+    groups = replica_groups(cfg)
+    S.shard(module, cfg.layout, "shard")
+
+    def all_reduce(shard: torch.Tensor) -> None:
+        groups.manager.allreduce(shard).wait()
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_all_reduce_hook(all_reduce)
+    opt = OptimizerWrapper(groups.manager, T.inner_optimizer(module.parameters(), cfg))
+    groups.manager.start_quorum()   # the cross-node groups' connections, in the set-up
+    return T.Built(module, module, opt, close=groups.close, sharded=True,
+                   notes={"fsdp": "FSDP2 over the node, gradient shards allreduced between "
+                                  "nodes by torchft's manager", "torchft": torchft_version()})
+
+
+def build_diloco(name: str, module: nn.Module, cfg: T.Config) -> T.Built:
+    """torchft-diloco or torchft-streaming-diloco around ``module`` (collective: every rank)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torchft.local_sgd import DiLoCo
+
+    layout = cfg.layout
+    streaming = name == "torchft-streaming-diloco"
+    groups = replica_groups(cfg)
+    manager = groups.manager
     rails = None
     if cfg.fsdp:
         # FSDP2 over the node's ranks (torchtitan's layout): each rank's manager allreduces its
@@ -182,7 +248,7 @@ def build(name: str, module: nn.Module, cfg: T.Config) -> T.Built:
         model = S.shard(module, layout, "shard")
         rails = S.rail_groups(layout)
     else:
-        model = DDP(module, process_group=subgroup) if layout.procs > 1 else module
+        model = DDP(module, process_group=groups.subgroup) if layout.procs > 1 else module
     inner = T.inner_optimizer(module.parameters(), cfg)
     frags = split_fragments(module, cfg.streaming_fragments) if streaming else [module]
     # Nesterov needs momentum: with outer momentum 0 the outer step is plain SGD (lr 1.0 and
@@ -208,25 +274,16 @@ def build(name: str, module: nn.Module, cfg: T.Config) -> T.Built:
             for work in list(getattr(frag, "_allreduce_work", [])):
                 work.wait()
 
-    def close() -> None:
-        # Also what keeps the node's TCPStore alive until the end: a store dropped when build()
-        # returns takes the server down while the node's other ranks still use it.
-        nonlocal store
-        manager.shutdown(wait=False)
-        if lighthouse is not None:
-            lighthouse.shutdown()
-        store = None
-
-    numel = [sum(p.numel() for p in f.parameters()) for f in frags]
     def finalize() -> None:
         if rails is not None:
             S.average_rails(module, layout, rails)
         else:
             T.average_all(module)
 
+    numel = [sum(p.numel() for p in f.parameters()) for f in frags]
     intra = "FSDP2" if cfg.fsdp else ("DDP" if layout.procs > 1 else "none (1 rank)")
     return T.Built(model, module, inner, flush=flush, finalize=finalize,
-                   close=close, context=diloco, sharded=cfg.fsdp,
+                   close=groups.close, context=diloco, sharded=cfg.fsdp,
                    notes={"sync_every": cfg.diloco_sync_every, "fragments": len(frags),
                           "fragment_numel": numel, "fragment_sync_delay": delay,
                           "outer": f"SGD lr {cfg.diloco_outer_lr} momentum "

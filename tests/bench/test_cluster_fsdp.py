@@ -37,6 +37,7 @@ NUMEL = sum(M._prod(s) for s in SHAPES)
 
 @pytest.mark.parametrize(("name", "form"), [
     ("hsdp", "mesh"),
+    ("torchft-hsdp", "shard"),
     ("qcomm-hier-4", "shard"),
     ("qcomm-hier-4-h2f2-g100-n", "shard"),
     ("torchft-diloco", "shard"),
@@ -62,12 +63,18 @@ def test_a_method_without_a_sharded_form_says_why(name, words):
     assert M.applicability(name, "charlm") == (True, "")
 
 
-def test_hsdp_runs_only_sharded():
-    ok, why = M.applicability("hsdp", "charlm")
+@pytest.mark.parametrize("name", ["hsdp", "torchft-hsdp"])
+def test_hsdp_runs_only_sharded(name):
+    ok, why = M.applicability(name, "charlm")
     assert not ok and "without --fsdp" in why
-    assert M.applicability("hsdp", "charlm", fsdp=True) == (True, "")
-    assert "hsdp" in M.parse_methods("torch")
-    assert M.METHODS["hsdp"].bits == 32 and M.METHODS["hsdp"].needs is None
+    assert M.applicability(name, "charlm", fsdp=True) == (True, "")
+    assert M.METHODS[name].bits == 32
+
+
+def test_hsdp_is_torchs_and_torchft_hsdp_needs_torchft():
+    assert "hsdp" in M.parse_methods("torch") and M.METHODS["hsdp"].needs is None
+    assert "torchft-hsdp" in M.parse_methods("torchft")
+    assert M.METHODS["torchft-hsdp"].needs == "torchft"
 
 
 def test_build_refuses_a_method_without_a_sharded_form_before_touching_the_model():
@@ -86,12 +93,13 @@ def test_build_refuses_a_method_without_a_sharded_form_before_touching_the_model
 # bytes: one shard per rail
 
 
+@pytest.mark.parametrize("name", ["hsdp", "torchft-hsdp"])
 @pytest.mark.parametrize(("nodes", "procs"), [(2, 2), (4, 1), (3, 2), (2, 4)])
-def test_hsdp_sends_each_shard_allreduced_on_its_rail(nodes, procs):
+def test_hsdp_sends_each_shard_allreduced_on_its_rail(name, nodes, procs):
     """A node's ranks each allreduce a 1/procs shard with their rail: 2 (N-1)/N of the fp32
     model per node, whatever procs is (DDP's ring sends the same, one rank per node)."""
     lay = T.Layout(nodes, procs)
-    got = M.expected_inter_bytes("hsdp", SHAPES, lay)
+    got = M.expected_inter_bytes(name, SHAPES, lay)
     assert got == pytest.approx(2 * (nodes - 1) / nodes * 4 * NUMEL)
 
 
@@ -214,6 +222,9 @@ TINY = ["--workload", "charlm", "--width", "32", "--depth", "2", "--context", "1
         "--baseline-steps", "2", "--diloco-sync-every", "4", "--pg-timeout", "60"]
 
 
+SHARDED = ("hsdp", "torchft-hsdp", "qcomm-hier-4-h2f2-g100-n", "torchft-diloco-h4")
+
+
 def _two_nodes(method: str, data: Path, out: Path, *extra: str) -> dict[str, Any]:
     """workload.py as 2 nodes x 2 ranks: two torchruns on localhost, one per node."""
     port = _free_port()
@@ -241,12 +252,12 @@ def _two_nodes(method: str, data: Path, out: Path, *extra: str) -> dict[str, Any
 def runs(charlm_data, tmp_path_factory) -> dict[str, dict[str, Any]]:
     where = tmp_path_factory.mktemp("runs")
     out = {m: _two_nodes(m, charlm_data, where / f"{m}.json", "--fsdp")
-           for m in ("hsdp", "qcomm-hier-4-h2f2-g100-n", "torchft-diloco-h4")}
+           for m in SHARDED}
     out["ddp"] = _two_nodes("ddp", charlm_data, where / "ddp.json")
     return out
 
 
-@pytest.mark.parametrize("method", ["hsdp", "qcomm-hier-4-h2f2-g100-n", "torchft-diloco-h4"])
+@pytest.mark.parametrize("method", SHARDED)
 def test_every_sharded_method_trains_and_reports_whole_models(runs, method):
     r = runs[method]
     assert r["config"]["fsdp"] is True
@@ -275,3 +286,11 @@ def test_sharded_torchft_diloco_says_fsdp2_inside(runs):
     notes = runs["torchft-diloco-h4"]["notes"]
     assert notes["intra_node"] == "FSDP2"
     assert notes["fragment_numel"] == [runs["hsdp"]["model"]["params"]]
+
+
+def test_torchft_hsdp_averages_as_hsdp_does(runs):
+    """torchft's manager sums each shard over the two nodes and halves it, as FSDP2's own
+    allreduce averages it: the same floats, so the same curve, bit for bit."""
+    a, b = runs["torchft-hsdp"], runs["hsdp"]
+    assert [p["val_loss"] for p in a["curve"]] == [p["val_loss"] for p in b["curve"]]
+    assert a["final_val_loss"] == b["final_val_loss"]

@@ -56,7 +56,7 @@ def test_every_torch_method_has_a_builder():
 
 @pytest.mark.parametrize(("spec", "want"), [
     ("torch", ["ddp", "ddp-fp16", "ddp-powersgd", "hsdp", "localsgd"]),
-    ("torchft", ["torchft-diloco", "torchft-streaming-diloco"]),
+    ("torchft", ["torchft-diloco", "torchft-streaming-diloco", "torchft-hsdp"]),
     ("qcomm", ["qcomm-hook", "qcomm-hier-4", "assgd-8", "assgd-4", "assgd-2", "assgd-1",
                "assgd-4-ddp"]),
     ("ddp, assgd-4", ["ddp", "assgd-4"]),

@@ -19,6 +19,7 @@ from qcomm.rendezvous import serve
 from qcomm.rendezvous.joins import (
     STATE_PART_BYTES,
     JoinWatcher,
+    _state_key,
     announce,
     await_state,
     offer_state,
@@ -137,3 +138,18 @@ def test_an_empty_state_is_offered_and_taken(rendezvous) -> None:
     seq = announce(store, 1, 2)
     assert offer_state(store, seq, b"")
     assert await_state(store, seq, 5) == b""
+
+
+def test_a_state_whose_parts_do_not_add_up_is_refused_by_size(rendezvous) -> None:
+    """A part cut short in the rendezvous (a donor or a store that lost bytes) is no state to
+    start from: the joiner gets a ValueError naming both sizes, which its join vote handles as
+    a failed join, rather than a model built from the wrong bytes."""
+    _, store = rendezvous
+    seq = announce(store, 1, 2)
+    state = b"y" * (STATE_PART_BYTES + 10)
+    assert offer_state(store, seq, state)
+    offer = store.get(_state_key(seq)).decode().split(":")[0]
+    store.set(f"{_state_key(seq)}/{offer}/1", b"short")   # 5 bytes instead of 10
+    with pytest.raises(ValueError, match=rf"join {seq} is {STATE_PART_BYTES + 5} bytes, its "
+                                         rf"offer said {STATE_PART_BYTES + 10}"):
+        await_state(store, seq, 5)
