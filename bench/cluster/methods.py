@@ -303,12 +303,17 @@ def applicability(name: str, workload: str, fsdp: bool = False) -> tuple[bool, s
     if info.workloads is not None and workload not in info.workloads:
         return False, (f"n/a on {workload}: {name} is an SGD optimizer, run on "
                        f"{', '.join(info.workloads)} only")
-    form = sharded_form(name)
-    if fsdp and form is None:
-        return False, f"n/a with --fsdp: {_unsharded_why(name)}"
+    problem = _sharding_problem(name, fsdp)
+    return (False, problem) if problem else (True, "")
+
+
+def _sharding_problem(name: str, fsdp: bool) -> str | None:
+    """Why method ``name`` cannot run with (or, HSDP, without) ``--fsdp``, or None."""
+    if fsdp and sharded_form(name) is None:
+        return f"n/a with --fsdp: {_unsharded_why(name)}"
     if not fsdp and resolve(name)[0] in S.SHARDED_ONLY:
-        return False, f"n/a without --fsdp: {name} is hybrid sharding (FSDP2 inside the node)"
-    return True, ""
+        return f"n/a without --fsdp: {name} is hybrid sharding (FSDP2 inside the node)"
+    return None
 
 
 def sharded_form(name: str) -> str | None:
@@ -458,11 +463,6 @@ def expected_inter_bytes(name: str, shapes: Sequence[Sequence[int]], layout: Lay
     if name in S.SHARDED_ONLY:
         # Each rank allreduces its shard of the fp32 gradient with the same rank of every node.
         return rail_allreduce_inter_bytes(numel * FP32 / layout.procs, layout)
-    if sharded and name in ("torchft-diloco", "torchft-streaming-diloco"):
-        whole = expected_inter_bytes(name, shapes, layout, window=window,
-                                     diloco_sync_every=diloco_sync_every,
-                                     fragment_numel=fragment_numel, fragment_delay=fragment_delay)
-        return whole / layout.procs
     powersgd_rank = settings.get("powersgd_rank", powersgd_rank)
     localsgd_period = settings.get("localsgd_period", localsgd_period)
     diloco_sync_every = settings.get("diloco_sync_every", diloco_sync_every)
@@ -470,7 +470,10 @@ def expected_inter_bytes(name: str, shapes: Sequence[Sequence[int]], layout: Lay
         frags = list(fragment_numel) if fragment_numel else [numel]
         if sum(frags) != numel:
             raise ValueError(f"fragments hold {sum(frags)} parameters, the model {numel}")
-        return diloco_inter_bytes(frags, layout, diloco_sync_every, fragment_delay, window)
+        # Sharded, each rank sends its shard only: a node sends the model once, not procs times.
+        copies = layout.procs if sharded else 1
+        return diloco_inter_bytes(frags, layout, diloco_sync_every, fragment_delay,
+                                  window) / copies
     if name == "ddp":
         return ring_allreduce_inter_bytes(numel * FP32, layout)
     if name == "ddp-fp16":
@@ -734,9 +737,9 @@ def build(name: str, module, cfg: Config) -> Built:
     ok, why = availability(name)
     if not ok:
         raise RuntimeError(f"method {name}: {why}")
-    form = sharded_form(name)
-    if (cfg.fsdp and form is None) or (not cfg.fsdp and resolve(name)[0] in S.SHARDED_ONLY):
-        raise ValueError(f"method {name}: {applicability(name, '', cfg.fsdp)[1]}")
+    problem = _sharding_problem(name, cfg.fsdp)
+    if problem:
+        raise ValueError(f"method {name}: {problem}")
     base, settings = resolve(name)
     if settings:
         cfg = replace(cfg, **settings)

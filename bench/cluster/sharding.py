@@ -49,13 +49,11 @@ def repeated_layers(module: Any) -> list[Any]:
     linear layers), in order."""
     from torch import nn
 
-    out = []
-    for child in module.children():
-        if isinstance(child, nn.Sequential | nn.ModuleList):
-            out += [m for m in child.children() if any(True for _ in m.parameters())]
-    if isinstance(module, nn.Sequential | nn.ModuleList):
-        out = [m for m in module.children() if any(True for _ in m.parameters())]
-    return out
+    containers = nn.Sequential | nn.ModuleList
+    # A model that is itself a container (an MLP) is its own list of layers.
+    lists = [module] if isinstance(module, containers) else \
+        [c for c in module.children() if isinstance(c, containers)]
+    return [m for lst in lists for m in lst.children() if any(True for _ in m.parameters())]
 
 
 def node_mesh(layout: Layout) -> Any:
@@ -102,8 +100,9 @@ def full_state(module: Any) -> dict[str, Any]:
 
     out = {}
     for key, value in module.state_dict().items():
-        whole = value.full_tensor() if isinstance(value, DTensor) else value
-        out[key] = whole.detach().clone()
+        # full_tensor() returns a new tensor already; a plain entry (a buffer) is copied.
+        out[key] = value.full_tensor().detach() if isinstance(value, DTensor) \
+            else value.detach().clone()
     return out
 
 

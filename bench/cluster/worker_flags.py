@@ -143,9 +143,9 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          "from their neighbours' state. Only the wait-free methods that go on without a lost "
          "node (names ending in -cont), with a --time-budget in seconds."),
     Flag("--fsdp", None, False, "Shard the model inside each node with FSDP2 (fully_shard over "
-         "the node's ranks, torchtitan's layout): hsdp, qcomm-hier variants in lockstep and "
-         "torchft's DiLoCo run sharded; the other methods keep a whole model per rank and say "
-         "n/a."),
+         "the node's ranks, torchtitan's layout): hsdp, torchft-hsdp, qcomm-hier variants in "
+         "lockstep and torchft's (streaming) DiLoCo run sharded; the other methods keep a whole "
+         "model per rank and say n/a."),
     Flag("--profile", None, False, "cProfile every rank's timed steps; the top functions go "
          "to OUT.prof<rank>.txt (compare.py: runs/<run>.json.prof<rank>.txt)."),
 )}

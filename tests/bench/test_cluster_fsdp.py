@@ -113,6 +113,10 @@ def test_sharded_diloco_sends_one_shard_per_rail():
     assert shard == pytest.approx(whole / 2)
     # 100 steps from step 5 hold syncs after steps 15, 31, ..., 95: six of the model
     assert shard == pytest.approx(6 * 4 * NUMEL * 1.0 / 100)
+    # the period named in the method (-h32) counts sharded as it does whole: 3 syncs
+    named = M.expected_inter_bytes("torchft-diloco-h32", SHAPES, lay, window=(5, 100),
+                                   sharded=True)
+    assert named == pytest.approx(3 * 4 * NUMEL / 100)
 
 
 # ---------------------------------------------------------------------------------------------
