@@ -4,7 +4,8 @@
 # torchft's DiLoCo (torchft-diloco, two outer rounds in the 40-step window) and qcomm's wait-free
 # gossip (its nodes until the first has taken the 40 steps); then a small
 # character transformer (charlm: AdamW, validation loss) through torchft's streaming DiLoCo
-# (six fragment syncs in the 24-step window); last, a lost node that comes back (--join-at).
+# (six fragment syncs in the 24-step window); last, a lost node that comes back (--join-at:
+# qcomm's live join, and local SGD's elastic restart from a checkpoint).
 # Passes when every run finished and, for qcomm methods, the inter-node bytes counted by the
 # interface counters and by qcomm's stats agree within 5% (torch and torchft methods: counters
 # against the algorithm's formula, same 5%). One repetition per method (--repeats 1) keeps CI
@@ -73,23 +74,30 @@ timeout --kill-after=20 200 "$PY" bench/cluster/compare.py --workload charlm \
     --width 128 --depth 2 --target 3.0 --timeout 150 --out "$out/charlm" --strict --no-plots
 check "$out/charlm" "$methods"
 
-# A lost node that comes back: 3 nodes linked through qcomm's rendezvous, node 1's ranks killed
-# at 0.25 of a 16 s window, restarted by its torchrun, joining at 0.5. Passes when the run
-# finished and its row says when the node took its first step again.
-method=assgd-4-h4f2-cont
-timeout --kill-after=20 240 "$PY" bench/cluster/compare.py --workload mnist1d \
-    --layouts 3x1 --rates 1gbit --methods "$method" --steps 40 --warmup 3 --repeats 1 \
-    --width 256 --target 0.25 --timeout 180 --time-budget 16 --kill-node 1 --kill-at 0.25 \
+# A lost node that comes back, in 3 nodes: qcomm's wait-free gossip (linked through qcomm's
+# rendezvous, node 1's ranks killed and restarted by its torchrun) and local SGD (one elastic
+# torchrun job restarted from its checkpoint, node 1's torchrun killed and started again);
+# node 1 lost at 0.25 of a 24 s window, back at 0.5. Passes when both runs finished and each
+# row says when the node took its first step again.
+methods=assgd-4-h4f2-cont,localsgd
+timeout --kill-after=20 420 "$PY" bench/cluster/compare.py --workload mnist1d \
+    --layouts 3x1 --rates 1gbit --methods "$methods" --steps 40 --warmup 3 --repeats 1 \
+    --width 256 --target 0.25 --timeout 180 --time-budget 24 --kill-node 1 --kill-at 0.25 \
     --join-at 0.5 --pg-timeout 60 --out "$out/rejoin" --no-plots
 "$PY" - "$out/rejoin/summary.json" <<'EOF'
 import json
 import sys
 
-row = json.load(open(sys.argv[1]))["rows"][0]
-back = (row.get("rejoin") or {}).get("kill_to_first_step_s")
-print(f"cluster_smoke: rejoin {row['method']}: {row.get('status')}, {row.get('behaviour')}")
-if row.get("status") != "ok" or back is None:
-    print("cluster_smoke: FAILED\n  the lost node did not come back", file=sys.stderr)
+rows = json.load(open(sys.argv[1]))["rows"]
+bad = []
+for row in rows:
+    back = (row.get("rejoin") or {}).get("kill_to_first_step_s")
+    print(f"cluster_smoke: rejoin {row['method']}: {row.get('status')}, {row.get('behaviour')}")
+    if row.get("status") != "ok" or back is None:
+        bad.append(f"{row['method']}: the lost node did not come back")
+if len(rows) != 2 or bad:
+    print("cluster_smoke: FAILED\n  " + "\n  ".join(bad or [f"{len(rows)} rows"]),
+          file=sys.stderr)
     sys.exit(1)
 EOF
 echo "cluster_smoke: OK"

@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import secrets
+import shutil
 import signal
 import statistics
 import subprocess
@@ -63,6 +64,7 @@ from bench.progress import note, progress
 HERE = Path(__file__).resolve().parent
 NETNS = HERE / "netns.sh"
 WORKLOAD = HERE / "workload.py"
+ELASTIC = HERE / "elastic.py"
 
 # The project's targets for its method (measured side by side with ddp and the peers).
 TARGET_SPEEDUP = 4.95
@@ -349,7 +351,8 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
 
 # What a lost node that came back adds (rejoining.join_summary's figures).
 REJOIN_FIELDS = ("kill_to_first_step_s", "restart_to_first_step_s", "join_s",
-                 "running_rate_vs_before_join_min", "running_rate_vs_before_join_median")
+                 "running_rate_vs_before_join_min", "running_rate_vs_before_join_median",
+                 "running_rate_vs_before_kill_min", "running_rate_vs_before_kill_median")
 
 
 def rejoin_summary(result: dict[str, Any], row: dict[str, Any],
@@ -388,12 +391,14 @@ def aggregate_rejoin(ok: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def rejoin_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown: per cell, when the lost node took its first step again (after its loss, after
     its restart), how long its join took (the method's build, which announces it, takes the
-    state and links, and the first step), and
-    the running nodes' step rate during the join over their rate before it (min and median
-    over the running ranks), medians [min-max]."""
+    state and links, and the first step; for an elastic restart, from the node's torchrun
+    entering the rendezvous), and the running nodes' step rate during the join over their rate
+    before it and over their rate before the loss (min and median over the running ranks; an
+    elastic restart has no rate before the join: its nodes were starting again), medians
+    [min-max]."""
     lines = ["| workload | layout | rate | method | loss to first step s | restart to first "
-             "step s | the join s | running rate during join (min) | (median) | "
-             "time to target s |", "|" + "---|" * 10]
+             "step s | the join s | running rate during join / before it (min) | (median) | "
+             "/ before the loss (min) | (median) | time to target s |", "|" + "---|" * 12]
     for r in rows:
         rj = r.get("rejoin")
         if r.get("status") != "ok" or not rj:
@@ -692,17 +697,30 @@ def workload_command(workload: str, method: str, args: argparse.Namespace, data:
     else:
         budget = (["--time-budget", f"{seconds:g}"] if seconds else []) + \
             F.command_line(values, ("max_steps",))
-    return [str(WORKLOAD), "--workload", workload, "--method", method, "--data", str(data), *budget,
+    # A lost node that comes back: DDP and local SGD recover by torchrun's elastic restart.
+    script = ELASTIC if elastic_run(method, args) else WORKLOAD
+    return [str(script), "--workload", workload, "--method", method, "--data", str(data), *budget,
             "--out", str(out_json), *F.command_line(values, F.PASSED_ON)]
+
+
+def elastic_run(method: str, args: argparse.Namespace) -> bool:
+    """Whether this run of ``method`` is an elastic restart (elastic.py, ``netns.sh launch
+    --elastic``): a lost node comes back (``--join-at``) and the method is DDP or local SGD."""
+    return args.join_at is not None and M.restarts_elastically(method)
 
 
 def launch_command(cluster: str, layout: T.Layout, cmd_args: list[str], timeout: int,
                    log: Path, slow: tuple[int, float] = (0, 1.0), lost: int | None = None,
-                   equal_cpu: bool = False, comes_back: bool = False) -> list[str]:
+                   equal_cpu: bool = False, comes_back: bool = False,
+                   elastic: Path | None = None) -> list[str]:
     """netns.sh's command that launches one run on the cluster (see :func:`run_one`);
     ``comes_back``: the lost node comes back (``--join-at``): nodes linked through a rendezvous,
-    the lost node's torchrun restarting its ranks."""
+    the lost node's torchrun restarting its ranks; or, with ``elastic`` (the rejoin file that
+    elastic.py writes), one elastic torchrun job whose lost node's torchrun is started again
+    at the time that file names."""
     back = ["--linked", "--restart-node", str(lost)] if comes_back and lost is not None else []
+    if elastic is not None and lost is not None:
+        back = ["--elastic", "--restart-node", str(lost), "--rejoin-file", str(elastic)]
     return ["bash", str(NETNS), "launch", "--id", cluster, "--nodes", str(layout.nodes),
             "--procs", str(layout.procs), "--timeout", str(timeout),
             "--slow-nodes", str(slow[0]), "--slowdown", str(slow[1]),
@@ -717,10 +735,17 @@ def run_one(cluster: str, layout: T.Layout, cmd_args: list[str], timeout: int, o
             comes_back: bool = False) -> tuple[int, str]:
     """Launch one run on the cluster (``slow``: the last ``slow[0]`` nodes capped to
     ``1 / slow[1]`` of the others' CPU; ``lost``: the node the run kills, whose end is no
-    failure); stream node 0's progress into ``bar``."""
+    failure); stream node 0's progress into ``bar``. A command of elastic.py runs as one
+    elastic torchrun job (its files of an earlier run into the same ``out_json`` removed)."""
     out_json.unlink(missing_ok=True)
+    elastic = None
+    if Path(cmd_args[0]) == ELASTIC:
+        elastic = Path(f"{out_json}.rejoin")
+        shutil.rmtree(f"{out_json}.elastic", ignore_errors=True)
+        for stale in (elastic, Path(f"{out_json}.killed")):
+            stale.unlink(missing_ok=True)
     cmd = launch_command(cluster, layout, cmd_args, timeout, log, slow, lost, equal_cpu,
-                         comes_back)
+                         comes_back, elastic)
     # torchrun of this interpreter's environment (netns.sh looks for TORCHRUN first).
     torchrun = Path(sys.executable).with_name("torchrun")
     extra = {"TORCHRUN": str(torchrun)} if torchrun.exists() else {}

@@ -163,6 +163,17 @@ def continues_after_loss(name: str) -> bool:
     return bool(opts and opts.get("on_peer_loss") == "continue")
 
 
+# The peers whose answer to a lost node that comes back is torchrun's elastic restart from a
+# checkpoint (elastic.py runs them under --join-at): DDP and local SGD, with their settings.
+ELASTIC_RESTART = ("ddp", "localsgd")
+
+
+def restarts_elastically(name: str) -> bool:
+    """Whether a lost node that comes back is, for method ``name``, torchrun's elastic restart
+    of every worker from the last checkpoint (DDP and local SGD)."""
+    return resolve(name)[0] in ELASTIC_RESTART
+
+
 def per_node_budget(name: str) -> bool:
     """Whether method ``name`` lets nodes take different numbers of steps (wait-free gossip):
     then each node trains for its own time budget; every other method takes the same steps on

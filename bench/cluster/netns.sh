@@ -26,7 +26,7 @@
 #   netns.sh up     --id ID --nodes N --rate RATE [--burst 256kb] [--delay-ms D] [--owner PID]
 #   netns.sh launch --id ID --nodes N --procs P [--timeout S] [--port PORT] [--logdir DIR] \
 #                   [--slow-nodes K --slowdown S] [--equal-cpu] [--lost-node K] \
-#                   [--linked [--restart-node K]] \
+#                   [--linked [--restart-node K]] [--elastic --restart-node K --rejoin-file F] \
 #                   -- SCRIPT [ARGS...]          # one torchrun per node, in its namespace
 #
 # Linked nodes (--linked): each node's torchrun is a world of its own (the node), and the nodes
@@ -34,6 +34,15 @@
 # namespace on PORT and stopped when the launch ends; every rank gets QCOMM_RENDEZVOUS, its
 # node QCB_NODE and the job's nodes QCB_NODES. --restart-node K: node K's torchrun starts its
 # ranks again once (--max-restarts 1) after they die, as a restarted machine would.
+#
+# Elastic nodes (--elastic): one job of torchrun's elastic agents, as DDP users run one across
+# machines that come and go: every node's torchrun takes --nnodes N-1:N with the c10d
+# rendezvous on node 0 (its agent hosts the store), --max-restarts 3 and settings an operator
+# would tune for quick recovery (a dead agent dropped after 3 s without a heartbeat, a round
+# closed 2 s after the last arrival). --restart-node K: once node K's torchrun has ended (the
+# script killed the node), the launcher waits for the file --rejoin-file, reads {"time": T}
+# (wall-clock) from it and starts the node's torchrun again at T, as an operator restarting the
+# machine would; the node then rejoins the running job through the rendezvous.
 #
 # A planned node loss (--lost-node K, K >= 1; the script kills node K, e.g. workload.py
 # --kill-node K): node K's end, whatever its status, stops no other node and is not a failure.
@@ -364,7 +373,7 @@ reap_survivors() {
 
 cmd_launch() {
     local id="" nodes="" procs="" tmo=600 port="" logdir="" slow=0 slowdown=1 lost="" equal=0
-    local linked=0 restart=""
+    local linked=0 restart="" elastic=0 rejoin_file=""
     while [ $# -gt 0 ]; do
         case "$1" in
         --id) id=$2; shift 2 ;;
@@ -379,14 +388,19 @@ cmd_launch() {
         --equal-cpu) equal=1; shift ;;
         --linked) linked=1; shift ;;
         --restart-node) restart=$2; shift 2 ;;
+        --elastic) elastic=1; shift ;;
+        --rejoin-file) rejoin_file=$2; shift 2 ;;
         --) shift; break ;;
         *) die "launch: unknown argument '$1'" ;;
         esac
     done
     [ -z "$lost" ] || { [[ "$lost" =~ ^[0-9]+$ ]] && [ "$lost" -ge 1 ] && [ "$lost" -lt "${nodes:-0}" ]; } ||
         die "--lost-node must be an integer in [1, nodes) (node 0 hosts the rendezvous store), got '$lost'"
-    [ -z "$restart" ] || { [ "$linked" = 1 ] && [[ "$restart" =~ ^[0-9]+$ ]] && [ "$restart" -ge 1 ] && [ "$restart" -lt "${nodes:-0}" ]; } ||
-        die "--restart-node needs --linked and an integer in [1, nodes) (node 0 hosts the rendezvous), got '$restart'"
+    [ -z "$restart" ] || { [ "$((linked + elastic))" = 1 ] && [[ "$restart" =~ ^[0-9]+$ ]] && [ "$restart" -ge 1 ] && [ "$restart" -lt "${nodes:-0}" ]; } ||
+        die "--restart-node needs --linked or --elastic and an integer in [1, nodes) (node 0 hosts the rendezvous), got '$restart'"
+    [ "$elastic" = 0 ] || { [ -n "$restart" ] && [ -n "$rejoin_file" ] && [ "$linked" = 0 ]; } ||
+        die "--elastic needs --restart-node K and --rejoin-file F (and not --linked)"
+    [ -z "$rejoin_file" ] || [ "$elastic" = 1 ] || die "--rejoin-file goes with --elastic"
     [[ "$slow" =~ ^[0-9]+$ ]] && [ "$slow" -lt "${nodes:-0}" ] ||
         die "--slow-nodes must be an integer in [0, nodes) (one node at least stays fast), got '$slow'"
     [[ "$slowdown" =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
@@ -452,6 +466,19 @@ cmd_launch() {
         local -a world=(--nnodes "$nodes" --node-rank "$k" --master-addr "$SUBNET.1"
             --master-port "$port" --max-restarts 0)
         local -a linked_env=()
+        if [ "$elastic" = 1 ]; then
+            local host=0
+            [ "$k" != 0 ] || host=1
+            # --local-addr: the agent publishes its node's address to the others (its host
+            # name resolves to loopback in the namespace).
+            world=(--nnodes "$((nodes - 1)):$nodes" --rdzv-backend c10d --local-addr "$SUBNET.$((k + 1))"
+                --rdzv-endpoint "$SUBNET.1:$port" --rdzv-id "qcb$id" --max-restarts 3
+                --rdzv-conf "is_host=$host,join_timeout=120,last_call_timeout=2,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3")
+            # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the shared store (the default), an agent
+            # publishes the workers' store address in the first round only, so a node that
+            # joins a later round waits for it forever (torch 2.13); per-round publishing works.
+            linked_env=(QCB_NODE="$k" QCB_NODES="$nodes" TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+        fi
         if [ "$linked" = 1 ]; then
             # Linked nodes: each torchrun's world is its node; node --restart-node's agent
             # starts its ranks once more after they are killed.
@@ -465,6 +492,18 @@ cmd_launch() {
         # sent to it reaches torchrun, which passes it on to its workers.
         if [ "$k" -eq 0 ]; then
             "${cmd[@]}" &
+        elif [ "$elastic" = 1 ] && [ "$k" = "$restart" ]; then
+            # The node's machine: its torchrun, killed by the script; then started again at
+            # the time the rejoin file names (an operator's restart).
+            (
+                "${cmd[@]}" || true
+                until [ -s "$rejoin_file" ]; do sleep 0.1; done
+                at=$(grep -oE '[0-9]+(\.[0-9]+)?' "$rejoin_file" | head -n 1)
+                wait_s=$(awk -v t="$at" -v now="$(date +%s.%N)" 'BEGIN { d = t - now; print (d > 0 ? d : 0) }')
+                sleep "$wait_s"
+                echo "netns.sh: node $k's torchrun started again" >&2
+                exec "${cmd[@]}"
+            ) >"$logdir/node$k.log" 2>&1 &
         else
             "${cmd[@]}" >"$logdir/node$k.log" 2>&1 &
         fi

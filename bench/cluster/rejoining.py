@@ -45,9 +45,10 @@ def join_problem(method: str, kill_at: float | None, join_at: float,
     if not kill_at < join_at < 1:
         return (f"--join-at must be above --kill-at ({kill_at:g}) and below 1, "
                 f"got {join_at:g}")
-    if not M.continues_after_loss(method):
-        return (f"--join-at: {method} does not go on without a lost node; only the wait-free "
-                f"methods whose names end in -cont do (the others stop at the loss)")
+    if not (M.continues_after_loss(method) or M.restarts_elastically(method)):
+        return (f"--join-at: {method} has no way back for a lost node here; the wait-free "
+                f"methods whose names end in -cont take it back live, ddp and localsgd restart "
+                f"every worker from a checkpoint (torchrun's elastic restart, elastic.py)")
     if not seconds:
         return ("--join-at needs --time-budget in seconds: the node comes back at a time of "
                 "the window")
@@ -156,6 +157,10 @@ def join_summary(ranks: list[dict[str, Any]], kill_time: float | None,
         "running_rate_vs_before_join_min": min(vs_before) if vs_before else None,
         "running_rate_vs_before_join_median":
             statistics.median(vs_before) if vs_before else None,
+        # Where the running nodes stopped before the join (an elastic restart after the loss
+        # has no rate before the join), against their rate before the loss.
+        "running_rate_vs_before_kill_min": min(vs_kill) if vs_kill else None,
+        "running_rate_vs_before_kill_median": statistics.median(vs_kill) if vs_kill else None,
         "join_window_s": hi - lo,
     }
 
