@@ -196,6 +196,71 @@ def replica_groups(cfg: T.Config) -> Replicas:
     return Replicas(manager, lighthouse, store, subgroup)
 
 
+# How fast a healing job notices a lost replica group and how long one of its collectives may
+# wait, seconds: an operator who expects machines to come and go tunes these down from the
+# defaults (the elastic peers' rendezvous drops a dead agent after 3 s, too).
+HEAL_HEARTBEAT_TIMEOUT_S = 2.0
+HEAL_TIMEOUT_S = 10.0
+
+
+def healing_replicas(cfg: T.Config, node: int, lighthouse_file: Path) -> Replicas:
+    """torchft set up to heal a replica group that comes back, for nodes that each run their
+    own torchrun (the default group is the node): the lighthouse on node 0's local rank 0,
+    published in ``lighthouse_file`` (the nodes share a file system), a quorum of at least
+    ``nodes - 1`` groups (one may be lost), and a Manager whose state (registered by
+    :func:`build_diloco`) a returning group fetches from a live one at its first quorum.
+
+    Raises:
+        TimeoutError: no lighthouse was published within ``cfg.pg_timeout``.
+    """
+    import json
+    import time
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft._torchft import LighthouseServer
+
+    layout = cfg.layout
+    local = dist.get_rank()
+    timeout = timedelta(seconds=min(cfg.pg_timeout, HEAL_TIMEOUT_S))
+    # The node's routable address: the source address towards the job's rendezvous host.
+    host = os.environ["QCOMM_RENDEZVOUS"].rsplit(":", 1)[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((host, 9))
+        addr = sock.getsockname()[0]
+    lighthouse = None
+    if node == 0 and local == 0:
+        lighthouse = LighthouseServer(
+            bind="[::]:0", min_replicas=max(1, layout.nodes - 1), join_timeout_ms=60_000,
+            quorum_tick_ms=100, heartbeat_timeout_ms=int(HEAL_HEARTBEAT_TIMEOUT_S * 1000))
+        tmp = lighthouse_file.with_name(f"{lighthouse_file.name}.tmp")
+        tmp.write_text(json.dumps(
+            {"addr": f"http://{addr}:{lighthouse.address().rsplit(':', 1)[1]}"}))
+        tmp.replace(lighthouse_file)
+    deadline = time.monotonic() + cfg.pg_timeout
+    while not lighthouse_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no lighthouse published in {lighthouse_file} within "
+                               f"{cfg.pg_timeout:g} s")
+        time.sleep(0.05)
+    lighthouse_addr = json.loads(lighthouse_file.read_text())["addr"]
+    store, box = None, [None]
+    if local == 0:
+        store = TCPStore(host_name=addr, port=0, is_master=True, wait_for_workers=False)
+        box = [store.port]
+    dist.broadcast_object_list(box, src=0)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+        min_replica_size=max(1, layout.nodes - 1), use_async_quorum=False, timeout=timeout,
+        quorum_timeout=timeout, connect_timeout=timeout, rank=local, world_size=layout.procs,
+        store_addr=addr, store_port=box[0], lighthouse_addr=lighthouse_addr,
+        replica_id=f"qcb_node{node}", hostname=addr,
+        # Same seeded weights everywhere at step 0; a group that comes back later heals.
+        init_sync=False,
+    )
+    return Replicas(manager, lighthouse, store, dist.group.WORLD)
+
+
 def build(name: str, module: nn.Module, cfg: T.Config) -> T.Built:
     """torchft-diloco, torchft-streaming-diloco or torchft-hsdp around ``module`` (collective:
     every rank)."""
@@ -231,14 +296,19 @@ def build_hsdp(module: nn.Module, cfg: T.Config) -> T.Built:
                                   "nodes by torchft's manager", "torchft": torchft_version()})
 
 
-def build_diloco(name: str, module: nn.Module, cfg: T.Config) -> T.Built:
-    """torchft-diloco or torchft-streaming-diloco around ``module`` (collective: every rank)."""
+def build_diloco(name: str, module: nn.Module, cfg: T.Config,
+                 groups: Replicas | None = None) -> T.Built:
+    """torchft-diloco or torchft-streaming-diloco around ``module`` (collective: every rank).
+    ``groups``: torchft's side made already (:func:`healing_replicas`: the model and the inner
+    optimizer's state are then registered with the manager, which a group that comes back
+    fetches); else :func:`replica_groups`."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torchft.local_sgd import DiLoCo
 
     layout = cfg.layout
     streaming = name == "torchft-streaming-diloco"
-    groups = replica_groups(cfg)
+    heals = groups is not None
+    groups = groups or replica_groups(cfg)
     manager = groups.manager
     rails = None
     if cfg.fsdp:
@@ -250,6 +320,11 @@ def build_diloco(name: str, module: nn.Module, cfg: T.Config) -> T.Built:
     else:
         model = DDP(module, process_group=groups.subgroup) if layout.procs > 1 else module
     inner = T.inner_optimizer(module.parameters(), cfg)
+    if heals:
+        manager.register_state_dict_fn(
+            "default",
+            lambda st: (module.load_state_dict(st["model"]), inner.load_state_dict(st["optim"])),
+            lambda: {"model": module.state_dict(), "optim": inner.state_dict()})
     frags = split_fragments(module, cfg.streaming_fragments) if streaming else [module]
     # Nesterov needs momentum: with outer momentum 0 the outer step is plain SGD (lr 1.0 and
     # momentum 0 is local SGD's averaging).

@@ -140,8 +140,10 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          "torchrun, python -m qcomm.rendezvous beside node 0); at --kill-at the node's ranks "
          "are killed but not its torchrun agent, which starts them again; they wait until F x "
          "--time-budget seconds into the timed window (F above --kill-at, below 1), then join "
-         "from their neighbours' state. Only the wait-free methods that go on without a lost "
-         "node (names ending in -cont), with a --time-budget in seconds."),
+         "from their neighbours' state: the wait-free methods that go on without a lost node "
+         "(names ending in -cont). ddp and localsgd recover as torchrun's elastic restart "
+         "from a checkpoint instead (elastic.py: one elastic job, the node's torchrun killed "
+         "and started again at F). A --time-budget in seconds."),
     Flag("--fsdp", None, False, "Shard the model inside each node with FSDP2 (fully_shard over "
          "the node's ranks, torchtitan's layout): hsdp, torchft-hsdp, qcomm-hier variants in "
          "lockstep and torchft's (streaming) DiLoCo run sharded; the other methods keep a whole "
