@@ -64,7 +64,7 @@ from bench.progress import note, progress
 HERE = Path(__file__).resolve().parent
 NETNS = HERE / "netns.sh"
 WORKLOAD = HERE / "workload.py"
-ELASTIC = HERE / "elastic.py"
+RECOVERY = HERE / "recovery.py"
 
 # The project's targets for its method (measured side by side with ddp and the peers).
 TARGET_SPEEDUP = 4.95
@@ -697,30 +697,33 @@ def workload_command(workload: str, method: str, args: argparse.Namespace, data:
     else:
         budget = (["--time-budget", f"{seconds:g}"] if seconds else []) + \
             F.command_line(values, ("max_steps",))
-    # A lost node that comes back: DDP and local SGD recover by torchrun's elastic restart.
-    script = ELASTIC if elastic_run(method, args) else WORKLOAD
+    # A lost node that comes back: the peers' own recoveries (recovery.py).
+    script = RECOVERY if recovery_run(method, args) else WORKLOAD
     return [str(script), "--workload", workload, "--method", method, "--data", str(data), *budget,
             "--out", str(out_json), *F.command_line(values, F.PASSED_ON)]
 
 
-def elastic_run(method: str, args: argparse.Namespace) -> bool:
-    """Whether this run of ``method`` is an elastic restart (elastic.py, ``netns.sh launch
-    --elastic``): a lost node comes back (``--join-at``) and the method is DDP or local SGD."""
-    return args.join_at is not None and M.restarts_elastically(method)
+def recovery_run(method: str, args: argparse.Namespace) -> bool:
+    """Whether this run of ``method`` is a peer's own recovery (recovery.py): a lost node comes
+    back (``--join-at``) and the method is DDP or local SGD (elastic restart) or torchft's
+    (streaming) DiLoCo (heal)."""
+    return args.join_at is not None and M.recovers_by_itself(method)
 
 
 def launch_command(cluster: str, layout: T.Layout, cmd_args: list[str], timeout: int,
                    log: Path, slow: tuple[int, float] = (0, 1.0), lost: int | None = None,
                    equal_cpu: bool = False, comes_back: bool = False,
-                   elastic: Path | None = None) -> list[str]:
+                   rejoin: tuple[str, Path] | None = None) -> list[str]:
     """netns.sh's command that launches one run on the cluster (see :func:`run_one`);
     ``comes_back``: the lost node comes back (``--join-at``): nodes linked through a rendezvous,
-    the lost node's torchrun restarting its ranks; or, with ``elastic`` (the rejoin file that
-    elastic.py writes), one elastic torchrun job whose lost node's torchrun is started again
-    at the time that file names."""
+    the lost node's torchrun restarting its ranks; ``rejoin`` (a peer's own recovery,
+    recovery.py): ``("elastic", file)``, one elastic torchrun job, or ``("heal", file)``, a
+    torchrun per node; either way the lost node's torchrun is started again at the time the
+    file (recovery.py writes it) names."""
     back = ["--linked", "--restart-node", str(lost)] if comes_back and lost is not None else []
-    if elastic is not None and lost is not None:
-        back = ["--elastic", "--restart-node", str(lost), "--rejoin-file", str(elastic)]
+    if rejoin is not None and lost is not None:
+        back = ["--elastic" if rejoin[0] == "elastic" else "--linked", "--restart-node",
+                str(lost), "--rejoin-file", str(rejoin[1])]
     return ["bash", str(NETNS), "launch", "--id", cluster, "--nodes", str(layout.nodes),
             "--procs", str(layout.procs), "--timeout", str(timeout),
             "--slow-nodes", str(slow[0]), "--slowdown", str(slow[1]),
@@ -735,17 +738,18 @@ def run_one(cluster: str, layout: T.Layout, cmd_args: list[str], timeout: int, o
             comes_back: bool = False) -> tuple[int, str]:
     """Launch one run on the cluster (``slow``: the last ``slow[0]`` nodes capped to
     ``1 / slow[1]`` of the others' CPU; ``lost``: the node the run kills, whose end is no
-    failure); stream node 0's progress into ``bar``. A command of elastic.py runs as one
-    elastic torchrun job (its files of an earlier run into the same ``out_json`` removed)."""
+    failure); stream node 0's progress into ``bar``. A command of recovery.py runs as the
+    peer's own recovery (its files of an earlier run into the same ``out_json`` removed)."""
     out_json.unlink(missing_ok=True)
-    elastic = None
-    if Path(cmd_args[0]) == ELASTIC:
-        elastic = Path(f"{out_json}.rejoin")
+    rejoin = None
+    if Path(cmd_args[0]) == RECOVERY:
+        method = cmd_args[cmd_args.index("--method") + 1]
+        rejoin = ("heal" if M.heals(method) else "elastic", Path(f"{out_json}.rejoin"))
         shutil.rmtree(f"{out_json}.elastic", ignore_errors=True)
-        for stale in (elastic, Path(f"{out_json}.killed")):
+        for stale in (rejoin[1], Path(f"{out_json}.killed")):
             stale.unlink(missing_ok=True)
     cmd = launch_command(cluster, layout, cmd_args, timeout, log, slow, lost, equal_cpu,
-                         comes_back, elastic)
+                         comes_back, rejoin)
     # torchrun of this interpreter's environment (netns.sh looks for TORCHRUN first).
     torchrun = Path(sys.executable).with_name("torchrun")
     extra = {"TORCHRUN": str(torchrun)} if torchrun.exists() else {}

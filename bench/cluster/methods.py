@@ -164,7 +164,7 @@ def continues_after_loss(name: str) -> bool:
 
 
 # The peers whose answer to a lost node that comes back is torchrun's elastic restart from a
-# checkpoint (elastic.py runs them under --join-at): DDP and local SGD, with their settings.
+# checkpoint (recovery.py runs them under --join-at): DDP and local SGD, with their settings.
 ELASTIC_RESTART = ("ddp", "localsgd")
 
 
@@ -172,6 +172,23 @@ def restarts_elastically(name: str) -> bool:
     """Whether a lost node that comes back is, for method ``name``, torchrun's elastic restart
     of every worker from the last checkpoint (DDP and local SGD)."""
     return resolve(name)[0] in ELASTIC_RESTART
+
+
+# The peers that heal a replica group that comes back from a live one (torchft's Manager):
+# recovery.py runs them under --join-at, each node its own torchrun.
+HEALS = ("torchft-diloco", "torchft-streaming-diloco")
+
+
+def heals(name: str) -> bool:
+    """Whether a lost node that comes back is, for method ``name``, torchft's heal: the group
+    joins the next quorum and fetches its state from a live one ((streaming) DiLoCo)."""
+    return resolve(name)[0] in HEALS
+
+
+def recovers_by_itself(name: str) -> bool:
+    """Whether recovery.py runs method ``name`` under --join-at (the peers' own recoveries:
+    :func:`restarts_elastically` or :func:`heals`)."""
+    return restarts_elastically(name) or heals(name)
 
 
 def per_node_budget(name: str) -> bool:

@@ -42,7 +42,9 @@
 # closed 2 s after the last arrival). --restart-node K: once node K's torchrun has ended (the
 # script killed the node), the launcher waits for the file --rejoin-file, reads {"time": T}
 # (wall-clock) from it and starts the node's torchrun again at T, as an operator restarting the
-# machine would; the node then rejoins the running job through the rendezvous.
+# machine would; the node then rejoins the running job through the rendezvous. The same
+# --restart-node K --rejoin-file F with --linked: node K's torchrun (not only its ranks) is
+# started again at T.
 #
 # A planned node loss (--lost-node K, K >= 1; the script kills node K, e.g. workload.py
 # --kill-node K): node K's end, whatever its status, stops no other node and is not a failure.
@@ -400,7 +402,8 @@ cmd_launch() {
         die "--restart-node needs --linked or --elastic and an integer in [1, nodes) (node 0 hosts the rendezvous), got '$restart'"
     [ "$elastic" = 0 ] || { [ -n "$restart" ] && [ -n "$rejoin_file" ] && [ "$linked" = 0 ]; } ||
         die "--elastic needs --restart-node K and --rejoin-file F (and not --linked)"
-    [ -z "$rejoin_file" ] || [ "$elastic" = 1 ] || die "--rejoin-file goes with --elastic"
+    [ -z "$rejoin_file" ] || { [ "$((linked + elastic))" = 1 ] && [ -n "$restart" ]; } ||
+        die "--rejoin-file goes with --elastic or --linked, and --restart-node"
     [[ "$slow" =~ ^[0-9]+$ ]] && [ "$slow" -lt "${nodes:-0}" ] ||
         die "--slow-nodes must be an integer in [0, nodes) (one node at least stays fast), got '$slow'"
     [[ "$slowdown" =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
@@ -482,7 +485,7 @@ cmd_launch() {
         if [ "$linked" = 1 ]; then
             # Linked nodes: each torchrun's world is its node; node --restart-node's agent
             # starts its ranks once more after they are killed.
-            world=(--standalone --nnodes 1 --max-restarts $([ "$k" = "$restart" ] && echo 1 || echo 0))
+            world=(--standalone --nnodes 1 --max-restarts $([ "$k" = "$restart" ] && [ -z "$rejoin_file" ] && echo 1 || echo 0))
             linked_env=(QCOMM_RENDEZVOUS="$SUBNET.1:$port" QCB_NODE="$k" QCB_NODES="$nodes")
         fi
         local -a cmd=("${wrap[@]}" ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$IFACE" OMP_NUM_THREADS=1
@@ -492,7 +495,7 @@ cmd_launch() {
         # sent to it reaches torchrun, which passes it on to its workers.
         if [ "$k" -eq 0 ]; then
             "${cmd[@]}" &
-        elif [ "$elastic" = 1 ] && [ "$k" = "$restart" ]; then
+        elif [ -n "$rejoin_file" ] && [ "$k" = "$restart" ]; then
             # The node's machine: its torchrun, killed by the script; then started again at
             # the time the rejoin file names (an operator's restart).
             (

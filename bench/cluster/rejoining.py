@@ -45,10 +45,11 @@ def join_problem(method: str, kill_at: float | None, join_at: float,
     if not kill_at < join_at < 1:
         return (f"--join-at must be above --kill-at ({kill_at:g}) and below 1, "
                 f"got {join_at:g}")
-    if not (M.continues_after_loss(method) or M.restarts_elastically(method)):
+    if not (M.continues_after_loss(method) or M.recovers_by_itself(method)):
         return (f"--join-at: {method} has no way back for a lost node here; the wait-free "
                 f"methods whose names end in -cont take it back live, ddp and localsgd restart "
-                f"every worker from a checkpoint (torchrun's elastic restart, elastic.py)")
+                f"every worker from a checkpoint (torchrun's elastic restart), torchft's "
+                f"(streaming) DiLoCo heals it from a live group (recovery.py)")
     if not seconds:
         return ("--join-at needs --time-budget in seconds: the node comes back at a time of "
                 "the window")

@@ -141,9 +141,10 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          "are killed but not its torchrun agent, which starts them again; they wait until F x "
          "--time-budget seconds into the timed window (F above --kill-at, below 1), then join "
          "from their neighbours' state: the wait-free methods that go on without a lost node "
-         "(names ending in -cont). ddp and localsgd recover as torchrun's elastic restart "
-         "from a checkpoint instead (elastic.py: one elastic job, the node's torchrun killed "
-         "and started again at F). A --time-budget in seconds."),
+         "(names ending in -cont). The peers recover their own way (recovery.py): ddp and "
+         "localsgd by torchrun's elastic restart from a checkpoint (one elastic job), torchft's "
+         "(streaming) DiLoCo by torchft's heal (a torchrun per node); the node's torchrun is "
+         "killed and started again at F. A --time-budget in seconds."),
     Flag("--fsdp", None, False, "Shard the model inside each node with FSDP2 (fully_shard over "
          "the node's ranks, torchtitan's layout): hsdp, torchft-hsdp, qcomm-hier variants in "
          "lockstep and torchft's (streaming) DiLoCo run sharded; the other methods keep a whole "

@@ -531,10 +531,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                args.time_budget is not None)
         if problem:
             p.error(problem)
-        if M.restarts_elastically(args.method):
-            p.error(f"--join-at with {args.method}: its recovery (torchrun's elastic restart "
-                    f"from a checkpoint) runs in bench/cluster/elastic.py, which compare.py "
-                    f"launches for it")
+        if M.recovers_by_itself(args.method):
+            p.error(f"--join-at with {args.method}: its own recovery (torchrun's elastic "
+                    f"restart, or torchft's heal) runs in bench/cluster/recovery.py, which "
+                    f"compare.py launches for it")
     if args.fsdp:
         problem = fsdp_problem(args)
         if problem:

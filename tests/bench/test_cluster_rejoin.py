@@ -22,7 +22,7 @@ CONT = "assgd-2-h16f4-g80-m9-o5-n-ddp-cont"
     (CONT, 0.3, 0.2, True, "above --kill-at"),
     (CONT, 0.3, 1.0, True, "below 1"),
     ("ddp-powersgd", 0.3, 0.5, True, "has no way back for a lost node"),
-    ("torchft-diloco", 0.3, 0.5, True, "has no way back for a lost node"),
+    ("torchft-hsdp", 0.3, 0.5, True, "has no way back for a lost node"),
     ("assgd-2-h16f4-wf", 0.3, 0.5, True, "end in -cont"),
     (CONT, 0.3, 0.5, False, "needs --time-budget in seconds"),
 ])
@@ -30,7 +30,7 @@ def test_bad_join_settings_are_named(method, kill_at, join_at, seconds, match) -
     assert match in J.join_problem(method, kill_at, join_at, seconds)
 
 
-@pytest.mark.parametrize("method", [CONT, "ddp", "localsgd", "localsgd-p32"])
+@pytest.mark.parametrize("method", [CONT, "ddp", "localsgd", "localsgd-p32", "torchft-diloco"])
 def test_good_join_settings_pass(method) -> None:
     assert J.join_problem(method, 0.2, 0.45, True) is None
 
@@ -40,7 +40,7 @@ def test_workload_sends_the_elastic_peers_to_their_own_worker(capsys) -> None:
         WL.parse_args(["--method", "ddp", "--data", "d.npz", "--out", "o.json",
                        "--time-budget", "30", "--kill-node", "1", "--kill-at", "0.2",
                        "--join-at", "0.5"])
-    assert "elastic.py" in capsys.readouterr().err
+    assert "recovery.py" in capsys.readouterr().err
 
 
 def test_workload_refuses_join_at_without_a_budget(capsys) -> None:

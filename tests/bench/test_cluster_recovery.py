@@ -1,7 +1,7 @@
-"""The peers' recovery from a lost node that comes back (bench/cluster/elastic.py: torchrun's
-elastic restart from a checkpoint), without a cluster: its flags, how compare.py launches it,
-and how the lives of its ranks become one run's record. The launch itself runs as root on the
-emulated cluster (bench/cluster_smoke.sh)."""
+"""The peers' recoveries from a lost node that comes back (bench/cluster/recovery.py: torchrun's
+elastic restart from a checkpoint, torchft's heal), without a cluster: its flags, how compare.py
+launches them, and how the lives of its ranks become one run's record. The launch itself runs as
+root on the emulated cluster (bench/cluster_smoke.sh)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench.cluster import compare as C
-from bench.cluster import elastic as E
 from bench.cluster import methods as M
+from bench.cluster import recovery as R
 from bench.cluster import rejoining as J
 from bench.cluster import training as T
 
@@ -24,13 +24,13 @@ GOOD = ["--method", "ddp", "--data", "d.npz", "--out", "o.json", "--time-budget"
 
 def _error(capsys, argv: list[str]) -> str:
     with pytest.raises(SystemExit) as info:
-        E.parse_args(argv)
+        R.parse_args(argv)
     assert info.value.code == 2
     return capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("change", "names"), [
-    ({"--method": "torchft-diloco"}, ["--method", "ddp, localsgd"]),
+    ({"--method": "ddp-powersgd-r4"}, ["--method", "ddp, localsgd, torchft-diloco"]),
     ({"--method": "assgd-4-h4f2-cont"}, ["--method"]),
     ({"--join-at": None}, ["--join-at"]),
     ({"--kill-at": "0.3"}, ["--kill-at", "--join-at", "0.3"]),
@@ -54,26 +54,30 @@ def test_bad_flags_are_refused_by_name(capsys, change, names) -> None:
 
 
 def test_good_flags_parse_with_the_workloads_defaults() -> None:
-    args = E.parse_args([*GOOD, "--method", "localsgd-p32"])
+    args = R.parse_args([*GOOD, "--method", "localsgd-p32"])
     assert (args.method, args.snapshots, args.ckpt_every_s) == ("localsgd-p32", 60, 1.0)
 
 
-@pytest.mark.parametrize(("name", "elastic"), [
-    ("ddp", True), ("localsgd", True), ("localsgd-p32", True), ("ddp-powersgd-r4", False),
-    ("torchft-diloco-h32", False), ("assgd-2-h16f4-g80-m9-o5-n-ddp-cont", False)])
-def test_which_methods_restart_elastically(name, elastic) -> None:
+@pytest.mark.parametrize(("name", "elastic", "heals"), [
+    ("ddp", True, False), ("localsgd", True, False), ("localsgd-p32", True, False),
+    ("ddp-powersgd-r4", False, False), ("torchft-diloco-h32", False, True),
+    ("torchft-streaming-diloco-h32-o7-m5", False, True), ("torchft-hsdp", False, False),
+    ("assgd-2-h16f4-g80-m9-o5-n-ddp-cont", False, False)])
+def test_which_methods_recover_how(name, elastic, heals) -> None:
     assert M.restarts_elastically(name) is elastic
+    assert M.heals(name) is heals
+    assert M.recovers_by_itself(name) is (elastic or heals)
 
 
-def test_compare_runs_the_peers_under_elastic_and_qcomm_under_its_own_join(tmp_path) -> None:
+def test_compare_runs_the_peers_own_recoveries_and_qcomm_under_its_own_join(tmp_path) -> None:
     args = C.parse_args(["--layouts", "4x1", "--time-budget", "30", "--kill-node", "1",
                          "--kill-at", "0.1", "--join-at", "0.2",
-                         "--methods", "ddp,localsgd-p32,assgd-4-h4f2-cont"])
+                         "--methods", "ddp,localsgd-p32,torchft-diloco-h32,assgd-4-h4f2-cont"])
     out = tmp_path / "o.json"
-    for name in ("ddp", "localsgd-p32"):
+    for name in ("ddp", "localsgd-p32", "torchft-diloco-h32"):
         cmd = C.workload_command("mnist1d", name, args, tmp_path / "d.npz", out, "4x1")
-        assert Path(cmd[0]) == C.ELASTIC
-        parsed = E.parse_args(cmd[1:])   # every flag compare.py passes, elastic.py takes
+        assert Path(cmd[0]) == C.RECOVERY
+        parsed = R.parse_args(cmd[1:])   # every flag compare.py passes, recovery.py takes
         assert (parsed.kill_node, parsed.kill_at, parsed.join_at) == (1, 0.1, 0.2)
         assert parsed.time_budget == 30
     cmd = C.workload_command("mnist1d", "assgd-4-h4f2-cont", args, tmp_path / "d.npz", out,
@@ -85,17 +89,22 @@ def test_compare_runs_the_peers_under_elastic_and_qcomm_under_its_own_join(tmp_p
                                    "4x1")[0]) == C.WORKLOAD
 
 
-def test_the_launch_is_elastic_with_the_rejoin_file(tmp_path) -> None:
-    lay = T.Layout(4, 1)
+def test_the_launch_restarts_the_lost_nodes_torchrun_at_the_rejoin_files_time(tmp_path) -> None:
+    lay, rejoin = T.Layout(4, 1), tmp_path / "o.json.rejoin"
     cmd = C.launch_command("c1", lay, ["x.py"], 100, tmp_path / "r.log", lost=1,
-                           comes_back=True, elastic=tmp_path / "o.json.rejoin")
+                           comes_back=True, rejoin=("elastic", rejoin))
     assert "--linked" not in cmd and "--lost-node" not in cmd
     i = cmd.index("--elastic")
-    assert cmd[i + 1:i + 5] == ["--restart-node", "1", "--rejoin-file",
-                                str(tmp_path / "o.json.rejoin")]
+    assert cmd[i + 1:i + 5] == ["--restart-node", "1", "--rejoin-file", str(rejoin)]
+    # torchft's heal: a torchrun per node (linked), the node's torchrun started again
+    heal = C.launch_command("c1", lay, ["x.py"], 100, tmp_path / "r.log", lost=1,
+                            comes_back=True, rejoin=("heal", rejoin))
+    i = heal.index("--linked")
+    assert heal[i + 1:i + 5] == ["--restart-node", "1", "--rejoin-file", str(rejoin)]
+    assert "--elastic" not in heal
     linked = C.launch_command("c1", lay, ["x.py"], 100, tmp_path / "r.log", lost=1,
                               comes_back=True)
-    assert "--linked" in linked and "--elastic" not in linked
+    assert "--linked" in linked and "--rejoin-file" not in linked
 
 
 def _life(node: int, start: float, ends: list[float], baseline: list[float] | None = None,
@@ -112,7 +121,7 @@ def test_a_ranks_lives_merge_into_one_record() -> None:
     lives = [_life(0, 95.0, [101.0, 102.0, 103.0], baseline=[0.02, 0.04]),
              _life(0, 110.0, [114.0, 115.0]),
              _life(1, 95.0, [101.0, 102.5], baseline=[0.03])]
-    merged = E.merge_lives(lives, procs=1, opened=opened)
+    merged = R.merge_lives(lives, procs=1, opened=opened)
     assert [r["rank"] for r in merged] == [0, 1]
     first = merged[0]
     assert first["steps"] == 5 and first["lives"] == 2
@@ -127,10 +136,10 @@ def test_the_joiners_timeline_starts_when_its_torchrun_starts_again() -> None:
     lives = [_life(1, 95.0, [101.0, 102.0]),            # its first life, killed
              _life(1, 111.0, [118.0, 119.0], seat=114.0),
              _life(0, 95.0, [101.0])]
-    t = E.joiner_timeline(lives, node=1, back=110.0)
+    t = R.joiner_timeline(lives, node=1, back=110.0)
     assert t == {"process_start": 110.0, "build_start": 110.0, "seat_taken": 114.0,
                  "first_step_end": 118.0}
-    assert E.joiner_timeline(lives[:1], node=1, back=110.0)["first_step_end"] is None
+    assert R.joiner_timeline(lives[:1], node=1, back=110.0)["first_step_end"] is None
 
 
 def test_a_restart_that_stops_the_running_nodes_is_measured_against_the_loss() -> None:
@@ -140,7 +149,7 @@ def test_a_restart_that_stops_the_running_nodes_is_measured_against_the_loss() -
     running = [100 + i / 10 for i in range(30)] + [118.0 + i / 10 for i in range(30)]
     ranks = [{"rank": 0, "node": 0, "step_ends": running},
              {"rank": 1, "node": 1, "step_ends": [118.0],
-              "timeline": E.joiner_timeline([_life(1, 111.0, [118.0], seat=114.0)], 1, 110.0)}]
+              "timeline": R.joiner_timeline([_life(1, 111.0, [118.0], seat=114.0)], 1, 110.0)}]
     s = J.join_summary(ranks, kill_time=103.0, join_node=1)
     assert s["running_rate_vs_before_join_min"] is None
     assert s["kill_to_first_step_s"] == pytest.approx(15.0)
@@ -153,7 +162,8 @@ def test_a_restart_that_stops_the_running_nodes_is_measured_against_the_loss() -
 @pytest.mark.parametrize(("extra", "name"), [
     (["--elastic", "--restart-node", "1"], "--rejoin-file"),
     (["--elastic", "--rejoin-file", "f"], "--restart-node"),
-    (["--rejoin-file", "f"], "--elastic"),
+    (["--rejoin-file", "f"], "--elastic or --linked"),
+    (["--linked", "--rejoin-file", "f"], "--restart-node"),
     (["--elastic", "--linked", "--restart-node", "1", "--rejoin-file", "f"], "--linked"),
 ])
 def test_netns_launch_refuses_an_incomplete_elastic_launch(extra, name) -> None:

@@ -1,20 +1,29 @@
-"""The peers' recovery from a lost node that comes back: torchrun's elastic restart from the
-last checkpoint (``compare.py --join-at`` with ``ddp`` or ``localsgd``).
+"""The peers' recoveries from a lost node that comes back (``compare.py --join-at``): torchrun's
+elastic restart from the last checkpoint for DDP and local SGD, torchft's heal for (streaming)
+DiLoCo.
 
-What users of DDP and local SGD do today when machines come and go: every node runs
-``torchrun --nnodes MIN:MAX --rdzv-backend c10d --max-restarts R`` (``netns.sh launch
---elastic``), the job checkpoints every ``--ckpt-every-s`` seconds, and a worker started (or started
-again) loads the newest checkpoint. When node K dies, the other nodes' collectives fail, their
-agents start their workers again and the rendezvous closes with the nodes left (at least MIN);
-when node K's torchrun is started again (at ``--join-at`` of the timed window) it enters the
-rendezvous, the running agents see a node waiting and start their workers again, and the job
-goes on with every node, from the last checkpoint each time.
+**Elastic restart** (``ddp``, ``localsgd``): what users of DDP and local SGD do today when
+machines come and go. Every node runs ``torchrun --nnodes MIN:MAX --rdzv-backend c10d
+--max-restarts R`` (``netns.sh launch --elastic``), the job checkpoints every
+``--ckpt-every-s`` seconds, and a worker started (or started again) loads the newest
+checkpoint. When node K dies, the other nodes' collectives fail, their agents start their
+workers again and the rendezvous closes with the nodes left (at least MIN); when node K's
+torchrun is started again (at ``--join-at`` of the timed window) it enters the rendezvous, the
+running agents see a node waiting and start their workers again, and the job goes on with every
+node, from the last checkpoint each time.
+
+**Heal** (``torchft-diloco``, ``torchft-streaming-diloco``): torchft's own answer. Every node
+runs its own torchrun (``netns.sh launch --linked``: the node is one replica group), the
+lighthouse runs on node 0 and forms quorums of at least N-1 groups; when node K dies the others
+go on as soon as the lighthouse drops it, and when node K's torchrun is started again its
+Manager joins the next quorum and fetches the model, the inner optimizer's and DiLoCo's state
+from a live group (torchft's HTTP checkpoint transport) before it trains.
 
 One process is one life of one rank: it records its steps (wall-clock ends, times) in a file of
-its own, rewritten as it goes (every :data:`RECORD_EVERY_S`); each node's local rank 0 saves the
-node's parameters at the evenly spaced time marks of the window it lives through. The rank 0 of
-the last life assembles workload.py's JSON (the curve, every rank's steps merged over its lives,
-the lost node's return) for compare.py.
+its own, rewritten as it goes (every :data:`RECORD_EVERY_S`); each node's local rank 0 saves
+the node's parameters at the evenly spaced time marks of the window it lives through, and its
+final parameters. Node 0's rank 0 of the last life assembles workload.py's JSON (the curve,
+every rank's steps merged over its lives, the lost node's return) for compare.py.
 
 The window opens once, in the first life (after the compute-only baseline and the warm-up, as
 in workload.py), and every later life measures from that opening: a restart's cost (new
@@ -31,6 +40,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -43,6 +53,7 @@ if __package__ in (None, ""):
 
 from bench.cluster import methods as M
 from bench.cluster import rejoining as J
+from bench.cluster import torchft_methods as TF
 from bench.cluster import training as T
 from bench.cluster import worker_flags as F
 from bench.cluster import workload as WL
@@ -61,6 +72,7 @@ def files(out: str) -> dict[str, Path]:
     d = Path(f"{out}.elastic")
     return {"dir": d, "ckpt": d / "checkpoint.pt", "window": d / "window.json",
             "snapshots": d / "snapshots", "lives": d / "lives",
+            "lighthouse": d / "lighthouse.json",
             "rejoin": Path(f"{out}.rejoin"), "killed": Path(f"{out}.killed")}
 
 
@@ -73,7 +85,8 @@ def rejoin_file(out: str) -> Path:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--method", required=True,
-                   help="ddp or localsgd (with settings, e.g. localsgd-p32).")
+                   help="ddp or localsgd (elastic restart), torchft-diloco or "
+                        "torchft-streaming-diloco (heal); with settings, e.g. localsgd-p32.")
     p.add_argument("--workload", default="mnist1d", choices=list(W.WORKLOADS),
                    help="What to train (workload.py's workloads).")
     p.add_argument("--data", required=True, help="The workload's data file (compare.py's npz).")
@@ -99,9 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "step here is 14x local SGD's, and a small model's checkpoint costs "
                         "milliseconds.")
     args = p.parse_args(argv)
-    if not M.restarts_elastically(args.method):
-        p.error(f"--method must be one of {', '.join(M.ELASTIC_RESTART)} (with settings), got "
-                f"{args.method!r}")
+    if not M.recovers_by_itself(args.method):
+        p.error(f"--method must be one of {', '.join((*M.ELASTIC_RESTART, *M.HEALS))} (with "
+                f"settings), got {args.method!r}")
     if not args.ckpt_every_s > 0:
         p.error(f"--ckpt-every-s must be seconds > 0, got {args.ckpt_every_s:g}")
     if args.time_budget <= 0:
@@ -113,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--kill-at and --join-at must satisfy 0 < kill-at < join-at < 1, got "
                 f"{args.kill_at:g} and {args.join_at:g}")
     if args.fsdp:
-        p.error("--fsdp: the elastic restart runs whole models per rank")
+        p.error("--fsdp: the recoveries here run whole models per rank")
     if args.snapshots == 0:   # workload.py's defaults
         args.snapshots = 30 if args.workload == "charlm" else 60
     return args
@@ -155,10 +168,34 @@ def _agree_to_stop(closes: float) -> bool:
     return bool(flag.item())
 
 
+def _place(heal: bool, procs: int, node: int) -> tuple[int, T.Layout]:
+    """This rank's rank in the job and the layout: from the job's world (one elastic job), or
+    from the node and ``QCB_NODES`` (a node per torchrun, for torchft's heal)."""
+    if heal:
+        return node * procs + dist.get_rank(), T.Layout(int(os.environ["QCB_NODES"]), procs)
+    return dist.get_rank(), T.Layout(dist.get_world_size() // procs, procs)
+
+
+def _build(args: argparse.Namespace, module, cfg: T.Config, heal: bool, node: int,
+           where: dict[str, Path]) -> T.Built:
+    if not heal:
+        return M.build(args.method, module, cfg)
+    base, settings = M.resolve(args.method)
+    cfg = replace(cfg, **settings)
+    return TF.build_diloco(base, module, cfg, TF.healing_replicas(cfg, node, where["lighthouse"]))
+
+
+def _wait_for(paths: list[Path], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main(argv: list[str] | None = None) -> None:
     started = time.time()
     args = parse_args(argv)
     torch.set_num_threads(1)
+    heal = M.heals(args.method)
     where = files(args.out)
     node = int(os.environ["QCB_NODE"])
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -168,10 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     life = Life(where["lives"] / f"n{node}.l{local_rank}.p{os.getpid()}.json", node, local_rank,
                 started)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    life.rec.update(rank=rank, world=world, seat_taken=time.time())
+    rank, layout = _place(heal, procs, node)
+    life.rec.update(rank=rank, world=layout.world, seat_taken=time.time())
     life.write(force=True)
-    layout = T.Layout(world // procs, procs)
     max_steps = args.max_steps or 100 * args.steps
     work = W.load(args.workload, Path(args.data), rank=rank, seed=args.seed, batch=args.batch,
                   total_steps=args.warmup + max_steps, args=args)
@@ -182,10 +218,11 @@ def main(argv: list[str] | None = None) -> None:
     if first_life:
         life.rec["baseline"] = WL.baseline(work, module, cfg, args.baseline_steps,
                                            args.warmup + max_steps)
-    ckpt = _load_checkpoint(where["ckpt"])
+    # torchft heals from a live group; the elastic restart starts from the newest checkpoint.
+    ckpt = None if heal else _load_checkpoint(where["ckpt"])
     if ckpt is not None:
         module.load_state_dict(ckpt["model"])
-    built = M.build(args.method, module, cfg)
+    built = _build(args, module, cfg, heal, node, where)
     if ckpt is not None:
         built.optimizer.load_state_dict(ckpt["optimizer"])
     train_step = WL.step_function(work, built)
@@ -195,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             opened = time.time()
             WL.write_json(where["window"], {"time": opened})
             WL.write_json(where["rejoin"], {"time": opened + args.join_at * args.time_budget})
+        _wait_for([where["window"]], args.pg_timeout)   # the other nodes' torchruns, in a heal
         dist.barrier()
     else:
         built.context.__enter__()
@@ -202,16 +240,22 @@ def main(argv: list[str] | None = None) -> None:
     life.rec["window_opened"] = opened
     life.rec["resumed_at_step"] = 0 if ckpt is None else int(ckpt["step"])
     _train(args, where, life, built, train_step, (rank, node, local_rank), opened,
-           0 if ckpt is None else int(ckpt["step"]), first_life)
+           0 if ckpt is None else int(ckpt["step"]), first_life, checkpoints=not heal)
     built.flush()
-    built.finalize()
+    if not heal:
+        built.finalize()   # local SGD: the replicas averaged (DDP's are equal already)
     life.rec["status"] = "finished"
     life.write(force=True)
+    if local_rank == 0:
+        # A heal's final model is the nodes' average, made by assemble().
+        _save_atomically(built.module.state_dict(), where["dir"] / f"final.n{node}.pt")
+    if not heal:
+        dist.barrier()
     if rank == 0:
-        WL.write_json(where["dir"] / "final_world.json", {"world": world})
-        torch.save(built.module.state_dict(), where["dir"] / "final.pt")
-    dist.barrier()
-    if rank == 0:
+        # The other nodes' finals (a heal's nodes end on their own), then the JSON; node 0
+        # keeps the lighthouse up meanwhile.
+        _wait_for([where["dir"] / f"final.n{n}.pt" for n in range(layout.nodes)],
+                  args.pg_timeout + 30)
         assemble(args, work, built.notes, layout,
                  (sum(p.numel() for p in module.parameters()),
                   [list(p.shape) for p in module.parameters()]))
@@ -221,10 +265,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def _train(args: argparse.Namespace, where: dict[str, Path], life: Life, built: T.Built,
            train_step, place: tuple[int, int, int], opened: float, s: int,
-           first_life: bool) -> None:
+           first_life: bool, *, checkpoints: bool) -> None:
     """The timed window's steps of this life (``place``: rank, node, local rank), from step
-    ``s`` (the checkpoint's) until the window closes; node ``--kill-node``'s first life dies
-    at ``--kill-at``."""
+    ``s`` (the checkpoint's) until the window closes (the default group's ranks agree on the
+    step: the job's, or the node's in a heal); rank 0 checkpoints when ``checkpoints``; node
+    ``--kill-node``'s first life dies at ``--kill-at``."""
     rank, node, local_rank = place
     budget = args.time_budget
     marks = [k * budget / args.snapshots for k in range(args.snapshots + 1)]
@@ -260,7 +305,7 @@ def _train(args: argparse.Namespace, where: dict[str, Path], life: Life, built: 
             life.rec["fwd_bwd"].append(a)
             life.rec["opt_times"].append(b)
             s += 1
-            if rank == 0 and time.monotonic() - saved >= args.ckpt_every_s:
+            if checkpoints and rank == 0 and time.monotonic() - saved >= args.ckpt_every_s:
                 _save_atomically({"step": s, "model": built.module.state_dict(),
                                   "optimizer": built.optimizer.state_dict()}, where["ckpt"])
                 saved = time.monotonic()
@@ -334,8 +379,10 @@ def assemble(args: argparse.Namespace, work, notes: dict[str, Any], layout: T.La
         per_node.append([torch.load(f, weights_only=True) if f.exists() else None
                          for f in snaps])
     curve = WL.evaluate_curve(work, per_node)
+    finals = [torch.load(f, weights_only=True) for f in
+              sorted(where["dir"].glob("final.n*.pt"))]
     evaluator = work.make_model()
-    evaluator.load_state_dict(torch.load(where["dir"] / "final.pt", weights_only=True))
+    evaluator.load_state_dict(WL.average_states(finals))
     metric = work.info.metric
     final = work.evaluate(evaluator)
     killed = json.loads(where["killed"].read_text()) if where["killed"].exists() else None
@@ -354,10 +401,14 @@ def assemble(args: argparse.Namespace, work, notes: dict[str, Any], layout: T.La
         "metric": {"name": metric, "goal": work.info.goal},
         "layout": {"nodes": nodes, "procs": procs, "world": nodes * procs},
         "model": {**work.model_config, "params": model[0], "shapes": model[1]},
-        "data": work.data_config, "config": {**WL.run_config(args), "recovery": "elastic"},
+        "data": work.data_config,
+        "config": {**WL.run_config(args),
+                   "recovery": "heal" if M.heals(args.method) else "elastic"},
         f"final_{metric}": final, "curve": curve, "ranks": ranks,
-        "notes": {**notes, "recovery": "torchrun elastic restart from the last checkpoint",
-                  "ckpt_every_s": args.ckpt_every_s,
+        "notes": {**notes, "recovery": "torchft heal from a live replica group"
+                  if M.heals(args.method) else
+                  "torchrun elastic restart from the last checkpoint",
+                  "ckpt_every_s": None if M.heals(args.method) else args.ckpt_every_s,
                   "lives_started_s": restarts},
         "kill": kill, "nodes": [{"node": n, "killed": False} for n in range(nodes)],
         "final_from": "final parameters", "missing_ranks": [],
@@ -367,7 +418,7 @@ def assemble(args: argparse.Namespace, work, notes: dict[str, Any], layout: T.La
     WL.write_json(Path(args.out), result)
     shown = f"{final:.4f}"
     print(f"QCB_DONE {args.method} final {metric}={shown} (node {args.kill_node} "
-          f"{'killed' if killed else 'not killed'}, elastic restart; lives at "
+          f"{'killed' if killed else 'not killed'}, {result['config']['recovery']}; lives at "
           f"{statistics.median(restarts) if restarts else '-'} s median)", flush=True)
 
 
