@@ -40,6 +40,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -177,12 +178,18 @@ def _place(heal: bool, procs: int, node: int) -> tuple[int, T.Layout]:
 
 
 def _build(args: argparse.Namespace, module, cfg: T.Config, heal: bool, node: int,
-           where: dict[str, Path]) -> T.Built:
+           where: dict[str, Path], first_life: bool) -> tuple[T.Built, Callable[[], bool] | None]:
+    """The method, and for a group that comes back to a heal, whether it has healed yet (its
+    steps before its first quorum are overwritten by the state it fetches there: it takes
+    part from the first step after it)."""
     if not heal:
-        return M.build(args.method, module, cfg)
+        return M.build(args.method, module, cfg), None
     base, settings = M.resolve(args.method)
     cfg = replace(cfg, **settings)
-    return TF.build_diloco(base, module, cfg, TF.healing_replicas(cfg, node, where["lighthouse"]))
+    ready = where["dir"] / "ready" if first_life else None   # every group in the first quorum
+    groups = TF.healing_replicas(cfg, node, where["lighthouse"], ready)
+    built = TF.build_diloco(base, module, cfg, groups, quorum_now=first_life)
+    return built, None if first_life else (lambda: groups.manager.current_step() > 0)
 
 
 def _wait_for(paths: list[Path], timeout_s: float) -> None:
@@ -222,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = None if heal else _load_checkpoint(where["ckpt"])
     if ckpt is not None:
         module.load_state_dict(ckpt["model"])
-    built = _build(args, module, cfg, heal, node, where)
+    built, healed = _build(args, module, cfg, heal, node, where, first_life)
     if ckpt is not None:
         built.optimizer.load_state_dict(ckpt["optimizer"])
     train_step = WL.step_function(work, built)
@@ -240,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     life.rec["window_opened"] = opened
     life.rec["resumed_at_step"] = 0 if ckpt is None else int(ckpt["step"])
     _train(args, where, life, built, train_step, (rank, node, local_rank), opened,
-           0 if ckpt is None else int(ckpt["step"]), first_life, checkpoints=not heal)
+           0 if ckpt is None else int(ckpt["step"]), first_life, checkpoints=not heal,
+           healed_groups=heal, healed=healed)
     built.flush()
     if not heal:
         built.finalize()   # local SGD: the replicas averaged (DDP's are equal already)
@@ -265,11 +273,13 @@ def main(argv: list[str] | None = None) -> None:
 
 def _train(args: argparse.Namespace, where: dict[str, Path], life: Life, built: T.Built,
            train_step, place: tuple[int, int, int], opened: float, s: int,
-           first_life: bool, *, checkpoints: bool) -> None:
+           first_life: bool, *, checkpoints: bool, healed_groups: bool = False,
+           healed: Callable[[], bool] | None = None) -> None:
     """The timed window's steps of this life (``place``: rank, node, local rank), from step
     ``s`` (the checkpoint's) until the window closes (the default group's ranks agree on the
-    step: the job's, or the node's in a heal); rank 0 checkpoints when ``checkpoints``; node
-    ``--kill-node``'s first life dies at ``--kill-at``."""
+    step: the job's, or the node's in a heal: ``healed_groups``); rank 0 checkpoints when
+    ``checkpoints``; node ``--kill-node``'s first life dies at ``--kill-at``. ``healed``: whether
+    a group that came back has healed (its first step after records ``contributes_from``)."""
     rank, node, local_rank = place
     budget = args.time_budget
     marks = [k * budget / args.snapshots for k in range(args.snapshots + 1)]
@@ -302,6 +312,8 @@ def _train(args: argparse.Namespace, where: dict[str, Path], life: Life, built: 
             a, b = train_step(args.warmup + s)
             life.rec["step_times"].append(time.perf_counter() - t)
             life.rec["step_ends"].append(time.time())
+            if healed is not None and "contributes_from" not in life.rec and healed():
+                life.rec["contributes_from"] = life.rec["step_ends"][-1]
             life.rec["fwd_bwd"].append(a)
             life.rec["opt_times"].append(b)
             s += 1
@@ -315,11 +327,14 @@ def _train(args: argparse.Namespace, where: dict[str, Path], life: Life, built: 
                       f"{args.steps}", flush=True)
             life.write()
     except Exception as exc:
-        # A peer is gone: this life ends; the agent starts the next from the checkpoint.
-        life.rec["status"] = "failed"
         life.rec["error"] = WL.stop_record(exc, "step", s)
-        life.write(force=True)
-        os._exit(1)
+        if not (healed_groups and time.time() >= opened + budget):
+            # A peer is gone: this life ends; the agent starts the next from the checkpoint.
+            life.rec["status"] = "failed"
+            life.write(force=True)
+            os._exit(1)
+        # A heal's nodes end on their own: a step that began before the window closed waits
+        # in its sync for nodes that have stopped, until torchft's timeout; the node stops.
     life.rec["steps_done"] = s
     if rank == 0:
         print(f"QCB_PROGRESS {args.steps} {args.steps}", flush=True)
@@ -352,11 +367,13 @@ def merge_lives(lives: list[dict[str, Any]], procs: int, opened: float) -> list[
 
 def joiner_timeline(lives: list[dict[str, Any]], node: int, back: float) -> dict[str, Any]:
     """The lost node's return for rejoining.join_summary: its torchrun started again at
-    ``back`` (its agent enters the rendezvous, which is what stops the running nodes: the
-    join's window opens there), its worker's seat, its first step after it."""
+    ``back`` (an elastic agent enters the rendezvous, which is what stops the running nodes:
+    the join's window opens there), its worker's seat, its first step that takes part (after
+    its heal, for torchft)."""
     after = sorted((r for r in lives if r["node"] == node and r["process_start"] >= back),
                    key=lambda r: r["process_start"])
-    firsts = [r["step_ends"][0] for r in after if r["step_ends"]]
+    # A healed group takes part from its first step after its heal (contributes_from).
+    firsts = [r.get("contributes_from", r["step_ends"][0]) for r in after if r["step_ends"]]
     seats = [r["seat_taken"] for r in after if r.get("seat_taken")]
     return {"process_start": back, "build_start": back,
             "seat_taken": min(seats) if seats else None,

@@ -203,12 +203,16 @@ HEAL_HEARTBEAT_TIMEOUT_S = 2.0
 HEAL_TIMEOUT_S = 10.0
 
 
-def healing_replicas(cfg: T.Config, node: int, lighthouse_file: Path) -> Replicas:
+def healing_replicas(cfg: T.Config, node: int, lighthouse_file: Path,
+                     ready: Path | None = None) -> Replicas:
     """torchft set up to heal a replica group that comes back, for nodes that each run their
     own torchrun (the default group is the node): the lighthouse on node 0's local rank 0,
     published in ``lighthouse_file`` (the nodes share a file system), a quorum of at least
     ``nodes - 1`` groups (one may be lost), and a Manager whose state (registered by
     :func:`build_diloco`) a returning group fetches from a live one at its first quorum.
+    ``ready`` (the job's start): a folder where each node says its Manager is up, waited for
+    until every node has: the first quorum then has every group (a quorum of ``nodes - 1``
+    would otherwise form without a group still starting, which then trains out of step).
 
     Raises:
         TimeoutError: no lighthouse was published within ``cfg.pg_timeout``.
@@ -250,6 +254,7 @@ def healing_replicas(cfg: T.Config, node: int, lighthouse_file: Path) -> Replica
         box = [store.port]
     dist.broadcast_object_list(box, src=0)
     manager = Manager(
+        checkpoint_transport=_routable_http_transport(addr, timeout),
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
         min_replica_size=max(1, layout.nodes - 1), use_async_quorum=False, timeout=timeout,
         quorum_timeout=timeout, connect_timeout=timeout, rank=local, world_size=layout.procs,
@@ -258,7 +263,30 @@ def healing_replicas(cfg: T.Config, node: int, lighthouse_file: Path) -> Replica
         # Same seeded weights everywhere at step 0; a group that comes back later heals.
         init_sync=False,
     )
+    if ready is not None:
+        if local == 0:
+            ready.mkdir(parents=True, exist_ok=True)
+            (ready / f"n{node}").touch()
+        deadline = time.monotonic() + cfg.pg_timeout
+        while len(list(ready.glob("n*"))) < layout.nodes:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not every node's Manager was up within {cfg.pg_timeout:g} s"
+                                   f" ({ready})")
+            time.sleep(0.05)
     return Replicas(manager, lighthouse, store, dist.group.WORLD)
+
+
+def _routable_http_transport(addr: str, timeout: timedelta) -> Any:
+    """torchft's default checkpoint transport (HTTP), naming the node by ``addr``: it names the
+    host by ``socket.gethostname()``, which in the emulated nodes' namespaces resolves to
+    loopback, so a group that comes back could not fetch its state from another node."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class RoutableHTTPTransport(HTTPTransport):
+        def address(self) -> str:
+            return super().address().replace(f"//{socket.gethostname()}:", f"//{addr}:", 1)
+
+    return RoutableHTTPTransport(timeout=timeout, num_chunks=0)
 
 
 def build(name: str, module: nn.Module, cfg: T.Config) -> T.Built:
@@ -297,11 +325,13 @@ def build_hsdp(module: nn.Module, cfg: T.Config) -> T.Built:
 
 
 def build_diloco(name: str, module: nn.Module, cfg: T.Config,
-                 groups: Replicas | None = None) -> T.Built:
+                 groups: Replicas | None = None, quorum_now: bool = True) -> T.Built:
     """torchft-diloco or torchft-streaming-diloco around ``module`` (collective: every rank).
     ``groups``: torchft's side made already (:func:`healing_replicas`: the model and the inner
     optimizer's state are then registered with the manager, which a group that comes back
-    fetches); else :func:`replica_groups`."""
+    fetches); else :func:`replica_groups`. ``quorum_now``: take the first quorum in the set-up
+    (a group that comes back takes it where DiLoCo does, at its first sync: the running groups
+    ask for theirs at their syncs, and a quorum taken earlier would put it one sync off)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torchft.local_sgd import DiLoCo
 
@@ -338,7 +368,8 @@ def build_diloco(name: str, module: nn.Module, cfg: T.Config,
                     should_quantize=False, fragment_sync_delay=delay)
     # The first quorum configures the cross-node process groups (TCP connections); do it now,
     # in the untimed set-up, as the other methods' first collective happens in the warm-up.
-    manager.start_quorum()
+    if quorum_now:
+        manager.start_quorum()
 
     def flush() -> None:
         # Complete a fragment allreduce in flight (started `delay` steps before it is applied)
