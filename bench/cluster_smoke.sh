@@ -5,7 +5,7 @@
 # gossip (its nodes until the first has taken the 40 steps); then a small
 # character transformer (charlm: AdamW, validation loss) through torchft's streaming DiLoCo
 # (six fragment syncs in the 24-step window); last, a lost node that comes back (--join-at:
-# qcomm's live join, and local SGD's elastic restart from a checkpoint).
+# qcomm's live join, local SGD's elastic restart from a checkpoint, torchft's heal).
 # Passes when every run finished and, for qcomm methods, the inter-node bytes counted by the
 # interface counters and by qcomm's stats agree within 5% (torch and torchft methods: counters
 # against the algorithm's formula, same 5%). One repetition per method (--repeats 1) keeps CI
@@ -75,12 +75,13 @@ timeout --kill-after=20 200 "$PY" bench/cluster/compare.py --workload charlm \
 check "$out/charlm" "$methods"
 
 # A lost node that comes back, in 3 nodes: qcomm's wait-free gossip (linked through qcomm's
-# rendezvous, node 1's ranks killed and restarted by its torchrun) and local SGD (one elastic
-# torchrun job restarted from its checkpoint, node 1's torchrun killed and started again);
-# node 1 lost at 0.25 of a 24 s window, back at 0.5. Passes when both runs finished and each
-# row says when the node took its first step again.
-methods=assgd-4-h4f2-cont,localsgd
-timeout --kill-after=20 420 "$PY" bench/cluster/compare.py --workload mnist1d \
+# rendezvous, node 1's ranks killed and restarted by its torchrun), local SGD (one elastic
+# torchrun job restarted from its checkpoint) and torchft's DiLoCo (healed from a live group);
+# for the peers node 1's torchrun is killed and started again. Node 1 lost at 0.25 of a 24 s
+# window, back at 0.5. Passes when every run finished and each row says when the node took
+# part again.
+methods=assgd-4-h4f2-cont,localsgd,torchft-diloco
+timeout --kill-after=20 540 "$PY" bench/cluster/compare.py --workload mnist1d \
     --layouts 3x1 --rates 1gbit --methods "$methods" --steps 40 --warmup 3 --repeats 1 \
     --width 256 --target 0.25 --timeout 180 --time-budget 24 --kill-node 1 --kill-at 0.25 \
     --join-at 0.5 --pg-timeout 60 --out "$out/rejoin" --no-plots
@@ -95,7 +96,7 @@ for row in rows:
     print(f"cluster_smoke: rejoin {row['method']}: {row.get('status')}, {row.get('behaviour')}")
     if row.get("status") != "ok" or back is None:
         bad.append(f"{row['method']}: the lost node did not come back")
-if len(rows) != 2 or bad:
+if len(rows) != 3 or bad:
     print("cluster_smoke: FAILED\n  " + "\n  ".join(bad or [f"{len(rows)} rows"]),
           file=sys.stderr)
     sys.exit(1)

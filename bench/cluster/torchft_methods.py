@@ -201,6 +201,10 @@ def replica_groups(cfg: T.Config) -> Replicas:
 # defaults (the elastic peers' rendezvous drops a dead agent after 3 s, too).
 HEAL_HEARTBEAT_TIMEOUT_S = 2.0
 HEAL_TIMEOUT_S = 10.0
+# A quorum waits longer than a collective: the groups left after a loss may still be inside the
+# collective the lost group broke (up to HEAL_TIMEOUT_S), and a group that asked for the next
+# quorum first must not time out meanwhile (torchft raises then, and the group's process ends).
+HEAL_QUORUM_TIMEOUT_S = 3 * HEAL_TIMEOUT_S
 
 
 def healing_replicas(cfg: T.Config, node: int, lighthouse_file: Path,
@@ -257,7 +261,8 @@ def healing_replicas(cfg: T.Config, node: int, lighthouse_file: Path,
         checkpoint_transport=_routable_http_transport(addr, timeout),
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
         min_replica_size=max(1, layout.nodes - 1), use_async_quorum=False, timeout=timeout,
-        quorum_timeout=timeout, connect_timeout=timeout, rank=local, world_size=layout.procs,
+        quorum_timeout=timedelta(seconds=max(timeout.total_seconds(), HEAL_QUORUM_TIMEOUT_S)),
+        connect_timeout=timeout, rank=local, world_size=layout.procs,
         store_addr=addr, store_port=box[0], lighthouse_addr=lighthouse_addr,
         replica_id=f"qcb_node{node}", hostname=addr,
         # Same seeded weights everywhere at step 0; a group that comes back later heals.

@@ -171,3 +171,27 @@ def test_netns_launch_refuses_an_incomplete_elastic_launch(extra, name) -> None:
                            "4", "--procs", "1", *extra, "--", "x.py"],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and name in proc.stderr
+
+
+def test_a_healed_group_takes_part_from_its_step_after_the_heal() -> None:
+    """torchft's heal: the returning group's steps before its first quorum are overwritten by
+    the state it fetches there, so its return counts from the step after (contributes_from)."""
+    life = _life(1, 111.0, [114.0, 114.1, 116.5, 116.6], seat=113.0)
+    life["contributes_from"] = 116.5
+    t = R.joiner_timeline([life], node=1, back=110.0)
+    assert t["first_step_end"] == 116.5
+
+
+def test_the_checkpoint_transport_names_the_node_by_its_routable_address() -> None:
+    import socket
+    from datetime import timedelta
+
+    from bench.cluster import torchft_methods as TF
+
+    transport = TF._routable_http_transport("10.77.0.3", timedelta(seconds=5))
+    try:
+        addr = transport.address()
+        assert addr.startswith("http://10.77.0.3:") and addr.endswith("/checkpoint/")
+        assert socket.gethostname() not in addr
+    finally:
+        transport.shutdown(wait=False)

@@ -16,8 +16,8 @@ import statistics
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-NO_LOSS = ("noloss", "noloss-ddp")
-SWEEPS = ("back-at-6s", "back-at-15s")
+NO_LOSS = ("noloss", "noloss-ddp", "noloss-diloco")
+SWEEPS = ("back-at-6s", "back-at-15s", "heal-back-at-6s", "heal2-back-at-6s", "heal-back-at-15s")
 TARGETS = (0.60, 0.65, 0.70, 0.76)
 TIMES = (5, 10, 15, 20, 25, 30)
 
@@ -77,7 +77,8 @@ def main() -> None:
             back = [r.get("rejoin") or {} for r in reps]
             if any(back):
                 for key in ("kill_to_first_step_s", "restart_to_first_step_s",
-                            "running_rate_vs_before_join_min", "running_rate_vs_before_kill_min",
+                            "running_rate_vs_before_join_min", "running_rate_vs_before_join_median",
+                            "running_rate_vs_before_kill_min",
                             "running_rate_vs_before_kill_median"):
                     print(f"  {key}: {spread([b.get(key) for b in back], '.2f')}")
 
