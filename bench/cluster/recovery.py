@@ -93,13 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", required=True, help="The workload's data file (compare.py's npz).")
     p.add_argument("--out", required=True, help="The JSON file the last life's rank 0 writes.")
     F.add_flags(p, ("width", "depth", "heads", "context", "eval_windows", "batch", "lr",
-                    "momentum", "weight_decay", "steps", "warmup"))
-    p.add_argument("--baseline-steps", type=int, default=20,
-                   help="Compute-only steps timed before training starts (first life only).")
-    p.add_argument("--snapshots", type=int, default=0,
-                   help="Time marks of the window at which each node saves its parameters; 0: "
-                        "60 for mnist1d, 30 for charlm.")
-    F.add_flags(p, ("seed", "powersgd_rank", "localsgd_period", "diloco_sync_every",
+                    "momentum", "weight_decay", "steps", "warmup", "baseline_steps", "snapshots",
+                    "seed", "powersgd_rank", "localsgd_period", "diloco_sync_every",
                     "streaming_fragments", "streaming_delay"))
     p.add_argument("--time-budget", type=float, required=True,
                    help="Seconds of the timed window, wall-clock from its opening in the first "

@@ -110,6 +110,11 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          f"AdamW's weight decay; {_workload_default('weight_decay')}."),
     Flag("--steps", int, None, f"Timed steps per run; {_workload_default('steps')}."),
     Flag("--warmup", int, 5, "Untimed steps before the timed window (they train too)."),
+    Flag("--baseline-steps", int, 20, "Compute-only steps timed before training starts (a "
+         "run whose workers restart: in their first life only)."),
+    Flag("--snapshots", int, 0, "Parameter snapshots of each node, evaluated after the run (at "
+         "evenly spaced steps, or times of a time budget); 0: 60 for mnist1d(-bn), 30 for "
+         "charlm (its evaluation costs more)."),
     Flag("--seed", int, 0, "The seed of weights and batches (and of the data a sweep "
          "generates)."),
     # the methods' own settings

@@ -496,13 +496,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="The JSON file rank 0 writes.")
     # the flags compare.py and ddp_reference.py take too: declared once, in worker_flags.py
     F.add_flags(p, ("width", "depth", "heads", "context", "eval_windows", "batch", "lr",
-                    "momentum", "weight_decay", "steps", "warmup"))
-    p.add_argument("--baseline-steps", type=int, default=20,
-                   help="Compute-only steps timed before training starts.")
-    p.add_argument("--snapshots", type=int, default=0,
-                   help="Parameter snapshots evaluated after the run; 0: 60 for mnist1d(-bn), 30 "
-                        "for charlm (its evaluation costs more).")
-    F.add_flags(p, ("seed", "powersgd_rank", "localsgd_period", "diloco_sync_every",
+                    "momentum", "weight_decay", "steps", "warmup", "baseline_steps", "snapshots",
+                    "seed", "powersgd_rank", "localsgd_period", "diloco_sync_every",
                     "streaming_fragments", "streaming_delay"))
     p.add_argument("--time-budget", type=float, default=None,
                    help="Seconds of training per node for methods whose nodes may take "
