@@ -243,8 +243,30 @@ def _read(path: Path, *, trusted: bool, legacy: bool) -> Any:
     except (RuntimeError, OSError, EOFError, ValueError, IndexError, KeyError) as exc:
         if isinstance(exc, FileNotFoundError):
             raise
+        if not _torch_file_header(path):
+            # Bytes that are no torch file at all fail wherever the unpickler stops on them
+            # (an IndexError as often as an UnpicklingError): name them by what they are.
+            raise CheckpointError(f"{path} is not a torch checkpoint (garbage or corrupted "
+                                  "bytes)", path) from None
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupted): "
                               f"{type(exc).__name__}: {exc}", path) from None
+
+
+# How torch files begin: a zip archive (torch.save's format), or the legacy format's pickled
+# magic number (in any pickle protocol torch.save takes). Read as bytes: nothing is unpickled.
+_ZIP_MAGIC = b"PK\x03\x04"
+_LEGACY_HEADS = tuple(pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=p)[:-1]
+                      for p in range(2, pickle.HIGHEST_PROTOCOL + 1))
+
+
+def _torch_file_header(path: Path) -> bool:
+    """Whether ``path`` begins as a torch file does (its rest may still be damaged)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return False
+    return head.startswith(_ZIP_MAGIC) or any(head.startswith(h) for h in _LEGACY_HEADS)
 
 
 def _unsafe_globals(path: Path, exc: Exception) -> list[str] | None:

@@ -15,6 +15,7 @@ import shutil
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -260,6 +261,20 @@ def test_a_bad_file_raises_a_named_error_and_changes_nothing(tmp_path, damage, m
     with pytest.raises(CheckpointError, match=message) as info:
         load_checkpoint(directory, opt2, model2)
     assert info.value.path.parent == directory
+    assert before.unchanged()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_garbage_of_any_bytes_is_named_not_a_torch_checkpoint(tmp_path, seed) -> None:
+    """Random bytes stop the unpickler in many places (UnpicklingError, IndexError, ...); every
+    one of them is named as garbage, never as a damaged checkpoint."""
+    directory = _saved(tmp_path)
+    rng = np.random.default_rng(seed)
+    (directory / "rank00000.pt").write_bytes(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    (directory / "rank00000.json").unlink()
+    model2, opt2, before = _fresh()
+    with pytest.raises(CheckpointError, match="not a torch checkpoint"):
+        load_checkpoint(directory, opt2, model2)
     assert before.unchanged()
 
 
