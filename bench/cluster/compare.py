@@ -744,10 +744,11 @@ def run_one(cluster: str, layout: T.Layout, cmd_args: list[str], timeout: int, o
     rejoin = None
     if Path(cmd_args[0]) == RECOVERY:
         method = cmd_args[cmd_args.index("--method") + 1]
-        rejoin = ("heal" if M.heals(method) else "elastic", Path(f"{out_json}.rejoin"))
-        shutil.rmtree(f"{out_json}.elastic", ignore_errors=True)
-        for stale in (rejoin[1], Path(f"{out_json}.killed")):
-            stale.unlink(missing_ok=True)
+        stale = J.recovery_files(str(out_json))
+        rejoin = ("heal" if M.heals(method) else "elastic", stale["rejoin"])
+        shutil.rmtree(stale["dir"], ignore_errors=True)
+        for key in ("window", "rejoin", "killed"):
+            stale[key].unlink(missing_ok=True)
     cmd = launch_command(cluster, layout, cmd_args, timeout, log, slow, lost, equal_cpu,
                          comes_back, rejoin)
     # torchrun of this interpreter's environment (netns.sh looks for TORCHRUN first).

@@ -26,7 +26,8 @@
 #   netns.sh up     --id ID --nodes N --rate RATE [--burst 256kb] [--delay-ms D] [--owner PID]
 #   netns.sh launch --id ID --nodes N --procs P [--timeout S] [--port PORT] [--logdir DIR] \
 #                   [--slow-nodes K --slowdown S] [--equal-cpu] [--lost-node K] \
-#                   [--linked [--restart-node K]] [--elastic --restart-node K --rejoin-file F] \
+#                   [--linked [--restart-node K [--rejoin-file F]]] \
+#                   [--elastic --restart-node K --rejoin-file F] \
 #                   -- SCRIPT [ARGS...]          # one torchrun per node, in its namespace
 #
 # Linked nodes (--linked): each node's torchrun is a world of its own (the node), and the nodes

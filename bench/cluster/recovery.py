@@ -68,19 +68,6 @@ STOP_CHECK_EVERY = 10
 # group's timeout there) would then hold its agent's restart until the SIGKILL 30 s later, a
 # delay torch's own users do not have. The last quarter second of steps goes unrecorded.
 RECORD_EVERY_S = 0.25
-def files(out: str) -> dict[str, Path]:
-    """Where a run keeps what its lives share, beside ``out`` (the JSON)."""
-    d = Path(f"{out}.elastic")
-    return {"dir": d, "ckpt": d / "checkpoint.pt", "window": d / "window.json",
-            "snapshots": d / "snapshots", "lives": d / "lives",
-            "lighthouse": d / "lighthouse.json",
-            "rejoin": Path(f"{out}.rejoin"), "killed": Path(f"{out}.killed")}
-
-
-def rejoin_file(out: str) -> Path:
-    """The file whose ``{"time": T}`` tells netns.sh when to start the lost node's torchrun
-    again (wall-clock); the first life's rank 0 writes it when the window opens."""
-    return files(out)["rejoin"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -198,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     heal = M.heals(args.method)
-    where = files(args.out)
+    where = J.recovery_files(args.out)
     node = int(os.environ["QCB_NODE"])
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -222,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                                            args.warmup + max_steps)
     # torchft heals from a live group; the elastic restart starts from the newest checkpoint.
     ckpt = None if heal else _load_checkpoint(where["ckpt"])
+    start = 0 if ckpt is None else int(ckpt["step"])
     if ckpt is not None:
         module.load_state_dict(ckpt["model"])
     built, healed = _build(args, module, cfg, heal, node, where, first_life)
@@ -234,16 +222,16 @@ def main(argv: list[str] | None = None) -> None:
             opened = time.time()
             WL.write_json(where["window"], {"time": opened})
             WL.write_json(where["rejoin"], {"time": opened + args.join_at * args.time_budget})
-        _wait_for([where["window"]], args.pg_timeout)   # the other nodes' torchruns, in a heal
+        # Waited for by the other nodes' torchruns in a heal, read by every life.
+        J.wait_for_window(args.out, args.pg_timeout)
         dist.barrier()
     else:
         built.context.__enter__()
-    opened = float(json.loads(where["window"].read_text())["time"])
+    opened = J.wait_for_window(args.out, args.pg_timeout)
     life.rec["window_opened"] = opened
-    life.rec["resumed_at_step"] = 0 if ckpt is None else int(ckpt["step"])
-    _train(args, where, life, built, train_step, (rank, node, local_rank), opened,
-           0 if ckpt is None else int(ckpt["step"]), first_life, checkpoints=not heal,
-           healed_groups=heal, healed=healed)
+    life.rec["resumed_at_step"] = start
+    _train(args, where, life, built, train_step, (rank, node, local_rank), opened, start,
+           first_life, checkpoints=not heal, healed_groups=heal, healed=healed)
     built.flush()
     if not heal:
         built.finalize()   # local SGD: the replicas averaged (DDP's are equal already)
@@ -379,9 +367,10 @@ def assemble(args: argparse.Namespace, work, notes: dict[str, Any], layout: T.La
              model: tuple[int, list]) -> None:
     """The last life's rank 0: every life's record, the nodes' snapshots evaluated into the
     curve, the final model evaluated, the lost node's return; workload.py's JSON at ``--out``."""
-    where = files(args.out)
+    where = J.recovery_files(args.out)
+    heal = M.heals(args.method)
     lives = [json.loads(f.read_text()) for f in sorted(where["lives"].glob("*.json"))]
-    opened = float(json.loads(where["window"].read_text())["time"])
+    opened = J.wait_for_window(args.out, 0)
     nodes = 1 + max(r["node"] for r in lives)
     procs = layout.procs
     ranks = merge_lives(lives, procs, opened)
@@ -414,13 +403,11 @@ def assemble(args: argparse.Namespace, work, notes: dict[str, Any], layout: T.La
         "layout": {"nodes": nodes, "procs": procs, "world": nodes * procs},
         "model": {**work.model_config, "params": model[0], "shapes": model[1]},
         "data": work.data_config,
-        "config": {**WL.run_config(args),
-                   "recovery": "heal" if M.heals(args.method) else "elastic"},
+        "config": {**WL.run_config(args), "recovery": "heal" if heal else "elastic"},
         f"final_{metric}": final, "curve": curve, "ranks": ranks,
-        "notes": {**notes, "recovery": "torchft heal from a live replica group"
-                  if M.heals(args.method) else
+        "notes": {**notes, "recovery": "torchft heal from a live replica group" if heal else
                   "torchrun elastic restart from the last checkpoint",
-                  "ckpt_every_s": None if M.heals(args.method) else args.ckpt_every_s,
+                  "ckpt_every_s": None if heal else args.ckpt_every_s,
                   "lives_started_s": restarts},
         "kill": kill, "nodes": [{"node": n, "killed": False} for n in range(nodes)],
         "final_from": "final parameters", "missing_ranks": [],

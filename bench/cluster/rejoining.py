@@ -84,6 +84,18 @@ def window_file(out: str) -> Path:
     return Path(f"{out}.window")
 
 
+def recovery_files(out: str) -> dict[str, Path]:
+    """What the lives of a peer's own recovery (recovery.py) share, beside ``out`` (the JSON):
+    the folder of checkpoints, snapshots and life records (``dir``), the window's opening
+    (:func:`window_file`), the time netns.sh starts the lost node's torchrun again
+    (``rejoin``), the loss's marker (``killed``). compare.py removes them before a run: a
+    window left by another run would make every life a later one."""
+    d = Path(f"{out}.elastic")
+    return {"dir": d, "ckpt": d / "checkpoint.pt", "snapshots": d / "snapshots",
+            "lives": d / "lives", "lighthouse": d / "lighthouse.json", "window": window_file(out),
+            "rejoin": Path(f"{out}.rejoin"), "killed": Path(f"{out}.killed")}
+
+
 def wait_for_window(out: str, timeout_s: float) -> float:
     """The wall-clock time the timed window opened (published by rank 0), waited for.
 

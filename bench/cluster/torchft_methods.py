@@ -149,8 +149,6 @@ class Replicas:
 def replica_groups(cfg: T.Config) -> Replicas:
     """One lighthouse, one store per node and a Manager on every rank, as torchft's
     documentation sets them up (collective: every rank)."""
-    from torch.distributed import TCPStore
-    from torchft import Manager, ProcessGroupGloo
     from torchft._torchft import LighthouseServer
 
     layout = cfg.layout
@@ -171,29 +169,54 @@ def replica_groups(cfg: T.Config) -> Replicas:
                                       join_timeout_ms=60_000, quorum_tick_ms=100)
         box = [f"http://{addr}:{lighthouse.address().rsplit(':', 1)[1]}"]
     dist.broadcast_object_list(box, src=0)
-    lighthouse_addr = box[0]
+    manager, store = _node_manager(layout, node, local, addr, box[0], timeout,
+                                   min_replicas=layout.nodes, quorum_timeout=timeout,
+                                   src=node * layout.procs, group=subgroup)
+    return Replicas(manager, lighthouse, store, subgroup)
+
+
+def _node_manager(layout: T.Layout, node: int, local: int, addr: str, lighthouse_addr: str,
+                  timeout: timedelta, *, min_replicas: int, quorum_timeout: timedelta, src: int,
+                  group: Any, **extra: Any) -> tuple[Any, Any]:
+    """The node's replica group: its store (local rank 0 serves it on ``addr``; its port is
+    broadcast from global rank ``src`` over the node's ``group``) and this rank's Manager
+    (``extra``: more of the Manager's arguments). Returns (manager, store or None)."""
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
 
     # The replica group's store: torchft's Manager keeps its own keys there, and the quorum
     # hands the primary's store address to every group for the cross-node process groups, so
     # it must listen on the node's routable address.
-    store = None
-    box = [None]
+    store, box = None, [None]
     if local == 0:
         store = TCPStore(host_name=addr, port=0, is_master=True, wait_for_workers=False)
         box = [store.port]
-    dist.broadcast_object_list(box, src=node * layout.procs, group=subgroup)
-    store_port = box[0]
-
+    dist.broadcast_object_list(box, src=src, group=group)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
-        min_replica_size=layout.nodes, use_async_quorum=False, timeout=timeout,
-        quorum_timeout=timeout, connect_timeout=timeout, rank=local, world_size=layout.procs,
-        store_addr=addr, store_port=store_port, lighthouse_addr=lighthouse_addr,
-        replica_id=f"qcb_node{node}", hostname=addr,
-        # Every rank starts from the same seeded weights: no checkpoint transfer at step 0.
-        init_sync=False,
-    )
-    return Replicas(manager, lighthouse, store, subgroup)
+        min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout,
+        quorum_timeout=quorum_timeout, connect_timeout=timeout, rank=local,
+        world_size=layout.procs, store_addr=addr, store_port=box[0],
+        lighthouse_addr=lighthouse_addr, replica_id=f"qcb_node{node}", hostname=addr,
+        # Every rank starts from the same seeded weights: no checkpoint transfer at step 0 (a
+        # group that comes back later heals, where the manager allows it).
+        init_sync=False, **extra)
+    return manager, store
+
+
+def _wait_until(done: Any, timeout_s: float, what: str) -> None:
+    """Poll ``done()`` every 50 ms until it holds.
+
+    Raises:
+        TimeoutError: ``what`` (a sentence) did not happen within ``timeout_s``.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s:g} s")
+        time.sleep(0.05)
 
 
 # How fast a healing job notices a lost replica group and how long one of its collectives may
@@ -222,10 +245,7 @@ def healing_replicas(cfg: T.Config, node: int, lighthouse_file: Path,
         TimeoutError: no lighthouse was published within ``cfg.pg_timeout``.
     """
     import json
-    import time
 
-    from torch.distributed import TCPStore
-    from torchft import Manager, ProcessGroupGloo
     from torchft._torchft import LighthouseServer
 
     layout = cfg.layout
@@ -245,39 +265,20 @@ def healing_replicas(cfg: T.Config, node: int, lighthouse_file: Path,
         tmp.write_text(json.dumps(
             {"addr": f"http://{addr}:{lighthouse.address().rsplit(':', 1)[1]}"}))
         tmp.replace(lighthouse_file)
-    deadline = time.monotonic() + cfg.pg_timeout
-    while not lighthouse_file.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no lighthouse published in {lighthouse_file} within "
-                               f"{cfg.pg_timeout:g} s")
-        time.sleep(0.05)
-    lighthouse_addr = json.loads(lighthouse_file.read_text())["addr"]
-    store, box = None, [None]
-    if local == 0:
-        store = TCPStore(host_name=addr, port=0, is_master=True, wait_for_workers=False)
-        box = [store.port]
-    dist.broadcast_object_list(box, src=0)
-    manager = Manager(
-        checkpoint_transport=_routable_http_transport(addr, timeout),
-        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
-        min_replica_size=max(1, layout.nodes - 1), use_async_quorum=False, timeout=timeout,
+    _wait_until(lighthouse_file.exists, cfg.pg_timeout,
+                f"no lighthouse published in {lighthouse_file}")
+    manager, store = _node_manager(
+        layout, node, local, addr, json.loads(lighthouse_file.read_text())["addr"], timeout,
+        min_replicas=max(1, layout.nodes - 1),
         quorum_timeout=timedelta(seconds=max(timeout.total_seconds(), HEAL_QUORUM_TIMEOUT_S)),
-        connect_timeout=timeout, rank=local, world_size=layout.procs,
-        store_addr=addr, store_port=box[0], lighthouse_addr=lighthouse_addr,
-        replica_id=f"qcb_node{node}", hostname=addr,
-        # Same seeded weights everywhere at step 0; a group that comes back later heals.
-        init_sync=False,
-    )
+        src=0, group=dist.group.WORLD,
+        checkpoint_transport=_routable_http_transport(addr, timeout))
     if ready is not None:
         if local == 0:
             ready.mkdir(parents=True, exist_ok=True)
             (ready / f"n{node}").touch()
-        deadline = time.monotonic() + cfg.pg_timeout
-        while len(list(ready.glob("n*"))) < layout.nodes:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not every node's Manager was up within {cfg.pg_timeout:g} s"
-                                   f" ({ready})")
-            time.sleep(0.05)
+        _wait_until(lambda: len(list(ready.glob("n*"))) >= layout.nodes, cfg.pg_timeout,
+                    f"not every node's Manager was up ({ready})")
     return Replicas(manager, lighthouse, store, dist.group.WORLD)
 
 
