@@ -1,6 +1,8 @@
 """Verdicts that should hold on another machine of the same kind: for every cell of a sweep, each
 method's time to several targets (an easy one every method reaches, the usual one, one near the
-best final quality) and its quality at fixed wall-clock budgets, each as the median over the
+best final quality, and the cell's ceiling: the best final any method reaches, less half a point
+of accuracy or plus 1% of loss), its quality at fixed wall-clock budgets, its final and its best
+quality, and whether it ended at its best or peaked and declined, each as the median over the
 repetitions with its [min-max] spread; then, per column, who is first, by how much, whether the
 spreads are apart (else it is a tie) and how much margin the win has. Then each method's quality
 at equal work: when the nodes have taken a given number of steps each on average (nodes at
@@ -35,6 +37,10 @@ from bench.cluster.compare import time_to_target
 INF = float("inf")
 # A crossing later than this fraction of the run leaves the win no margin.
 LAST_TENTH = 0.9
+# The cell's ceiling: the best final quality any method of the cell reaches, less half a point
+# of accuracy or plus 1% of loss; a method that ends that far below its own best "declines".
+CEILING_POINTS = 0.005
+CEILING_LOSS = 0.01
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,31 @@ def crossing(curve: Sequence[dict[str, float]], target: float, metric: str,
         return None
     end = curve[-1]["time_s"]
     return t, (t / end if end > 0 else 1.0)
+
+
+def best_of(curve: Sequence[dict[str, float]], metric: str, goal: str) -> float | None:
+    """The best quality any snapshot of ``curve`` reached; None for an empty curve."""
+    values = [p[metric] for p in curve]
+    if not values:
+        return None
+    return max(values) if goal == "max" else min(values)
+
+
+def declined(best: float, final: float, goal: str) -> bool:
+    """Whether a run that reached ``best`` and ended at ``final`` lost more than the ceiling's
+    margin on the way (half a point of accuracy, 1% of loss)."""
+    if goal == "max":
+        return best - final > CEILING_POINTS + 1e-12
+    return final > best * (1 + CEILING_LOSS) + 1e-12
+
+
+def ceiling_of(finals: Sequence[float], goal: str) -> float | None:
+    """The cell's ceiling mark from its methods' median finals: the best less the margin."""
+    if not finals:
+        return None
+    if goal == "max":
+        return round(max(finals) - CEILING_POINTS, 6)
+    return round(min(finals) * (1 + CEILING_LOSS), 6)
 
 
 def quality_at(curve: Sequence[dict[str, float]], budget_s: float, metric: str) -> float | None:
@@ -138,14 +169,34 @@ def cell_figures(row: dict[str, Any], goals: Goals) -> dict[str, Any]:
     lower = goal == "min"
     quality = {b: Spread.of([q for c in curves if (q := quality_at(c, b, metric)) is not None],
                             lower) for b in goals.budgets_s}
-    finals = [r["final"] for r in row.get("per_repeat") or []
-              if r.get("status", "ok") == "ok" and r.get("final") is not None]
+    reps = [r for r in row.get("per_repeat") or [] if r.get("status", "ok") == "ok"]
+    finals = [r["final"] for r in reps if r.get("final") is not None]
     final = Spread.of(finals or ([row["final"]] if row.get("final") is not None else []), lower)
+    # the best a repetition reached (its final counts: it may be evaluated after the curve's
+    # last snapshot), and how far it ended below that
+    pairs = [(b, r["final"]) for r in reps if r.get("final") is not None
+             and (b := best_of([*(r.get("curve") or []), {metric: r["final"]}], metric, goal))
+             is not None]
+    best = Spread.of([b for b, _ in pairs], lower)
+    drop = Spread.of([abs(b - f) for b, f in pairs], True)
+    declines = sum(declined(b, f, goal) for b, f in pairs)
     work = {int(m): Spread.of(got, lower) if (got := [q for c in curves if (
         q := quality_at_work(c, int(m), metric)) is not None]) else None
         for m in row.get("quality_at_steps") or {}}
-    return {"method": row["method"], "metric": metric, "times": times, "fractions": fractions,
-            "quality": quality, "final": final, "work": work}
+    return {"method": row["method"], "metric": metric, "goal": goal, "times": times,
+            "fractions": fractions, "quality": quality, "final": final, "best": best,
+            "drop": drop, "declines": declines, "repeats": len(pairs), "work": work}
+
+
+def shape_text(f: dict[str, Any], spec: str, scale: float) -> str:
+    """How a method's run ended against its best, in words: "ends at its best" or "peaks,
+    then declines by X" (with how many repetitions did), from :func:`cell_figures`."""
+    if f["drop"] is None:
+        return "-"
+    if not f["declines"]:
+        return "ends at its best"
+    of = "" if f["declines"] == f["repeats"] else f" ({f['declines']} of {f['repeats']})"
+    return f"peaks, then declines by {f['drop'].text(spec, scale)}{of}"
 
 
 def quality_at_work(curve: Sequence[dict[str, float]], steps: int,
@@ -235,7 +286,8 @@ def verdict_row(figs: Sequence[dict[str, Any]], goals: Goals, acc: bool,
                     "text": verdict_text(j, "time", frac)})
     unit = " points" if acc else ""
     for name, get in [*[(f"quality at {b:g} s", lambda f, b=b: f["quality"][b])
-                        for b in goals.budgets_s], ("final", lambda f: f["final"])]:
+                        for b in goals.budgets_s], ("final", lambda f: f["final"]),
+                      ("best", lambda f: f["best"])]:
         j = judge(spreads(get), "quality")
         if j["ratio"] is not None and acc:
             j["ratio"] *= 100.0
@@ -251,21 +303,30 @@ def row_line(label: str, verdicts: Sequence[dict[str, Any]]) -> str:
 def cell_table(rows: Sequence[dict[str, Any]], goals: Goals) -> tuple[str, list[dict]]:
     """Markdown table of one (workload, layout, rate) cell: one line per method, one column per
     target and budget and the final quality, and a verdict line; with the verdicts as data."""
-    figs = [cell_figures(r, goals) for r in rows if r.get("status", "ok") == "ok"]
+    ok = [r for r in rows if r.get("status", "ok") == "ok"]
+    figs = [cell_figures(r, goals) for r in ok]
     if not figs:
         return "(no ok runs)", []
     acc = figs[0]["metric"] == "test_acc"
     q_spec, q_scale = (".1f", 100.0) if acc else (".3f", 1.0)
     unit = "%" if acc else ""
-    head = ["method", *[f"s to {t * q_scale:g}{unit}" for t in goals.targets],
-            *[f"{unit or 'loss'} at {b:g} s" for b in goals.budgets_s], "final"]
+    # the cell's ceiling: a mark near the best final any method reaches, judged as a target
+    top = ceiling_of([f["final"].median for f in figs if f["final"]], figs[0]["goal"])
+    if top is not None and top not in goals.targets:
+        goals = Goals((*goals.targets, top), goals.budgets_s)
+        figs = [cell_figures(r, goals) for r in ok]
+    head = ["method", *[f"s to {t * q_scale:g}{unit}" + (" (ceiling)" if t == top else "")
+                        for t in goals.targets],
+            *[f"{unit or 'loss'} at {b:g} s" for b in goals.budgets_s], "final", "best",
+            "end of the run"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in figs:
         cols = [f["method"]]
         cols += [f["times"][t].text(".1f") for t in goals.targets]
         cols += [f["quality"][b].text(q_spec, q_scale) if f["quality"][b] else "-"
                  for b in goals.budgets_s]
-        cols.append(f["final"].text(q_spec, q_scale) if f["final"] else "-")
+        cols += [f[k].text(q_spec, q_scale) if f[k] else "-" for k in ("final", "best")]
+        cols.append(shape_text(f, q_spec, q_scale))
         lines.append("| " + " | ".join(cols) + " |")
     verdicts = verdict_row(figs, goals, acc)
     lines.append(row_line("**verdict**", verdicts))

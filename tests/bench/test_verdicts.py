@@ -102,15 +102,47 @@ def _summary() -> dict:
 def test_a_cell_table_has_every_method_every_goal_and_the_verdicts() -> None:
     md, verdicts = V.cell_table(_summary()["rows"], GOALS)
     lines = md.splitlines()
-    assert lines[0] == "| method | s to 60% | s to 70% | % at 1 s | % at 3 s | final |"
-    assert lines[2] == ("| fast | 1.0 | 2.0 | 63.0 [62.0-64.0] | 73.0 [72.0-74.0] "
-                        "| 73.0 [72.0-74.0] |")
-    assert lines[3].startswith("| slow | 3.0 | 9.6 [9.5-9.7] | 10.0 | 61.0 |")
+    # the ceiling: the best median final (73%) less half a point
+    assert lines[0] == ("| method | s to 60% | s to 70% | s to 72.5% (ceiling) | % at 1 s "
+                        "| % at 3 s | final | best | end of the run |")
+    assert lines[2] == ("| fast | 1.0 | 2.0 | 2.0 [2.0-never] | 63.0 [62.0-64.0] "
+                        "| 73.0 [72.0-74.0] | 73.0 [72.0-74.0] | 73.0 [72.0-74.0] "
+                        "| ends at its best |")
+    assert lines[3].startswith("| slow | 3.0 | 9.6 [9.5-9.7] | never | 10.0 | 61.0 |")
     by_goal = {v["goal"]: v for v in verdicts}
     assert by_goal["time to 0.7"]["winner"] == "fast" and by_goal["time to 0.7"]["apart"]
     assert by_goal["time to 0.7"]["ratio"] == pytest.approx(9.6 / 2.0)
     assert by_goal["final"]["winner"] == "fast" and by_goal["final"]["apart"]
     assert by_goal["quality at 1 s"]["ratio"] == pytest.approx(63.0 - 10.0)
+    assert by_goal["best"]["winner"] == "fast"
+
+
+def test_a_run_that_peaks_and_declines_is_reported_as_such_and_sets_no_ceiling() -> None:
+    # "sprint" is first to 70% and peaks at 80%, then ends at 76-77%; "steady" ends at 83%:
+    # the ceiling is 82.5%, which only steady reaches, and sprint's decline is named
+    sprint = [_curve([(0.0, 0.1), (1.0, 0.75), (2.0, 0.80 + d), (4.0, 0.78), (6.0, 0.76 + d)])
+              for d in (0.0, 0.005, 0.01)]
+    steady = [_curve([(0.0, 0.1), (2.0, 0.65), (3.0, 0.72), (5.0, 0.83 + d), (6.0, 0.83 + d)])
+              for d in (0.0, 0.002, 0.004)]
+    rows = [_row("sprint", sprint, [0.76, 0.765, 0.77]),
+            _row("steady", steady, [0.83, 0.832, 0.834])]
+    md, verdicts = V.cell_table(rows, GOALS)
+    lines = md.splitlines()
+    assert "s to 82.7% (ceiling)" in lines[0]
+    assert lines[2].endswith("| 76.5 [76.0-77.0] | 80.5 [80.0-81.0] "
+                             "| peaks, then declines by 4.0 |")
+    assert lines[3].endswith("| ends at its best |")
+    by_goal = {v["goal"]: v for v in verdicts}
+    assert by_goal["time to 0.7"]["winner"] == "sprint"
+    assert by_goal["time to 0.827"]["winner"] == "steady"   # only steady reaches the ceiling
+    assert by_goal["final"]["winner"] == "steady" and by_goal["final"]["apart"]
+    assert by_goal["best"]["winner"] == "steady"
+    # a decline in one repetition of three is counted as such; within the margin it is none
+    half = [sprint[0], steady[1], steady[2]]
+    md, _ = V.cell_table([_row("mixed", half, [0.76, 0.83, 0.834])], GOALS)
+    assert "peaks, then declines by" in md and "(1 of 3)" in md
+    assert not V.declined(0.80, 0.796, "max") and V.declined(0.80, 0.794, "max")
+    assert not V.declined(2.00, 2.019, "min") and V.declined(2.00, 2.021, "min")
 
 
 def test_a_late_winner_is_marked_without_margin() -> None:
@@ -129,8 +161,8 @@ def test_the_command_writes_the_table_and_the_verdicts(tmp_path: Path) -> None:
     assert "AMD EPYC, 2 CPUs" in out.stdout
     data = json.loads((tmp_path / "v.json").read_text())
     assert [v["goal"] for v in data["mnist1d 4x1 100mbit"]] == [
-        "time to 0.6", "time to 0.65", "time to 0.72", "quality at 2 s", "quality at 4 s",
-        "quality at 8 s", "final"]
+        "time to 0.6", "time to 0.65", "time to 0.72", "time to 0.725", "quality at 2 s",
+        "quality at 4 s", "quality at 8 s", "final", "best"]
 
 
 def test_older_summaries_fall_back_to_the_median_curve() -> None:
@@ -149,8 +181,8 @@ def test_qcomm_best_against_the_best_peer_is_judged_beside_the_cell_verdict() ->
     line = next(x for x in md.splitlines() if x.startswith("| **qcomm vs the best peer**"))
     assert "qcomm-hook 1.48x, spreads apart" in line  # 3.1 / 2.1: the best of each side
     ours = [v for v in verdicts if v.get("scope") == "qcomm vs the best peer"]
-    assert [v["goal"] for v in ours] == ["time to 0.6", "time to 0.7", "quality at 1 s",
-                                         "quality at 3 s", "final"]
+    assert [v["goal"] for v in ours] == ["time to 0.6", "time to 0.7", "time to 0.735",
+                                         "quality at 1 s", "quality at 3 s", "final", "best"]
     assert ours[0]["winner"] == "qcomm-hook" and ours[0]["runner"] == "localsgd-p8"
     assert ours[-1]["winner"] == "ddp"  # a peer ends higher: said so
     # a cell with no peer (or no qcomm method) has no such line
@@ -196,10 +228,11 @@ def test_targets_and_budgets_of_another_run_replace_the_workloads(tmp_path: Path
     out = subprocess.run([sys.executable, str(SCRIPT), str(path), "--targets", "0.6,0.7",
                           "--budgets", "1,3", "--json", str(tmp_path / "v.json")],
                          capture_output=True, text=True, check=True)
-    assert "| method | s to 60% | s to 70% | % at 1 s | % at 3 s | final |" in out.stdout
+    assert ("| method | s to 60% | s to 70% | s to 72.5% (ceiling) | % at 1 s | % at 3 s "
+            "| final | best | end of the run |") in out.stdout
     data = json.loads((tmp_path / "v.json").read_text())
-    assert [v["goal"] for v in data["mnist1d 4x1 100mbit"]][:4] == [
-        "time to 0.6", "time to 0.7", "quality at 1 s", "quality at 3 s"]
+    assert [v["goal"] for v in data["mnist1d 4x1 100mbit"]][:5] == [
+        "time to 0.6", "time to 0.7", "time to 0.725", "quality at 1 s", "quality at 3 s"]
 
 
 @pytest.mark.parametrize(("extra", "words"), [

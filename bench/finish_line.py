@@ -1,0 +1,291 @@
+"""Why a run ends where it ends: MNIST-1D trained to the end by several averaging schemes in one
+process, the cause of a late decline isolated one knob at a time.
+
+    python bench/finish_line.py --variants slow-link,lockstep,no-outer,local-sgd,diloco,ddp
+    python bench/finish_line.py --schedule cosine --num-samples 48000
+
+``--nodes`` members (one rank per node) train the cluster benchmark's ``mnist1d`` workload
+(MLP, SGD + momentum, each member its own batches) for ``--steps`` steps each. The gossip
+variants run qcomm's own gossip code on an in-memory world (the same code as over Gloo,
+deterministic; healthy scenario: every member at full speed, messages visible the next step);
+the peers are exact averages computed in the process: DDP (the members' gradient mean every
+step), local SGD (the parameter mean every H steps) and DiLoCo (every H steps an outer
+Nesterov step on the mean of the members' progress). Reported at every mark: the test accuracy
+of the members' average model, and the consensus distance (mean over members of
+``|x_i - mean|^2 / |mean|^2``); per variant its final, best and the step of its best.
+Variants are listed by ``--help`` and in bench/README.md ("Why a run ends where it ends").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One averaging scheme: ``kind`` is ``gossip`` (qcomm's gossip, ``comm`` overriding the
+    slow-link setting, ``wait_free`` its mode), ``ddp``, ``local-sgd`` or ``diloco`` (exact
+    averages every ``period`` steps; DiLoCo's outer Nesterov ``outer_lr``/``outer_momentum``);
+    ``knobs`` maps a gossip attribute to a schedule of the run's progress in [0, 1]."""
+
+    kind: str
+    comm: dict[str, Any] = field(default_factory=dict)
+    wait_free: bool = True
+    period: int = 32
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    knobs: tuple[tuple[str, Callable[[float], float]], ...] = ()
+    about: str = ""
+
+
+SLOW_LINK = {"bits": 2, "sync_every": 16, "fragments": 4, "gamma": 0.8, "rounding": "nearest",
+             "outer_momentum": 0.9, "outer_lr": 0.5}
+
+
+def _late(start: float, early: float, late: float) -> Callable[[float], float]:
+    """``early`` until progress ``start``, then a cosine to ``late`` at the end."""
+    def f(p: float) -> float:
+        if p <= start:
+            return early
+        q = (p - start) / (1 - start)
+        return late + (early - late) * 0.5 * (1 + math.cos(math.pi * q))
+    return f
+
+
+VARIANTS: dict[str, Variant] = {
+    "slow-link": Variant("gossip", about="SLOW_LINK as the README gives it (wait-free)"),
+    "lockstep": Variant("gossip", wait_free=False, about="its lockstep form"),
+    "no-outer": Variant("gossip", {"outer_momentum": 0.0, "outer_lr": 1.0},
+                        about="no outer Nesterov step (plain CHOCO)"),
+    "outer-diloco": Variant("gossip", {"outer_momentum": 0.5, "outer_lr": 0.7},
+                            about="DiLoCo's outer step (0.7, momentum 0.5) on the gossip"),
+    "bits-4": Variant("gossip", {"bits": 4}, about="4-bit codes"),
+    "bits-8": Variant("gossip", {"bits": 8}, about="8-bit codes (codec noise ~0)"),
+    "gamma-low": Variant("gossip", {"gamma": 0.2}, about="a loose consensus step (0.2)"),
+    "h32": Variant("gossip", {"sync_every": 32, "fragments": 4},
+                   about="each fragment every 32 steps"),
+    "outer-decay": Variant("gossip", knobs=(("outer_lr", _late(0.3, 0.5, 0.1)),),
+                           about="outer lr 0.5 -> 0.1 (cosine from 30% of the run)"),
+    "gamma-decay": Variant("gossip", knobs=(("gamma", _late(0.3, 0.8, 0.1)),),
+                           about="gamma 0.8 -> 0.1 (cosine from 30% of the run)"),
+    "ddp": Variant("ddp", about="the members' gradient mean every step"),
+    "local-sgd": Variant("local-sgd", period=32, about="the parameter mean every 32 steps"),
+    "diloco": Variant("diloco", period=32, outer_lr=0.7, outer_momentum=0.5,
+                      about="DiLoCo H32, outer Nesterov 0.7 / 0.5"),
+}
+
+
+def lr_factor(schedule: str, step: int, total: int, warmup: float = 0.05) -> float:
+    """The learning rate's multiplier at ``step`` of ``total``: ``constant`` 1; ``cosine``
+    linear warm-up over the first ``warmup`` of the run, then a cosine to 0 at the end."""
+    if schedule == "constant":
+        return 1.0
+    w = max(1, int(warmup * total))
+    if step < w:
+        return (step + 1) / w
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - w) / max(1, total - w))))
+
+
+def _padded(numel: int, align: int) -> int:
+    return -(-numel // align) * align
+
+
+def run(name: str, seed: int, args: argparse.Namespace, data: Path) -> dict:
+    """One run of variant ``name``: the average model's accuracy and the consensus distance at
+    every mark."""
+    import torch
+
+    from bench.cluster import workloads as W
+    from bench.wait_free_causes import Member
+    from qcomm.collectives.gossip.choco import CompressedGossip
+    from qcomm.collectives.memory import MemoryWorld, WaitFreeSimulator
+    from qcomm.compress import QuantSpec
+
+    torch.set_num_threads(1)
+    v = VARIANTS[name]
+    info = W.WORKLOADS["mnist1d"]
+    shape = SimpleNamespace(width=args.width, depth=info.depth)
+    comm = {**SLOW_LINK, **v.comm}
+    n, total = args.nodes, args.steps
+    works = [W.load("mnist1d", data, rank=r, seed=seed, batch=info.batch, total_steps=total,
+                    args=shape) for r in range(n)]
+    torch.manual_seed(seed)
+    numel = _padded(sum(p.numel() for p in works[0].make_model().parameters()),
+                    128 * comm["fragments"])
+    members = []
+    for w in works:
+        torch.manual_seed(seed)   # every member starts from the same weights
+        members.append(Member(w, numel, args.lr, info.momentum))
+    xs = [m.x for m in members]
+    gossips: list[Any] = []
+    clock = {"t": 0}
+    if v.kind == "gossip":
+        kw = dict(spec=QuantSpec(comm["bits"], 128, comm["rounding"]), gamma=comm["gamma"],
+                  fragments=comm["fragments"],
+                  round_period=comm["sync_every"] // comm["fragments"],
+                  outer_momentum=comm["outer_momentum"], outer_lr=comm["outer_lr"],
+                  staleness=1)
+        if v.wait_free:
+            sim = WaitFreeSimulator(n, numel, periods=[1] * n, delay=1, **kw)
+            gossips = sim.members
+        else:
+            world = MemoryWorld(n, clock=lambda: float(clock["t"]))
+            gossips = [CompressedGossip(list(range(n)), world.group(list(range(n)), i), numel,
+                                        **kw) for i in range(n)]
+    anchor = xs[0].clone()
+    outer_u = torch.zeros_like(anchor)
+    evaluator = works[0].make_model()
+    marks = sorted(set(args.marks))
+    curve: dict[int, dict[str, float]] = {}
+    t0 = time.perf_counter()
+    for step in range(total):
+        factor = lr_factor(args.schedule, step, total)
+        for m in members:
+            for g in m.opt.param_groups:
+                g["lr"] = args.lr * factor
+        for g in gossips:
+            for attr, sched in v.knobs:
+                setattr(g, attr, sched(step / total))
+        if v.kind == "ddp":
+            for m in members:
+                m.opt.zero_grad()
+                m.work.loss(m.model, step).backward()
+            for ps in zip(*(list(m.model.parameters()) for m in members), strict=True):
+                mean = torch.stack([p.grad for p in ps]).mean(0)
+                for p in ps:
+                    p.grad.copy_(mean)
+            for m in members:
+                m.opt.step()
+        else:
+            for i, m in enumerate(members):
+                if gossips:
+                    gossips[i].prepare()
+                m.step(step)
+                if gossips:
+                    gossips[i].end_step(m.x)
+            clock["t"] = step + 1
+            if gossips and v.wait_free:
+                sim.now = float(step + 1)
+            if v.kind in ("local-sgd", "diloco") and (step + 1) % v.period == 0:
+                mean = torch.stack(xs).mean(0)
+                if v.kind == "diloco":   # outer Nesterov on the averaged progress
+                    d = mean - anchor
+                    outer_u.mul_(v.outer_momentum).add_(d)
+                    anchor.add_(d + v.outer_momentum * outer_u, alpha=v.outer_lr)
+                    mean = anchor
+                for x in xs:
+                    x.copy_(mean)
+        if step + 1 in marks:
+            stacked = torch.stack(xs)
+            mean = stacked.mean(0)
+            spread = float(((stacked - mean) ** 2).sum(1).mean() / (mean ** 2).sum())
+            at = 0
+            with torch.no_grad():
+                for p in evaluator.parameters():
+                    p.copy_(mean[at:at + p.numel()].view_as(p))
+                    at += p.numel()
+            curve[step + 1] = {"acc": works[0].evaluate(evaluator), "consensus": spread}
+    accs = {s: c["acc"] for s, c in curve.items()}
+    best = max(accs, key=accs.get)
+    return {"variant": name, "seed": seed, "schedule": args.schedule,
+            "num_samples": args.num_samples, "curve": curve, "final": accs[marks[-1]],
+            "best": accs[best], "best_step": best, "seconds": time.perf_counter() - t0}
+
+
+def summarize(results: list[dict], variants: list[str], marks: list[int]) -> str:
+    """A markdown table: per variant the median accuracy at each mark, final, best (step),
+    and the consensus distance at the last mark."""
+    rows = ["| variant | " + " | ".join(str(m) for m in marks)
+            + " | final | best (step) | drop | consensus at end |",
+            "|---|" + "---|" * (len(marks) + 4)]
+    for name in variants:
+        rs = [r for r in results if r["variant"] == name]
+        if not rs:
+            continue
+        med = [statistics.median(r["curve"][m]["acc"] for r in rs) for m in marks]
+        final = statistics.median(r["final"] for r in rs)
+        best = statistics.median(r["best"] for r in rs)
+        step = statistics.median(r["best_step"] for r in rs)
+        cons = statistics.median(r["curve"][marks[-1]]["consensus"] for r in rs)
+        finals = [100 * r["final"] for r in rs]
+        spread = f" [{min(finals):.1f}-{max(finals):.1f}]"
+        rows.append(f"| {name} | " + " | ".join(f"{100 * a:.1f}" for a in med)
+                    + f" | {100 * final:.1f}{spread} | {100 * best:.1f} ({step:.0f}) | "
+                    f"{100 * (best - final):.1f} | {cons:.1e} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="MNIST-1D trained to the end by qcomm's gossip variants and exact-average "
+                    "peers in one process: final, best and the consensus distance.",
+        epilog="variants: " + "; ".join(f"{k}: {v.about}" for k, v in VARIANTS.items()))
+    ap.add_argument("--variants", default="slow-link,lockstep,no-outer,local-sgd,diloco,ddp",
+                    help="comma list of variants (see below).")
+    ap.add_argument("--nodes", type=int, default=4, help="members, one per node (default 4).")
+    ap.add_argument("--steps", type=int, default=2400, help="steps per member (default 2400).")
+    ap.add_argument("--marks", default=None,
+                    help="steps at which the average is evaluated (default every tenth).")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3).")
+    ap.add_argument("--lr", type=float, default=0.05, help="inner learning rate (0.05).")
+    ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                    help="the learning rate: constant, or 5%% warm-up then cosine to 0.")
+    ap.add_argument("--num-samples", type=int, default=12000,
+                    help="MNIST-1D samples generated (80%% train; default 12000, as compare.py).")
+    ap.add_argument("--width", type=int, default=512, help="the MLP's width (default 512).")
+    ap.add_argument("--json", default=None, help="write every run's curve here.")
+    args = ap.parse_args(argv)
+    variants = [s for s in args.variants.split(",") if s]
+    bad = [s for s in variants if s not in VARIANTS]
+    if bad:
+        from qcomm.validation import did_you_mean
+
+        ap.error(f"unknown variant {bad[0]!r}; known: {', '.join(VARIANTS)}"
+                 f"{did_you_mean(bad[0], VARIANTS)}")
+    if args.nodes < 2 or args.steps < 10 or args.seeds < 1:
+        ap.error("--nodes must be >= 2, --steps >= 10, --seeds >= 1")
+    args.marks = ([int(m) for m in args.marks.split(",") if m] if args.marks
+                  else [args.steps * k // 10 for k in range(1, 11)])
+    if not args.marks or max(args.marks) != args.steps or min(args.marks) < 1:
+        ap.error("--marks must be steps in [1, --steps] ending at --steps")
+    from bench.cluster import workloads as W
+    from bench.common import cpu_model, load_average
+
+    print(f"# cpu {cpu_model()}; load {load_average()}; {args.nodes} nodes; {args.steps} "
+          f"steps; lr {args.lr} {args.schedule}; {args.num_samples} samples; SLOW_LINK "
+          f"{SLOW_LINK}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "mnist1d.npz"
+        W.make_data("mnist1d", data, seed=0, num_samples=args.num_samples)
+        for name in variants:
+            for seed in range(args.seeds):
+                r = run(name, seed, args, data)
+                results.append(r)
+                print(f"  {name} seed {seed}: final {100 * r['final']:.1f}%, best "
+                      f"{100 * r['best']:.1f}% at {r['best_step']} ({r['seconds']:.0f} s)",
+                      flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print(f"\naccuracy of the members' average (median of {args.seeds} seeds; final's "
+          "[min-max]); drop: best - final in points")
+    print(summarize(results, variants, sorted(args.marks)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
