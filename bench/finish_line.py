@@ -89,17 +89,6 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
-def lr_factor(schedule: str, step: int, total: int, warmup: float = 0.05) -> float:
-    """The learning rate's multiplier at ``step`` of ``total``: ``constant`` 1; ``cosine``
-    linear warm-up over the first ``warmup`` of the run, then a cosine to 0 at the end."""
-    if schedule == "constant":
-        return 1.0
-    w = max(1, int(warmup * total))
-    if step < w:
-        return (step + 1) / w
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - w) / max(1, total - w))))
-
-
 def _padded(numel: int, align: int) -> int:
     return -(-numel // align) * align
 
@@ -110,6 +99,7 @@ def run(name: str, seed: int, args: argparse.Namespace, data: Path) -> dict:
     import torch
 
     from bench.cluster import workloads as W
+    from bench.cluster.training import lr_factor
     from bench.wait_free_causes import Member
     from qcomm.collectives.gossip.choco import CompressedGossip
     from qcomm.collectives.memory import MemoryWorld, WaitFreeSimulator
@@ -243,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3).")
     ap.add_argument("--lr", type=float, default=0.05, help="inner learning rate (0.05).")
     ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
-                    help="the learning rate: constant, or 5%% warm-up then cosine to 0.")
+                    help="the learning rate: constant, or 5%% warm-up then cosine to 0 (the "
+                         "cluster benchmark's --lr-schedule).")
     ap.add_argument("--num-samples", type=int, default=12000,
                     help="MNIST-1D samples generated (80%% train; default 12000, as compare.py).")
     ap.add_argument("--width", type=int, default=512, help="the MLP's width (default 512).")

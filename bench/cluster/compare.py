@@ -877,8 +877,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "includes the seed's, which a lockstep method, the same bits in every "
                         "run of one seed, otherwise never shows.")
     # workload.py's flags, passed on to every run (declared once, in worker_flags.py)
-    F.add_flags(p, ("steps", "warmup", "width", "depth", "batch", "lr", "momentum",
-                    "weight_decay", "seed"))
+    F.add_flags(p, ("steps", "lr_schedule", "warmup", "width", "depth", "batch", "lr",
+                    "momentum", "weight_decay", "seed"))
     p.add_argument("--num-samples", type=int, default=12000,
                    help="MNIST-1D samples generated (80%% for training).")
     p.add_argument("--target", type=float, default=None,

@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=4,
                    help="Ranks of the DDP job it stands for (4: the 2x2 and 4x1 layouts).")
     # workload.py's flags: the same batches and model as its ranks (declared in worker_flags.py)
-    F.add_flags(p, ("steps", "warmup"))
+    F.add_flags(p, ("steps", "lr_schedule", "warmup"))
     p.add_argument("--every", type=int, default=25,
                    help="Steps between evaluations (the printed step counts from the timed "
                         "window's start).")
@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = T.Config(lr=args.lr, momentum=args.momentum, layout=T.Layout(1, 1),
                    optimizer=info.optimizer, weight_decay=args.weight_decay)
     opt = T.inner_optimizer(model.parameters(), cfg)
-    print(f"{args.workload}: {args.ranks} ranks x batch {args.batch}, lr {args.lr}, "
+    lr_at = T.scheduled(opt, args.lr_schedule, steps, args.lr)
+    print(f"{args.workload}: {args.ranks} ranks x batch {args.batch}, lr {args.lr} "
+          f"{args.lr_schedule}, "
           f"{sum(p.numel() for p in model.parameters())} parameters")
     print(f"window step  {info.metric}  seconds")
     t0 = time.perf_counter()
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = sum(w.loss(model, i) for w in works) / args.ranks
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        lr_at(i)
         opt.step()
         s = i + 1 - args.warmup
         if s > 0 and (s % args.every == 0 or i + 1 == steps):

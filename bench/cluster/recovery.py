@@ -80,9 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", required=True, help="The workload's data file (compare.py's npz).")
     p.add_argument("--out", required=True, help="The JSON file the last life's rank 0 writes.")
     F.add_flags(p, ("width", "depth", "heads", "context", "eval_windows", "batch", "lr",
-                    "momentum", "weight_decay", "steps", "warmup", "baseline_steps", "snapshots",
-                    "seed", "powersgd_rank", "localsgd_period", "diloco_sync_every",
-                    "streaming_fragments", "streaming_delay"))
+                    "momentum", "weight_decay", "steps", "lr_schedule", "warmup",
+                    "baseline_steps", "snapshots", "seed", "powersgd_rank", "localsgd_period",
+                    "diloco_sync_every", "streaming_fragments", "streaming_delay"))
     p.add_argument("--time-budget", type=float, required=True,
                    help="Seconds of the timed window, wall-clock from its opening in the first "
                         "life: every life trains until it closes.")
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     built, healed = _build(args, module, cfg, heal, node, where, first_life)
     if ckpt is not None:
         built.optimizer.load_state_dict(ckpt["optimizer"])
-    train_step = WL.step_function(work, built)
+    train_step = WL.step_function(work, built, args, cfg)
     if first_life:
         WL.warm_up(built, train_step, args.warmup)
         if rank == 0:

@@ -129,6 +129,51 @@ def inner_optimizer(params, cfg: Config):
     raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
 
 
+LR_SCHEDULES = ("constant", "cosine")
+# The cosine schedule's linear warm-up: this fraction of the run's steps.
+WARMUP_FRACTION = 0.05
+
+
+def lr_factor(schedule: str, step: int, total: int) -> float:
+    """The learning rate's multiplier at ``step`` (0-based) of a run of ``total`` steps:
+    ``constant`` 1; ``cosine`` a linear warm-up over the first 5% of the steps, then a cosine
+    from 1 to 0 at ``total`` (what torch's ``LinearLR`` then ``CosineAnnealingLR`` give);
+    steps past ``total`` (a slower node's, under a time budget) stay at 0.
+
+    Raises:
+        ValueError: an unknown ``schedule`` or ``total`` < 1.
+    """
+    import math
+
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
+    if total < 1:
+        raise ValueError(f"total must be >= 1 step, got {total}")
+    if schedule == "constant":
+        return 1.0
+    warm = max(1, round(WARMUP_FRACTION * total))
+    if step < warm:
+        return (step + 1) / warm
+    done = min(1.0, (step - warm) / max(1, total - warm))
+    return 0.5 * (1.0 + math.cos(math.pi * done))
+
+
+def scheduled(optimizer, schedule: str, total: int, lr: float) -> Callable[[int], None]:
+    """A function ``at(step)`` that sets every param group's learning rate of ``optimizer`` to
+    ``lr`` times :func:`lr_factor` at ``step``: what a training loop calls before each
+    ``optimizer.step()``. By the step's index rather than by counting calls, so a worker
+    started again from a checkpoint (whose param groups hold the lr of its step) takes the
+    run's schedule."""
+    lr_factor(schedule, 0, total)   # an unknown schedule fails here, before training
+
+    def at(step: int) -> None:
+        now = lr * lr_factor(schedule, step, total)
+        for g in optimizer.param_groups:
+            g["lr"] = now
+
+    return at
+
+
 def average_all(module) -> None:
     """Every rank's parameters <- the mean over all ranks (one allreduce per tensor)."""
     import torch

@@ -25,6 +25,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.cluster import workloads as W
+from bench.cluster.training import LR_SCHEDULES
 
 __all__ = ["FLAGS", "PASSED_ON", "Flag", "add_flags", "command_line"]
 
@@ -39,12 +40,14 @@ class Flag:
             given).
         default (Any): its value when left out.
         help (str): what ``--help`` says.
+        choices (tuple[str, ...] | None): the values it takes, when only some are allowed.
     """
 
     flag: str
     type: Callable[[str], Any] | None
     default: Any
     help: str
+    choices: tuple[str, ...] | None = None
 
     @property
     def dest(self) -> str:
@@ -65,7 +68,8 @@ class Flag:
         default, help_ = self.default, self.help
         if unset:
             default, help_ = None, f"{help_} Left out: workload.py's ({_word(self.default)})."
-        parser.add_argument(self.flag, type=self.type, default=default, help=help_)
+        parser.add_argument(self.flag, type=self.type, default=default, help=help_,
+                            choices=self.choices)
 
     def words(self, value: Any) -> list[str]:
         """The command-line words that give the worker ``value``: none for the worker's own
@@ -109,6 +113,10 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
     Flag("--weight-decay", float, None,
          f"AdamW's weight decay; {_workload_default('weight_decay')}."),
     Flag("--steps", int, None, f"Timed steps per run; {_workload_default('steps')}."),
+    Flag("--lr-schedule", str, "constant",
+         "The learning rate over the run, the same for every method: constant, or cosine (a "
+         "linear warm-up over the first 5%% of --warmup + --steps, then a cosine to 0 at the "
+         "end; a node past --steps, under a time budget, stays at 0).", LR_SCHEDULES),
     Flag("--warmup", int, 5, "Untimed steps before the timed window (they train too)."),
     Flag("--baseline-steps", int, 20, "Compute-only steps timed before training starts (a "
          "run whose workers restart: in their first life only)."),
@@ -158,7 +166,8 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          "to OUT.prof<rank>.txt (compare.py: runs/<run>.json.prof<rank>.txt)."),
 )}
 
-PASSED_ON = ("width", "depth", "batch", "lr", "momentum", "weight_decay", "steps", "warmup",
+PASSED_ON = ("width", "depth", "batch", "lr", "momentum", "weight_decay", "steps",
+             "lr_schedule", "warmup",
              "seed", "powersgd_rank", "localsgd_period", "diloco_sync_every",
              "streaming_fragments", "streaming_delay", "profile", "pg_timeout", "kill_node",
              "kill_at", "join_at", "fsdp")

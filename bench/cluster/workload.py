@@ -496,9 +496,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="The JSON file rank 0 writes.")
     # the flags compare.py and ddp_reference.py take too: declared once, in worker_flags.py
     F.add_flags(p, ("width", "depth", "heads", "context", "eval_windows", "batch", "lr",
-                    "momentum", "weight_decay", "steps", "warmup", "baseline_steps", "snapshots",
-                    "seed", "powersgd_rank", "localsgd_period", "diloco_sync_every",
-                    "streaming_fragments", "streaming_delay"))
+                    "momentum", "weight_decay", "steps", "lr_schedule", "warmup",
+                    "baseline_steps", "snapshots", "seed", "powersgd_rank", "localsgd_period",
+                    "diloco_sync_every", "streaming_fragments", "streaming_delay"))
     p.add_argument("--time-budget", type=float, default=None,
                    help="Seconds of training per node for methods whose nodes may take "
                         "different numbers of steps (wait-free gossip, names ending in -wf); "
@@ -607,12 +607,19 @@ def baseline(work, module, cfg: T.Config, steps: int, total: int) -> list[float]
     return base_times
 
 
-def step_function(work, built: T.Built) -> Callable[[int], tuple[float, float]]:
+def step_function(work, built: T.Built, args: argparse.Namespace, cfg: T.Config
+                  ) -> Callable[[int], tuple[float, float]]:
     """One training step of the built method on batch ``i``; returns the seconds of forward and
-    backward, and of the optimizer step."""
+    backward, and of the optimizer step. The learning rate follows ``--lr-schedule`` over
+    ``--warmup + --steps`` steps by the batch's index (every method alike: the optimizer the
+    method steps, DiLoCo's inner one)."""
     model, opt = built.model, built.optimizer
+    lr_at = None if args.lr_schedule == "constant" else \
+        T.scheduled(opt, args.lr_schedule, args.warmup + args.steps, cfg.lr)
 
     def train_step(i: int) -> tuple[float, float]:
+        if lr_at is not None:
+            lr_at(i)
         t0 = time.perf_counter()
         loss = work.loss(model, i)
         opt.zero_grad(set_to_none=True)
@@ -954,7 +961,7 @@ def main(argv: list[str] | None = None) -> None:
     if timeline is not None:   # a node that came back announces its join as its method is built
         timeline["build_start"] = time.time()
     built = M.build(args.method, module, cfg)
-    train_step = step_function(work, built)
+    train_step = step_function(work, built, args, cfg)
     warm_up(built, train_step, 0 if came_back else args.warmup)  # 2.
     start = read_counters(here, built, here.local_rank == 0 and here.layout.nodes > 1)  # 3.
     budget = args.time_budget if per_node else None
