@@ -428,6 +428,29 @@ def test_code_names_pages_of_results_that_exist() -> None:
     assert not bad, "\n".join(bad)
 
 
+SECTION_REF = re.compile(r"([\w./-]+\.md),\s*(?:#\s*)?\"([^\"]+)\"")
+
+
+def test_code_names_sections_that_exist() -> None:
+    """``path.md, "Title"`` in code (a docstring's or a comment's pointer to a guide's section,
+    a comment wrapped between the two) names the start of a heading of that file."""
+    bad, seen = [], 0
+    for path in CODE:
+        text = path.read_text(errors="replace")
+        for m in SECTION_REF.finditer(text):
+            page = m.group(1)
+            target = next((c for c in (REPO / page, path.parent / page) if c.is_file()), None)
+            title = re.sub(r"\s*\n\s*#?\s*", " ", m.group(2)).replace("`", "").strip()
+            where = f'{_rel(path)}:{_line(text, m.start())}: {page}, "{title}"'
+            seen += 1
+            if target is None:
+                bad.append(f"{where}: no such file")
+            elif not any(h.startswith(title) for h in headings(target)):
+                bad.append(f"{where}: begins no heading")
+    assert seen >= 10, "the pattern finds no pointers any more"
+    assert not bad, "\n".join(bad)
+
+
 def test_markers_give_a_reason_and_precede_a_block() -> None:
     bad = []
     for doc in DOCS:
