@@ -4,31 +4,18 @@ AdamW's moments too close the gap? N nodes emulated in one process on the charlm
     python bench/adamw_averaging.py [--nodes 4] [--steps 400] [--variants ddp,params-every-1,...]
         [--json OUT.json]
 
-The workload is the cluster benchmark's ``charlm`` (bench/cluster/workloads.py): the character
-transformer, the stdlib corpus, node ``k``'s batches are the ones rank ``k`` draws there (same
-seed, same stream), the same initial weights (``torch.manual_seed(seed)`` then the model), AdamW
-with betas 0.9/0.95, and ``--warmup`` + ``--steps`` training steps (the cluster's untimed
-warm-up steps train too). No process group and no network: every node is a replica of the model
-with its own AdamW in this process, on one thread. Every variant starts from the same weights
-and sees the same batches:
+Variants, each from the same weights on the same batches (how the nodes are emulated, and what
+each variant tests: bench/README.md, "adamw_averaging.py"):
 
-- ``ddp``: ONE model; each step the N nodes' gradients are computed on it and their mean is
-  AdamW's gradient (what DDP computes);
+- ``ddp``: ONE model, AdamW on the mean of the N nodes' gradients (what DDP computes);
 - ``params-every-H``: each node steps its own AdamW on its own gradient; every H steps every
   node's parameters are replaced by their exact mean;
-- ``params+moments-every-H``: the same, and AdamW's ``exp_avg`` and ``exp_avg_sq`` are
-  replaced by their exact means at the same time;
+- ``params+moments-every-H``: the same, and AdamW's ``exp_avg`` and ``exp_avg_sq`` too;
 - ``params+exp_avg-every-H``: the same with ``exp_avg`` only;
 - ``params+m+vddp-every-1``: parameters and ``exp_avg`` averaged after every step, and the
-  shared ``exp_avg_sq`` rebuilt from the mean gradient, as DDP's is (``beta2 * v + (1 - beta2)
-  * mean(g)^2``) instead of the mean of the nodes' ``g_k^2``. At H = 1 averaging ``exp_avg``
-  reveals the mean gradient exactly (``(m_new - beta1 * m_old) / (1 - beta1)``), so this needs
-  no more traffic than ``params+moments-every-1``; it tests whether the second moment is what
-  separates averaging from DDP;
+  shared ``exp_avg_sq`` rebuilt from the mean gradient, as DDP's is;
 - a ``-vscaled`` suffix on any of those: each node's AdamW acts as if its ``exp_avg_sq`` were
-  divided by N (lr x sqrt(N), eps x sqrt(N), weight decay / sqrt(N): the same update and the
-  same decay per step), the correction for a second moment measured on a batch N times smaller
-  when gradient noise dominates it; it costs no traffic.
+  divided by N (lr x sqrt(N), eps x sqrt(N), weight decay / sqrt(N)); it costs no traffic.
 
 Reported per variant: the final validation loss (of the nodes' mean parameters), its ratio to
 ``ddp``'s, and the first evaluated step at which the loss is at most ``--target`` (steps of the

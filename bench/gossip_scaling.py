@@ -14,26 +14,11 @@ all-gather hook sends). No network and no clock: rounds and bytes, not seconds.
     python bench/gossip_scaling.py --nodes 8,16 --graphs ring --json bench/out/scaling.json
     python bench/gossip_scaling.py --wait-free-nodes 8,16  # add the wait-free gossip rows
 
-Stopping early. A run whose distance, extrapolated at its recent rate (over the last 50 rounds),
-would still be above the target after 1.2 x ``--max-rounds`` is stopped and reported as not
-reached, with the projected rounds. The projection is optimistic, so it does not stop a run
-that would have made it: without compression the log of the distance is convex in the round
-(the distance is a sum of decaying modes and the slowest one is left last), so the recent rate
-is at least the rate to come. ``--no-stop-early`` runs every case to ``--max-rounds``.
-
-Cost. The simulator costs about 0.55 ms per member and round on a ring whatever ``numel`` is
-(Python overhead, not arithmetic; about 2 ms at the exponential graph's degree 11), so the slow
-rings dominate: the ring of 32 needs 1437 rounds, 35 s of the default run; the ring of 64
-(spectral gap 0.0032) is stopped early after 183 rounds. The default run took 55 s of wall time
-(41 s of CPU, ``torch`` on one thread) on a shared 2-core machine with a benchmark running
-beside it; without the ring of 32 (``--nodes 8,16,64``) it takes about a third of that.
-
-Wait-free gossip (:class:`~qcomm.collectives.memory.WaitFreeSimulator`, every member at one
-pace, messages visible one tick after they are sent, staleness 1) is left out of the default
-run: at N = 8 and 16 it costs about 7 s more (5.7 s for its ring of 16) and gives the very
-rounds and bytes of the lock-step rows (99 / 20 at N = 8, 381 / 29 at N = 16, ring /
-exponential): with every message in time for the round that applies it, it computes what the
-lock step does. ``--wait-free-nodes 8,16`` adds its rows.
+A run whose recent rate projects it still above the target after 1.2 x ``--max-rounds`` is
+stopped early and reported as not reached (``--no-stop-early`` runs every case to
+``--max-rounds``); the wait-free gossip's rows are left out unless ``--wait-free-nodes`` asks.
+Why the early stop is safe, what a run costs and what the wait-free rows give:
+bench/README.md, "gossip_scaling.py".
 """
 
 from __future__ import annotations

@@ -3,40 +3,15 @@
     python bench/wait_free_causes.py --variants lockstep,wait-free,no-late
     python bench/wait_free_causes.py --qcomm OLD_CHECKOUT   # every variant, another version
 
-``--nodes`` members (one rank per node) train MNIST-1D's MLP (bench/cluster's ``mnist1d``
-workload: SGD + momentum, each member its own batches) in one process: the gossip runs on a
-stepped in-memory world (:class:`~qcomm.collectives.memory.WaitFreeSimulator` for the wait-free
-gossip; the lockstep gossip, :class:`~qcomm.collectives.gossip.CompressedGossip`, on the same
-kind of world), its clock counts ticks, and every member takes one local step every
-``period`` ticks; a message is visible ``delay`` ticks after it was sent. The same code as over
-Gloo, deterministic, no sockets. Scenarios (a tick is one local step of a full-speed node,
-about 8 ms on the emulated cluster):
-
-* ``healthy``: every member at full speed, messages visible the next tick;
-* ``latency``: messages visible 6 ticks after they were sent (50 ms each way);
-* ``slow``: the last member at half speed, messages visible the next tick;
-* ``slow4``, ``slow8``: the last member 4 and 8 times slower (a straggler far behind, where
-  a fast neighbour takes many rounds per round of it);
-* ``jitter``: each message visible 1 to 11 ticks after it was sent (uniform, 6 on average,
-  drawn per message from the seed; a stream stays in order, so a message waits behind a later
-  one of its stream), as on a real link where a round's message lands now before, now after
-  the round it is due for.
-
-Variants: ``lockstep`` (bounded staleness 1: a round waits for its neighbours' previous round,
-so its steps are those of a healthy run whatever the scenario), ``wait-free`` (the code as it
-is), and oracles that each remove one suspected cause from the wait-free run:
-
-* ``no-late``: messages visible the next tick (no copy older than the lockstep one);
-* ``no-outer``: no outer Nesterov step (``outer_momentum=0, outer_lr=1``), against a lockstep
-  run without one too (the ``lockstep-no-outer`` row);
-* ``mean-kept``: after every tick the mixing's net change of the members' sum is taken back
-  evenly (the mixing moves no mass);
-* ``matched``: each neighbour's copy compared with the member's own copy holding as many of its
-  rounds (no lag between the two copies of a term).
-
-The last two replace parts of the wait-free mixing that compared each copy with a lagged own
-copy (qcomm before its mixing was paired): run them with ``--qcomm`` naming a checkout of that
-version (docs/engine.md, "Wait-free gossip").
+``--nodes`` members train MNIST-1D's MLP (bench/cluster's ``mnist1d`` workload) in one process,
+the gossip on a stepped in-memory world (:class:`~qcomm.collectives.memory.WaitFreeSimulator`;
+the lockstep gossip on the same kind of world) whose clock counts ticks: the same code as over
+Gloo, deterministic, no sockets. Scenarios: ``healthy``, ``latency`` (6 ticks), ``slow`` (the
+last member at half speed), ``slow4``, ``slow8`` (4 and 8 times slower), ``jitter`` (1 to 11
+ticks). Variants: ``lockstep``, ``wait-free`` and oracles that each remove one suspected cause,
+``no-late``, ``no-outer`` (beside ``lockstep-no-outer``), ``mean-kept`` and ``matched`` (the
+last two with ``--qcomm`` naming a checkout of the lagged mixing). What each scenario and
+variant does: bench/README.md, "wait_free_causes.py".
 
 Reported: the test accuracy of the members' average model when the fastest member has taken
 each of ``--marks`` steps, median over ``--seeds`` seeds, and each variant's difference from

@@ -4,8 +4,14 @@ run alone), and every command of their bash blocks names scripts that exist.
 
 The guides: README.md, bench/README.md, bench/cluster/README.md, docs/*.md and examples/*.md
 (the same list as tests/bench/test_help.py, which parses the arguments of every documented
-command of a bench/ or examples/ script). The records of past runs (bench/RESULTS.md,
-bench/results/) keep the paths of their commit and are not checked.
+command of a bench/ or examples/ script).
+
+**Results.** bench/RESULTS.md (today's answers) and bench/results/README.md (the index of the
+dated pages) are checked as the guides are for paths, anchors, sections and the scripts of their
+commands; their commands' arguments are those of their commit and not parsed. The dated pages
+under bench/results/ keep the paths of their commit: only their links and anchors are checked.
+Code (qcomm/, bench/, examples/, tests/) that names a page of results, with the start of a
+section's title in quotes after it or an anchor, names a page, section and anchor that exist.
 
 **Paths.** A path is a word of an inline code span, a link target, or a word of the text that
 starts with a top-level entry of the repository (``docs/``, ``qcomm/``, ...) or of the guide's
@@ -51,6 +57,14 @@ from tests.bench.test_help import DOCUMENTED
 REPO = Path(__file__).resolve().parents[1]
 DOCS = sorted([REPO / "README.md", REPO / "bench/README.md", REPO / "bench/cluster/README.md",
                *REPO.glob("docs/*.md"), *REPO.glob("examples/*.md")])
+# Today's answers and the index of the dated pages; the dated pages themselves.
+SUMMARIES = [REPO / "bench/RESULTS.md", REPO / "bench/results/README.md"]
+DATED = sorted((REPO / "bench/results").glob("*.md"))
+DATED = [p for p in DATED if p not in SUMMARIES]
+# Where code may name a page of results (this file's own examples are broken on purpose).
+CODE = sorted(p for top in ("qcomm", "bench", "examples", "tests")
+              for p in (REPO / top).rglob("*")
+              if p.suffix in (".py", ".sh") and p != Path(__file__).resolve())
 RUN_TIMEOUT_S = 120
 EXTENSIONS = (".py", ".md", ".sh", ".json", ".png", ".toml", ".txt", ".c", ".yml", ".yaml",
               ".cfg", ".ini", ".csv", ".npz")
@@ -82,7 +96,7 @@ class Fence:
 
 
 def _rel(p: Path) -> str:
-    return p.relative_to(REPO).as_posix()
+    return p.relative_to(REPO).as_posix() if p.is_relative_to(REPO) else p.as_posix()
 
 
 def fences(doc: Path) -> list[Fence]:
@@ -302,12 +316,16 @@ def test_the_extraction_finds_what_it_should() -> None:
     assert ("docs/engine.md", "docs/reliability.md", "text") in found
     assert len(refs) > 150
     assert "run-on-several-machines" in anchors(REPO / "README.md")
+    assert "at-the-end-of-a-run" in anchors(REPO / "bench/RESULTS.md")
+    # a comment wrapped between a page and its section's title
+    assert any(page == "bench/results/2026-12-01-peers-tuned.md" and title == "Peers tuned"
+               for _, page, _, title in code_result_refs(REPO / "bench/cluster/decisive.py"))
     assert sum(p.kind == "run" for p in PROGRAMS) >= 1
     # the front page's three ways in (the codec, the optimizers, the DDP hook) run as written
     assert sum(p.kind == "run" for p in PROGRAMS if p.doc == REPO / "README.md") >= 3
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=_rel)
+@pytest.mark.parametrize("doc", DOCS + SUMMARIES, ids=_rel)
 def test_named_paths_exist(doc: Path) -> None:
     refs = references(doc)
     missing = [r for r in refs if resolve(r) is None]
@@ -320,18 +338,29 @@ def test_named_paths_exist(doc: Path) -> None:
         f"  {_rel(doc)}:{r.line}: {r.path}" for r in outputs)
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=_rel)
-def test_named_anchors_and_sections_exist(doc: Path) -> None:
+def _link_target(doc: Path, path: str) -> Path:
+    """The Markdown file a link of ``doc`` opens: a folder's README.md, as GitHub shows it."""
+    target = (doc.parent / path) if path else doc
+    if target.is_dir() and (target / "README.md").is_file():
+        return target / "README.md"
+    return target
+
+
+def bad_anchors(doc: Path, sections: bool = True) -> list[str]:
+    """The links of ``doc`` whose ``#anchor`` is no heading of their page, and (``sections``)
+    its ``path.md, "Title"`` that begin no heading of that file."""
     text = prose(doc)
     bad = []
     for m in LINK.finditer(text):
         path, _, anchor = m.group(2).partition("#")
         if not anchor or "://" in path:
             continue
-        target = (doc.parent / path) if path else doc
+        target = _link_target(doc, path)
         if target.suffix == ".md" and target.is_file() and anchor not in anchors(target):
             bad.append(f"{_rel(doc)}:{_line(text, m.start())}: #{anchor} is no heading of "
                        f"{_rel(target)}")
+    if not sections:
+        return bad
     spans_open = CODE_SPAN.sub(lambda m: m.group(2), text)
     for m in re.finditer(r"([\w./-]+\.md),\s+\"([^\"]+)\"", spans_open):
         ref = Ref(doc, 0, m.group(1), "code")
@@ -342,6 +371,83 @@ def test_named_anchors_and_sections_exist(doc: Path) -> None:
         if not any(h.startswith(title) for h in headings(target)):
             bad.append(f'{_rel(doc)}:{_line(spans_open, m.start())}: "{title}" begins no '
                        f"heading of {_rel(target)}")
+    return bad
+
+
+@pytest.mark.parametrize("doc", DOCS + SUMMARIES, ids=_rel)
+def test_named_anchors_and_sections_exist(doc: Path) -> None:
+    bad = bad_anchors(doc)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("doc", DATED, ids=_rel)
+def test_dated_pages_links_resolve(doc: Path) -> None:
+    """A dated page keeps the paths of its commit in its text, but its links are followed."""
+    refs = [r for r in references(doc) if r.how == "link"]
+    missing = [f"{_rel(doc)}:{r.line}: {r.path}" for r in refs if resolve(r) is None]
+    bad = missing + bad_anchors(doc, sections=False)
+    assert not bad, "\n".join(bad)
+
+
+def test_every_dated_page_is_indexed() -> None:
+    index = prose(REPO / "bench/results/README.md")
+    linked = {(REPO / "bench/results" / m.group(2).partition("#")[0]).resolve()
+              for m in LINK.finditer(index)}
+    assert DATED and not [_rel(p) for p in DATED if p.resolve() not in linked]
+
+
+RESULT_REF = re.compile(r"((?:bench/)?(?:RESULTS\.md|results/[\w./-]+\.md))"
+                        r"(?:#([\w-]+)|,\s*(?:#\s*)?\"([^\"]+)\")?")
+
+
+def code_result_refs(path: Path) -> list[tuple[int, str, str | None, str | None]]:
+    """(line, page, anchor, title) of each page of results ``path`` names; comment markers
+    between a page and its quoted title (a comment wrapped over lines) are passed over."""
+    text = path.read_text(errors="replace")
+    out = []
+    for m in RESULT_REF.finditer(text):
+        page = m.group(1)
+        page = page if page.startswith("bench/") else "bench/" + page
+        title = re.sub(r"\s*\n\s*#?\s*", " ", m.group(3)).strip() if m.group(3) else None
+        out.append((_line(text, m.start()), page, m.group(2), title))
+    return out
+
+
+def test_code_names_pages_of_results_that_exist() -> None:
+    bad = []
+    for path in CODE:
+        for line, page, anchor, title in code_result_refs(path):
+            target = REPO / page
+            where = f"{_rel(path)}:{line}: {page}"
+            if not target.is_file():
+                bad.append(f"{where}: no such page")
+            elif anchor and anchor not in anchors(target):
+                bad.append(f"{where}#{anchor}: no such heading")
+            elif title and not any(h.startswith(title) for h in headings(target)):
+                bad.append(f'{where}, "{title}": begins no heading')
+    assert not bad, "\n".join(bad)
+
+
+SECTION_REF = re.compile(r"([\w./-]+\.md),\s*(?:#\s*)?\"([^\"]+)\"")
+
+
+def test_code_names_sections_that_exist() -> None:
+    """``path.md, "Title"`` in code (a docstring's or a comment's pointer to a guide's section,
+    a comment wrapped between the two) names the start of a heading of that file."""
+    bad, seen = [], 0
+    for path in CODE:
+        text = path.read_text(errors="replace")
+        for m in SECTION_REF.finditer(text):
+            page = m.group(1)
+            target = next((c for c in (REPO / page, path.parent / page) if c.is_file()), None)
+            title = re.sub(r"\s*\n\s*#?\s*", " ", m.group(2)).replace("`", "").strip()
+            where = f'{_rel(path)}:{_line(text, m.start())}: {page}, "{title}"'
+            seen += 1
+            if target is None:
+                bad.append(f"{where}: no such file")
+            elif not any(h.startswith(title) for h in headings(target)):
+                bad.append(f"{where}: begins no heading")
+    assert seen >= 10, "the pattern finds no pointers any more"
     assert not bad, "\n".join(bad)
 
 
@@ -391,7 +497,7 @@ def _bash_lines(doc: Path):
             yield f.line + 1 + k, words
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=_rel)
+@pytest.mark.parametrize("doc", DOCS + SUMMARIES, ids=_rel)
 def test_bash_commands_name_existing_scripts(doc: Path) -> None:
     bad = []
     tops = {p.name for p in REPO.iterdir()}
@@ -448,3 +554,21 @@ def test_the_checks_catch_a_broken_guide(tmp_path: Path) -> None:
         "../nowhere.md", "qcomm/gone/", "qcomm/kernels/gone.py", "qcomm/nowhere.py"]
     marked = [(f.marker, f.reason) for f in fences(doc)]
     assert marked == [("run", "needs two processes"), ("code", "")]
+
+
+def test_the_anchor_checks_catch_a_broken_link(tmp_path: Path) -> None:
+    """Links into pages and folders: a heading that is not there is found, one that is passes."""
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results/README.md").write_text("# The index\n")
+    (tmp_path / "results/2026-01-01-x.md").write_text("# A run (2026-01-01)\n\n## Its cell\n")
+    doc = tmp_path / "guide.md"
+    doc.write_text("[ok](results/2026-01-01-x.md#its-cell), [ok](results/#the-index),\n"
+                   "[bad](results/2026-01-01-x.md#gone), [bad](results/#nowhere).\n")
+    bad = bad_anchors(doc)
+    assert len(bad) == 2 and "#gone" in bad[0] and "#nowhere" in bad[1], bad
+    code = tmp_path / "x.py"
+    code.write_text('# bench/results/2026-12-01-peers-tuned.md, "Nothing"; bench/RESULTS.md#gone\n')
+    refs = code_result_refs(code)
+    assert [(page, anchor, title) for _, page, anchor, title in refs] == [
+        ("bench/results/2026-12-01-peers-tuned.md", None, "Nothing"),
+        ("bench/RESULTS.md", "gone", None)]

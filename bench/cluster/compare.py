@@ -1171,7 +1171,8 @@ def problems(rows: Sequence[dict[str, Any]],
              args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """(cells whose two byte counts disagree, cells with a failed run)."""
     # Judged where the second count is the method's own (qcomm's stats); formulas are payload
-    # only, and PowerSGD's many small messages carry more framing than 5% (bench/RESULTS.md).
+    # only, and PowerSGD's many small messages carry more framing than 5%
+    # (bench/results/2026-11-30-cluster-sweeps.md).
     # Not under a lost node: no barrier closes the window, and the survivors stop apart.
     bad_bytes = [r for r in rows if r.get("status") == "ok" and r["bytes_reference"] == "qcomm"
                  and not r.get("kill")

@@ -25,8 +25,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# Per workload: the peers at the best setting of their own grid on it (bench/RESULTS.md, "Peers
-# tuned"), qcomm's recommended setting, and its wait-free variant where nodes may differ in pace.
+# Per workload: the peers at the best setting of their own grid on it
+# (bench/results/2026-12-01-peers-tuned.md, "Peers tuned"), qcomm's recommended setting, and its
+# wait-free variant where nodes may differ in pace.
 METHODS: dict[str, tuple[str, ...]] = {
     "mnist1d": (
         "ddp", "ddp-powersgd-r4", "localsgd-p32", "torchft-diloco-h32-o7-m5",

@@ -2,32 +2,17 @@
 elastic restart from the last checkpoint for DDP and local SGD, torchft's heal for (streaming)
 DiLoCo.
 
-**Elastic restart** (``ddp``, ``localsgd``): what users of DDP and local SGD do today when
-machines come and go. Every node runs ``torchrun --nnodes MIN:MAX --rdzv-backend c10d
---max-restarts R`` (``netns.sh launch --elastic``), the job checkpoints every
-``--ckpt-every-s`` seconds, and a worker started (or started again) loads the newest
-checkpoint. When node K dies, the other nodes' collectives fail, their agents start their
-workers again and the rendezvous closes with the nodes left (at least MIN); when node K's
-torchrun is started again (at ``--join-at`` of the timed window) it enters the rendezvous, the
-running agents see a node waiting and start their workers again, and the job goes on with every
-node, from the last checkpoint each time.
+**Elastic restart** (``ddp``, ``localsgd``): every node runs ``torchrun --nnodes MIN:MAX
+--rdzv-backend c10d --max-restarts R`` (``netns.sh launch --elastic``), the job checkpoints
+every ``--ckpt-every-s`` seconds, and a worker started (or started again) loads the newest
+checkpoint. **Heal** (``torchft-diloco``, ``torchft-streaming-diloco``): every node runs its own
+torchrun (``netns.sh launch --linked``: the node is one replica group), the lighthouse on node 0
+forms quorums of at least N-1 groups, and a node started again fetches the model and the
+optimizers' state from a live group at its first quorum.
 
-**Heal** (``torchft-diloco``, ``torchft-streaming-diloco``): torchft's own answer. Every node
-runs its own torchrun (``netns.sh launch --linked``: the node is one replica group), the
-lighthouse runs on node 0 and forms quorums of at least N-1 groups; when node K dies the others
-go on as soon as the lighthouse drops it, and when node K's torchrun is started again its
-Manager joins the next quorum and fetches the model, the inner optimizer's and DiLoCo's state
-from a live group (torchft's HTTP checkpoint transport) before it trains.
-
-One process is one life of one rank: it records its steps (wall-clock ends, times) in a file of
-its own, rewritten as it goes (every :data:`RECORD_EVERY_S`); each node's local rank 0 saves
-the node's parameters at the evenly spaced time marks of the window it lives through, and its
-final parameters. Node 0's rank 0 of the last life assembles workload.py's JSON (the curve,
-every rank's steps merged over its lives, the lost node's return) for compare.py.
-
-The window opens once, in the first life (after the compute-only baseline and the warm-up, as
-in workload.py), and every later life measures from that opening: a restart's cost (new
-processes, the rendezvous, the lost steps since the checkpoint) is in the curve.
+One process is one life of one rank; node 0's rank 0 of the last life assembles workload.py's
+JSON for compare.py. How the restarts and the heal go, what each life records and when the
+window opens: bench/cluster/README.md, "recovery.py".
 """
 
 from __future__ import annotations

@@ -5,40 +5,17 @@ The workload (workloads.py) is MNIST-1D with an MLP and SGD, or a character tran
 Python's stdlib source with AdamW. Every method gets the same model, initial weights, per-rank
 batches, batch size, optimizer and step budget. What happens on each rank:
 
-1. a compute-only baseline: ``--baseline-steps`` forward/backward/optimizer steps on a
-   throw-away copy of the model, no communication, all ranks at once (so the CPU is as
-   contended as in training); ``1 - baseline / step time`` is the share of a step that is
-   communication (or waiting for it);
-2. ``--warmup`` training steps, untimed (connection set-up, first-bucket rebuilds, allocator);
-3. barrier, then local rank 0 reads its node's interface counters (/proc/net/dev of the node's
-   namespace) and every rank reads qcomm's byte counters;
-4. ``--steps`` timed training steps; each node's local rank 0 keeps a copy of its parameters
-   at ``--snapshots`` evenly spaced steps with the wall-clock time since the window opened.
-   Methods that let nodes take different numbers of steps (wait-free gossip) get a time budget
-   per node instead when ``--time-budget`` is given: each node trains until that many seconds
-   have passed (at most ``--max-steps`` steps), and the snapshots are taken at evenly spaced
-   times. With ``--until-fastest`` instead, every node trains until the first node has taken
-   ``--steps`` steps (a file flag the emulated nodes share says when): the fastest node does a
-   lockstep run's work, whatever the machine's speed; snapshots at evenly spaced times (the
-   fastest rank's compute-only step times ``--steps`` over ``--snapshots``), each curve point
-   recording the fastest node's step (``fastest_step``) for the quality at equal steps;
-5. traffic in flight is completed, barrier, counters read again;
-6. the final model is made (e.g. parameters averaged), rank 0 evaluates it and every snapshot on
-   the held-out data (test accuracy or validation loss), and writes one JSON with every rank's
-   numbers to ``--out``. A snapshot is evaluated as the model a user stopping there would keep:
-   the average of the nodes' parameters (for methods whose nodes hold the same parameters it
-   is those), timed at the latest of the nodes' snapshot times.
-
+Each rank, in order: (1) a compute-only baseline; (2) ``--warmup`` untimed steps; (3) a barrier,
+the byte counters read; (4) the timed ``--steps`` (or ``--time-budget`` seconds per node, or
+until the first node has taken ``--steps`` with ``--until-fastest``), keeping ``--snapshots`` of
+the node's parameters; (5) traffic completed, counters read again; (6) the final model made, it
+and every snapshot evaluated by rank 0, one JSON with every rank's numbers written to ``--out``.
 Progress goes to stdout as ``QCB_PROGRESS <done> <total>`` lines (rank 0), for compare.py's bar.
 
-A lost node (``--kill-node K --kill-at F``): every process of node K (its ranks and its torchrun
-agent) is killed with SIGKILL, by the first of the node's ranks to get there, after step
-``round(F * steps)`` (or ``F * time_budget`` seconds into the window for a per-node budget); a
-marker file records when. The survivors then end without any collective over all ranks: a rank
-whose communication failed records the step, the error's class and message and drops its
-connections (so no survivor waits on it), a rank that got through finishes as usual (final
-model included); every rank writes its own record file and leaves, and rank 0 waits for the
-others' records (with a deadline), evaluates the surviving nodes' snapshots and writes the JSON.
+A lost node (``--kill-node K --kill-at F``): every process of node K is killed with SIGKILL
+after step ``round(F * steps)`` (or ``F * time_budget`` seconds); the survivors end without any
+collective over all ranks. Each step in detail, and how the survivors end:
+bench/cluster/README.md, "workload.py".
 """
 
 from __future__ import annotations
@@ -949,7 +926,7 @@ def main(argv: list[str] | None = None) -> None:
     model = (sum(p.numel() for p in module.parameters()),
              [list(p.shape) for p in module.parameters()])
 
-    # The steps of the module's docstring, 1 to 6.
+    # The steps 1 to 6 of the module's docstring (bench/cluster/README.md, "workload.py").
     # A node that came back skips the baseline and the warm-up (the others are training).
     base_times = [] if came_back else baseline(work, module, cfg, args.baseline_steps,
                                                total)  # 1.

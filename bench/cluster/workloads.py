@@ -67,7 +67,7 @@ WORKLOADS: dict[str, WorkloadInfo] = {
                      description="MNIST-1D, CNN 3 x (conv, BatchNorm, ReLU) + 512 head, "
                                  "SGD + momentum"),
         # target: the validation loss fp32 DDP with 4 ranks reaches at about 70% of the 400-step
-        # budget (ddp_reference.py; bench/cluster/README.md, "The charlm workload").
+        # budget (ddp_reference.py; bench/cluster/README.md, "The workloads").
         WorkloadInfo("charlm", "val_loss", "min", "adamw", lr=3e-3, weight_decay=0.1, batch=8,
                      steps=400, target=1.90, width=128, depth=6,
                      description="stdlib source, character transformer 1.23M, AdamW"),

@@ -8,7 +8,7 @@ log2(block_size) levels of the 1-bit pairwise sum and the K payloads of
 :func:`dequant_accumulate_into`.
 
 It is also the CPU fast path, so it is written as few passes over memory as eager torch allows
-(measured in bench/kernels.py, figures in bench/RESULTS.md):
+(measured in bench/kernels.py, figures in bench/results/2026-11-30-kernels-cpu.md):
 
 * values are padded to whole blocks once, and every elementwise step runs on the
   ``[nblocks, block_size]`` view, in place where the previous result is not needed again;
@@ -277,9 +277,9 @@ def _decode_into(packed: torch.Tensor, scales: torch.Tensor, spec: QuantSpec,
 # are coded in chunks of whole blocks, so temporaries stay small enough to be reused from the
 # allocator's heap and to stay in cache (whole-tensor float64 temporaries of a 4M-element 1-bit
 # message cost more in page faults than in arithmetic). 2**19: of 2**17..2**20, measured at 1M
-# and 4M elements, the one neither slower nor erratic (bench/RESULTS.md). Chunks change nothing
-# in the result: blocks are independent, and each chunk draws the random numbers of its own
-# element indices.
+# and 4M elements, the one neither slower nor erratic (bench/results/2026-11-30-kernels-cpu.md).
+# Chunks change nothing in the result: blocks are independent, and each chunk draws the random
+# numbers of its own element indices.
 CHUNK = 1 << 19
 
 

@@ -1,4 +1,4 @@
-"""The figures of bench/RESULTS.md's section on the peers' recoveries from this folder's
+"""The figures of bench/results/2026-12-04-rejoin-peers.md from this folder's
 summaries: per sweep and method, the seconds to each accuracy and the accuracy at fixed times
 (the nodes' average, median [min-max] of the 3 repetitions, from each summary's
 per-repetition curves), the final accuracy, the lost node's return (seconds from its loss and

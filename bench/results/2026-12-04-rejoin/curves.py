@@ -1,4 +1,4 @@
-"""The figures of bench/RESULTS.md's rejoin section from this folder's files: per sweep, the
+"""The figures of bench/results/2026-12-04-rejoin.md from this folder's files: per sweep, the
 seconds to each accuracy and the accuracy at fixed times (the nodes' average, median [min-max]
 of the 3 repetitions, from each summary's per-repetition curves), the final accuracy, and for
 the runs kept whole (``runs/``) the running nodes' stalls around each join.
