@@ -52,8 +52,11 @@ class Variant:
     about: str = ""
 
 
-SLOW_LINK = {"bits": 2, "sync_every": 16, "fragments": 4, "gamma": 0.8, "rounding": "nearest",
-             "outer_momentum": 0.9, "outer_lr": 0.5}
+def slow_link() -> dict[str, Any]:
+    """The library's ``SLOW_LINK``: its gossip settings (the mode is each variant's own)."""
+    from qcomm.sgd import SLOW_LINK
+
+    return {k: v for k, v in SLOW_LINK.items() if k not in ("wait_free", "on_peer_loss")}
 
 
 def _late(start: float, early: float, late: float) -> Callable[[float], float]:
@@ -82,6 +85,11 @@ VARIANTS: dict[str, Variant] = {
                            about="outer lr 0.5 -> 0.1 (cosine from 30% of the run)"),
     "gamma-decay": Variant("gossip", knobs=(("gamma", _late(0.3, 0.8, 0.1)),),
                            about="gamma 0.8 -> 0.1 (cosine from 30% of the run)"),
+    "slow-link-total": Variant("gossip", {"total_steps": True},
+                               about="SLOW_LINK given the run's length (total_steps): its "
+                                     "outer step anneals late"),
+    "lockstep-total": Variant("gossip", {"total_steps": True}, wait_free=False,
+                              about="its lockstep form, given the run's length"),
     "ddp": Variant("ddp", about="the members' gradient mean every step"),
     "local-sgd": Variant("local-sgd", period=32, about="the parameter mean every 32 steps"),
     "diloco": Variant("diloco", period=32, outer_lr=0.7, outer_momentum=0.5,
@@ -109,7 +117,7 @@ def run(name: str, seed: int, args: argparse.Namespace, data: Path) -> dict:
     v = VARIANTS[name]
     info = W.WORKLOADS["mnist1d"]
     shape = SimpleNamespace(width=args.width, depth=info.depth)
-    comm = {**SLOW_LINK, **v.comm}
+    comm = {**slow_link(), **v.comm}
     n, total = args.nodes, args.steps
     works = [W.load("mnist1d", data, rank=r, seed=seed, batch=info.batch, total_steps=total,
                     args=shape) for r in range(n)]
@@ -128,7 +136,7 @@ def run(name: str, seed: int, args: argparse.Namespace, data: Path) -> dict:
                   fragments=comm["fragments"],
                   round_period=comm["sync_every"] // comm["fragments"],
                   outer_momentum=comm["outer_momentum"], outer_lr=comm["outer_lr"],
-                  staleness=1)
+                  staleness=1, total_steps=total if comm.get("total_steps") else None)
         if v.wait_free:
             sim = WaitFreeSimulator(n, numel, periods=[1] * n, delay=1, **kw)
             gossips = sim.members
@@ -258,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# cpu {cpu_model()}; load {load_average()}; {args.nodes} nodes; {args.steps} "
           f"steps; lr {args.lr} {args.schedule}; {args.num_samples} samples; SLOW_LINK "
-          f"{SLOW_LINK}", flush=True)
+          f"{slow_link()}", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "mnist1d.npz"
@@ -270,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name} seed {seed}: final {100 * r['final']:.1f}%, best "
                       f"{100 * r['best']:.1f}% at {r['best_step']} ({r['seconds']:.0f} s)",
                       flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+                if args.json:   # after every run: a sweep cut short keeps what it measured
+                    Path(args.json).write_text(json.dumps(results, indent=1))
     print(f"\naccuracy of the members' average (median of {args.seeds} seeds; final's "
           "[min-max]); drop: best - final in points")
     print(summarize(results, variants, sorted(args.marks)))

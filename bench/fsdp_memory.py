@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("fsdp2", "qcomm-sharded", "qcomm-replica")
-ADAMW_SLOW_LINK = dict(bits=4, sync_every=2, fragments=2, gamma=1.0, rounding="nearest")
 LAYERS = 8
 
 
@@ -92,7 +91,7 @@ def _build(mode: str, ppn: int, width: int, mesh: Any, rank: int) -> tuple[Any, 
     import torch
     from torch.distributed.fsdp import fully_shard
 
-    from qcomm.sgd import HierarchicalOptimizer
+    from qcomm.sgd import ADAMW_SLOW_LINK, HierarchicalOptimizer
 
     if mode == "qcomm-replica":
         torch.manual_seed(0)
@@ -200,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--modes: unknown mode {m!r}{did_you_mean(m, MODES)}; allowed: {MODES}")
     if args.nodes < 2 or args.steps < 1 or min(ppns) < 1:
         ap.error("need --nodes >= 2, --steps >= 1 and every --ppn >= 1")
+    from qcomm.sgd import ADAMW_SLOW_LINK
+
     print(f"# cpu {cpu_model()}; load {load_average()}; {args.nodes} nodes; {LAYERS} layers; "
-          f"AdamW, {args.steps} steps; qcomm {ADAMW_SLOW_LINK}")
+          f"AdamW, {args.steps} steps; qcomm {dict(ADAMW_SLOW_LINK)}")
     print("| params | ranks per node | mode | peak MB per rank | qcomm's tensors MB | "
           "local params MB |")
     print("|---|---|---|---|---|---|")

@@ -513,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--staleness", type=int, default=1, help="Gossip rounds in flight.")
     g.add_argument("--outer-momentum", type=float, default=0.0,
                    help="Outer Nesterov momentum on each fragment's progress (SGD's "
-                        "SLOW_LINK uses 0.5; it makes AdamW worse).")
+                        "SLOW_LINK uses 0.9; it makes AdamW worse).")
     g.add_argument("--intra-bits", type=int, default=None, choices=(1, 2, 4, 8),
                    help="Quantize the gradient mean inside a node too; default: full "
                         "precision.")

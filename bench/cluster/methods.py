@@ -77,8 +77,32 @@ _VARIANT = re.compile(r"(?P<kind>assgd|qcomm-hier)-(?P<bits>[1248])"
                       r"(?P<wf>-wf)?(?P<cont>-cont)?")
 
 
+# The settings the README recommends, by their names in qcomm.sgd: the bench reads them from the
+# library when such a method runs, so a table of them measures what users are told to use:
+# with the node's gradient mean by DDP (``opt.data_parallel(model)``) and the run's length
+# (``total_steps=``), as the README writes them.
+NAMED_SETTINGS = {"slow-link": ("assgd", "SLOW_LINK"),
+                  "adamw-slow-link": ("qcomm-hier", "ADAMW_SLOW_LINK")}
+
+
+def named_setting(name: str) -> dict[str, Any] | None:
+    """The options of one of the README's settings (:data:`NAMED_SETTINGS`), as
+    :func:`qcomm_variant` gives them, read from ``qcomm.sgd`` (which imports torch); None for
+    another name."""
+    if name not in NAMED_SETTINGS:
+        return None
+    kind, attr = NAMED_SETTINGS[name]
+    import qcomm.sgd
+
+    opts = dict(getattr(qcomm.sgd, attr))
+    return {"kind": kind, "bits": opts.pop("bits"), "ddp": True, "named": True, **opts}
+
+
 def qcomm_variant(name: str) -> dict[str, Any] | None:
-    """The ASSGD options a variant name asks for, or None when ``name`` is not one."""
+    """The ASSGD options a variant name (or a named setting) asks for, or None when ``name``
+    is not one."""
+    if name in NAMED_SETTINGS:
+        return named_setting(name)
     m = _VARIANT.fullmatch(name)
     if m is None:
         return None
@@ -213,7 +237,7 @@ class _Registry(dict):
         if opts is None:
             raise KeyError(name)
         desc = ", ".join(f"{k}={v}" for k, v in opts.items()
-                         if k not in ("kind", "bits", "ddp"))
+                         if k not in ("kind", "bits", "ddp", "named"))
         sgd = opts["kind"] == "assgd"
         what = "ASSGD" if sgd else "HierarchicalOptimizer"
         return MethodInfo(name, "qcomm", f"qcomm {what} {opts['bits']}-bit gossip"
@@ -633,6 +657,8 @@ def _qcomm_adapter(name: str, module, cfg: Config) -> Built:
     """The one place that knows qcomm's training APIs (qcomm.sgd.ASSGD,
     qcomm.sgd.HierarchicalOptimizer, qcomm.hooks)."""
     opts = qcomm_variant(name)
+    if opts is not None and opts.pop("named", False):
+        opts["total_steps"] = cfg.total_steps   # the run's length, as users give it
     if opts is not None and opts.pop("kind") == "qcomm-hier":
         bits, ddp = opts.pop("bits"), opts.pop("ddp")
         return _qcomm_hierarchical(module, cfg, bits=bits, ddp=ddp, **opts)

@@ -47,6 +47,8 @@ class Config:
     each fragment once per round), ``streaming_fragments`` and ``streaming_delay`` (torchft's
     ``fragment_sync_delay``: inner steps the allreduce of a fragment overlaps). ``fsdp``: the
     model is sharded by FSDP2 inside each node (sharding.py; the methods with a sharded form).
+    ``total_steps``: the run's length in steps (``--warmup + --steps``), which the README's
+    settings are given as users are told to (``total_steps=``).
     """
 
     lr: float
@@ -70,6 +72,7 @@ class Config:
     streaming_delay: int = 1
     pg_timeout: float = 300.0
     fsdp: bool = False
+    total_steps: int | None = None
 
 
 @dataclass

@@ -560,7 +560,7 @@ def method_config(args: argparse.Namespace, layout: T.Layout, optimizer: str) ->
                     localsgd_warmup=args.warmup, diloco_sync_every=args.diloco_sync_every,
                     streaming_fragments=args.streaming_fragments,
                     streaming_delay=args.streaming_delay, pg_timeout=args.pg_timeout,
-                    fsdp=args.fsdp)
+                    fsdp=args.fsdp, total_steps=args.warmup + args.steps)
 
 
 def baseline(work, module, cfg: T.Config, steps: int, total: int) -> list[float]:

@@ -71,6 +71,7 @@ _OPTION_CODECS: dict[str, tuple[Callable[[Any], int], Callable[[int], Any]]] = {
     "fragments": _optional_int(),
     "outer_momentum": _optional_float(),
     "outer_lr": _optional_float(),
+    "total_steps": _optional_int(),
     "intra_bits": _optional_int(),
     "bucket_mb": _optional_float(),
     "on_nonfinite": _choice(NONFINITE_MODES),

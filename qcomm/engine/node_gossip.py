@@ -78,6 +78,7 @@ class NodeGossip:
             gamma=options.gamma, staleness=options.staleness, timeout_s=options.timeout_s,
             stats=stats, fragments=options.fragments, outer_momentum=options.outer_momentum,
             outer_lr=options.outer_lr, round_period=options.round_period,
+            total_steps=options.total_steps,
             # One random stream per rail (rails quantize different shards).
             seed=rail_seed(options.seed, topology.local_rank), first_step=first_step, **extra)
         # With copies (parameters not aliased), the gossip's own buffer: it owns its input only

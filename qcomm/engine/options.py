@@ -16,6 +16,7 @@ from typing import Any
 
 from qcomm.collectives.gossip.options import GRAPHS, MIXINGS, OPTION_CHECKS, check_fragments
 from qcomm.collectives.gossip.options import ON_PEER_LOSS as PEER_LOSS_MODES
+from qcomm.collectives.gossip.outer_anneal import check_total_steps
 from qcomm.compress import QuantSpec
 from qcomm.kernels.wire_format import SUPPORTED_BITS
 from qcomm.validation import (
@@ -74,6 +75,13 @@ class CommOptions:
         outer_momentum, outer_lr: an outer Nesterov step (momentum in [0, 1), learning rate in
             (0, 2]) on each fragment's own progress between its rounds, as DiLoCo takes on its
             averaged delta; 0 and 1 (default) are plain CHOCO.
+        total_steps: the run's length in local steps (each rank's optimizer steps), as
+            torch's schedulers take it (``CosineAnnealingLR``'s ``T_max``, ``OneCycleLR``'s
+            ``total_steps``), or None (default). With an outer step, its learning rate is held
+            for the first 30% of the run, then anneals (cosine) to ``1 - outer_momentum``,
+            where it no longer amplifies the inner steps' progress: a run at a constant
+            learning rate then ends at its best instead of declining (docs/guide.md, "At the
+            end of a run"). Without an outer step it changes nothing.
         intra_bits: None averages gradients inside a node in full precision; 1/2/4/8 quantizes
             them with error feedback.
         procs_per_node: ranks per node; None takes ``LOCAL_WORLD_SIZE`` (torchrun), else 1.
@@ -117,6 +125,7 @@ class CommOptions:
     fragments: int = 1
     outer_momentum: float = 0.0
     outer_lr: float = 1.0
+    total_steps: int | None = None
     intra_bits: int | None = None
     procs_per_node: int | None = None
     bucket_mb: float = 25.0
@@ -156,6 +165,7 @@ class CommOptions:
         self.gossip_spec  # noqa: B018 -- QuantSpec checks bits, block_size and rounding
         for name, check in OPTION_CHECKS.items():
             check(getattr(self, name))
+        check_total_steps(self.total_steps)
         check_int("sync_every", self.sync_every, low=1)
         check_fragments(self.fragments, self.sync_every, "sync_every")
         check_choice("intra_bits", self.intra_bits, SUPPORTED_BITS, allow_none=True)

@@ -27,6 +27,8 @@ def _schedule(options: CommOptions, gamma: float | None) -> str:
     step = f"gamma {gamma:g}" if gamma is not None else "gamma default"
     outer = (f", outer Nesterov momentum {options.outer_momentum:g} lr {options.outer_lr:g}"
              if options.outer_momentum else "")
+    if outer and options.total_steps is not None:
+        outer += f" annealed over {options.total_steps} steps"
     mode = ("wait-free" + (", going on without lost nodes"
                            if options.on_peer_loss == "continue" else "")
             if options.wait_free else f"staleness {options.staleness}")

@@ -13,8 +13,10 @@ from qcomm.sgd.assgd import ASSGD
 from qcomm.sgd.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from qcomm.sgd.checkpoint_file import CheckpointError, UnsafeCheckpointError
 from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
+from qcomm.sgd.settings import ADAMW_SLOW_LINK, SLOW_LINK
 from qcomm.sgd.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
-__all__ = ["ASSGD", "CheckpointError", "HierarchicalOptimizer", "NonFiniteGradientError",
-           "ShardedParamsError", "UnsafeCheckpointError", "checkpoint_path", "load_checkpoint",
-           "load_sharded_checkpoint", "save_checkpoint", "save_sharded_checkpoint"]
+__all__ = ["ADAMW_SLOW_LINK", "ASSGD", "SLOW_LINK", "CheckpointError", "HierarchicalOptimizer",
+           "NonFiniteGradientError", "ShardedParamsError", "UnsafeCheckpointError",
+           "checkpoint_path", "load_checkpoint", "load_sharded_checkpoint", "save_checkpoint",
+           "save_sharded_checkpoint"]

@@ -139,6 +139,9 @@ class CompressedGossip(GossipMember):
             ``u = mu u + d; x_f = a_f + lr (d + mu u)``, then the mixing. ``outer_lr=1,
             outer_momentum=0`` (default) is plain CHOCO. The average of the members moves by
             the outer step on their average progress; the mixing still preserves it.
+        total_steps: the run's length in local steps, or None: the outer lr is held for its
+            first 30%, then anneals to ``min(outer_lr, 1 - outer_momentum)`` at its end
+            (:mod:`.outer_anneal`).
 
     Buffers (fp32 ``[numel]`` x 3 (x 4 with momentum), plus ``staleness + 1`` rounds of uint8
     ``[degree + 1, packed_nbytes(numel / F, spec)]``) are created on the first :meth:`step`, on
@@ -152,13 +155,14 @@ class CompressedGossip(GossipMember):
                  gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
                  outer_momentum: float = 0.0, outer_lr: float = 1.0,
-                 round_period: int = 1, first_step: int = 0) -> None:
+                 round_period: int = 1, first_step: int = 0,
+                 total_steps: int | None = None) -> None:
         # hyperparameters (checked with the limits every layer shares, then fixed)
         self._set_hyperparameters(
             numel, graph=graph, mixing=mixing, spec=spec, gamma=gamma, staleness=staleness,
             timeout_s=timeout_s, seed=seed, fragments=fragments,
             outer_momentum=outer_momentum, outer_lr=outer_lr, round_period=round_period,
-            stats=stats, first_step=first_step)
+            stats=stats, first_step=first_step, total_steps=total_steps)
 
         self.group = resolve_group(group)
         self.group_ranks, self.member = _check_group(group_ranks, self.group)

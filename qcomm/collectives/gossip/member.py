@@ -26,6 +26,7 @@ from .options import (
     check_staleness,
     check_timeout,
 )
+from .outer_anneal import annealed_outer_lr, check_total_steps
 
 __all__ = ["GossipMember", "fragment_slice"]
 
@@ -52,7 +53,7 @@ class GossipMember:
                              gamma: float | None, staleness: int, timeout_s: float, seed: int,
                              fragments: int, outer_momentum: float, outer_lr: float,
                              round_period: int, stats: CommStats | None,
-                             first_step: int = 0) -> None:
+                             first_step: int = 0, total_steps: int | None = None) -> None:
         """Check the hyperparameters with the functions of :mod:`.options` (``CommOptions``
         checks the same options with the same functions), then fix them."""
         self.graph = check_graph(graph)
@@ -70,6 +71,8 @@ class GossipMember:
         self.outer_momentum = check_outer_momentum(outer_momentum)
         self.outer_lr = check_outer_lr(outer_lr)
         self._outer = self.outer_momentum != 0 or self.outer_lr != 1
+        # The run's length: the outer lr anneals over its last 70% (outer_anneal.py).
+        self.total_steps = check_total_steps(total_steps)
         self.round_period = check_int("round_period", round_period, low=1)
         check_instance("stats", stats, CommStats, allow_none=True)
         self.stats = stats if stats is not None else CommStats()
@@ -98,7 +101,9 @@ class GossipMember:
             d = torch.sub(xf, a)
             u.mul_(self.outer_momentum).add_(d)
             d.add_(u, alpha=self.outer_momentum)
-            torch.add(a, d, alpha=self.outer_lr, out=xf)
+            lr = annealed_outer_lr(self.outer_lr, self.outer_momentum, self.steps,
+                                   self.total_steps)
+            torch.add(a, d, alpha=lr, out=xf)
         c = correction()
         xf.add_(c, alpha=step)
         if self._outer:

@@ -77,7 +77,7 @@ class WaitFreeGossip(GossipMember):
             :class:`~qcomm.collectives.group.CommGroup`, a process group, or None: the default
             group), which makes the streams.
         numel: floats each member gossips (its shard), >= 1.
-        graph, mixing, spec, seed, fragments, outer_momentum, outer_lr: as
+        graph, mixing, spec, seed, fragments, outer_momentum, outer_lr, total_steps: as
             :class:`~.choco.CompressedGossip`.
         gamma: consensus step in (0, 1]; None: :func:`~.gamma.default_gamma` (bits, staleness).
         staleness: rounds by which the member's own copy in the mixing lags its fresh copy
@@ -119,12 +119,12 @@ class WaitFreeGossip(GossipMember):
                  stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
                  outer_momentum: float = 0.0, outer_lr: float = 1.0, round_period: int = 1,
                  max_backlog: int = 64, on_peer_loss: str = "raise",
-                 first_step: int = 0) -> None:
+                 first_step: int = 0, total_steps: int | None = None) -> None:
         self._set_hyperparameters(
             numel, graph=graph, mixing=mixing, spec=spec, gamma=gamma, staleness=staleness,
             timeout_s=timeout_s, seed=seed, fragments=fragments,
             outer_momentum=outer_momentum, outer_lr=outer_lr, round_period=round_period,
-            stats=stats, first_step=first_step)
+            stats=stats, first_step=first_step, total_steps=total_steps)
         self.max_backlog = check_max_backlog(max_backlog)
         self.on_peer_loss = check_on_peer_loss(on_peer_loss)
         self.group = resolve_group(group)
