@@ -23,8 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives.gloo.transport import GlooTransport
 from qcomm.collectives.gossip.choco import CompressedGossip
-from qcomm.collectives.gossip.transport import GlooTransport
 from qcomm.collectives.links import RoundHandle, Transport
 from qcomm.compress import QuantSpec
 

@@ -4,7 +4,7 @@
 
 ``procs`` local processes (one per emulated node, Gloo over loopback) exchange one uint8 payload
 of ``nbytes`` per round with their ring neighbours through
-:class:`qcomm.collectives.gossip.transport.GlooTransport`, posting the receives first
+:class:`qcomm.collectives.gloo.transport.GlooTransport`, posting the receives first
 (``recv_first=True``, what gossip does) or the sends first. The two orders alternate in blocks
 of 10 rounds, so both see the same machine load. Rank 0 prints the median and quartiles of the
 time from posting a round to its completion, per order, and the ratio of the medians. Default
@@ -20,8 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives.gloo.transport import GlooTransport
 from qcomm.collectives.gossip.graphs import neighbours
-from qcomm.collectives.gossip.transport import GlooTransport
 from qcomm.compress import QuantSpec, packed_nbytes
 
 SETUP_ROUNDS = 5  # rounds of each order not timed: the connections are set up in them

@@ -7,6 +7,7 @@ The package in layers, top to bottom; each imports only its own layer and the la
                        runners; may import every layer, and no layer imports it
     qcomm.hooks        DDP comm hooks                                  (siblings: neither
     qcomm.sgd          ASSGD and HierarchicalOptimizer, torch.optim     imports the other)
+    qcomm.checkpoint   per-rank and sharded (DCP) checkpoints of an optimizer on the engine
     qcomm.engine       one model's communication: AveragingEngine, CommOptions
     qcomm.collectives  topology, intra-node allreduce, hierarchical allreduce, compressed gossip
     qcomm.compress     the codec: QuantSpec, quantize / dequantize / dequant_accumulate

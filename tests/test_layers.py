@@ -22,13 +22,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("compress", ("qcomm.compress",)),
     ("collectives", ("qcomm.collectives",)),
     ("engine", ("qcomm.engine",)),
+    # Saves and loads what the optimizers above hold, without naming them (qcomm.sgd
+    # re-exports its functions).
+    ("checkpoint", ("qcomm.checkpoint",)),
     # Siblings at the top of the library: neither imports the other.
     ("sgd", ("qcomm.sgd",)),
     ("hooks", ("qcomm.hooks",)),
     ("testing", ("qcomm.testing",)),
 ]
 RANK = {"foundation": 0, "rendezvous": 1, "kernels": 1, "compress": 2, "collectives": 3,
-        "engine": 4, "sgd": 5, "hooks": 5, "testing": 6}
+        "engine": 4, "checkpoint": 5, "sgd": 6, "hooks": 6, "testing": 7}
 
 
 def layer_of(module: str) -> str | None:

@@ -3,17 +3,16 @@
 Every collective of this package, every gossip member and the engine talk to their peers
 through a :class:`CommGroup`: who the members are, the three collectives the pipelines are
 built from, a barrier, and factories for the two ways gossip moves messages (one payload per
-round, :mod:`.gossip.transport`; ordered streams, :mod:`.gossip.streams`). A :class:`World`
-says who this process is and creates a job's groups.
+round and ordered streams, :mod:`.links`; over Gloo, :mod:`.gloo`). A :class:`World` says who
+this process is and creates a job's groups.
 
 Two implementations stand behind these interfaces, and nothing above them knows which one it
 got: :mod:`.torch_group` (``torch.distributed`` process groups: Gloo, NCCL) and
 :mod:`.memory` (a whole job's ranks as threads of one process, or driven step by step from
 one thread; tests and simulations). A function that takes a ``group`` accepts a
 ``CommGroup``, a ``torch.distributed`` process group, or None (the default group), and turns
-it into a ``CommGroup`` with :func:`resolve_group`: a bare handle is wrapped by the world that
-registered itself for them (:func:`register_bare_groups`; :mod:`.torch_group` does, when the
-package is imported), so that nothing here imports the implementations.
+it into a ``CommGroup`` with :func:`resolve_group`: a bare handle is torch.distributed's, and
+:mod:`.torch_group` wraps it (the one implementation this module names, in that function).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ if TYPE_CHECKING:
     from qcomm.collectives.links import MessageStreams, Transport
     from qcomm.collectives.stats import CommStats
 
-__all__ = ["REDUCE_OPS", "CommGroup", "Work", "World", "register_bare_groups", "resolve_group"]
+__all__ = ["REDUCE_OPS", "CommGroup", "Work", "World", "resolve_group"]
 
 REDUCE_OPS = ("sum", "max", "min")
 
@@ -107,7 +106,7 @@ class CommGroup(ABC):
     def transport(self, peers: list[int], *, stats: CommStats | None,
                   level: str) -> Transport:
         """This member's round-based exchange with the members ``peers`` (member indices):
-        one payload per round to and from each (:class:`~.gossip.transport.Transport`);
+        one payload per round to and from each (:class:`~.links.Transport`);
         bytes sent counted in ``stats`` under ``level``."""
 
     @abstractmethod
@@ -118,7 +117,7 @@ class CommGroup(ABC):
         messages of ``nbytes`` bytes, at most ``max_backlog`` per neighbour not yet taken, a
         stream silent for ``timeout_s`` fails, ``stream_end(message, sender)`` says whether a
         message ends its stream: ``"goodbye"`` (not delivered) or ``"last"`` (delivered, and
-        nothing follows it), None otherwise (:class:`~.gossip.streams.MessageStreams`)."""
+        nothing follows it), None otherwise (:class:`~.links.MessageStreams`)."""
 
 
 class World(ABC):
@@ -156,27 +155,16 @@ class World(ABC):
         groups to move them."""
 
 
-# What wraps a bare group handle (a torch.distributed process group, or None: the default
-# group) into a CommGroup: registered by the world that owns such handles.
-_bare_groups: Callable[[Any], CommGroup] | None = None
-
-
-def register_bare_groups(wrap: Callable[[Any], CommGroup]) -> None:
-    """Make ``wrap`` what :func:`resolve_group` calls on a group that is not a CommGroup."""
-    global _bare_groups
-    _bare_groups = wrap
-
-
 def resolve_group(group: Any) -> CommGroup:
-    """``group`` as a :class:`CommGroup`: itself when it is one, else what the registered
-    world makes of it (``torch.distributed``'s: the process group it names, None the default
-    group)."""
+    """``group`` as a :class:`CommGroup`: itself when it is one, else the
+    ``torch.distributed`` process group it names (None: the default group) as a
+    :class:`~qcomm.collectives.torch_group.TorchGroup`."""
     if isinstance(group, CommGroup):
         return group
     if isinstance(group, type):  # never a handle; the wrapper would take it and fail much later
         fail_instance("group", group, CommGroup, "a qcomm.collectives.group.CommGroup")
         fail("group", "a CommGroup, a torch.distributed process group or None", group, TypeError)
-    if _bare_groups is None:
-        raise RuntimeError("no world takes bare group handles: import qcomm.collectives, whose "
-                           "torch.distributed world registers itself")
-    return _bare_groups(group)
+    # Imported here: torch_group's classes are built on this module's.
+    from qcomm.collectives.torch_group import TorchGroup
+
+    return TorchGroup(group)

@@ -28,11 +28,11 @@ In full (the shard sizes, the bytes per level, the accuracy bound): docs/design.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from qcomm.collectives.buckets import Bucket, pack, unpack
+from qcomm.collectives.group import CommGroup, resolve_group
 from qcomm.collectives.handles import Handle, Last
 from qcomm.collectives.intra import BucketedMean
 from qcomm.collectives.primitives import acc_dtype, start_all_gather, start_reduce_scatter
@@ -135,7 +135,8 @@ class HierarchicalAllreduce(BucketedMean):
         topo = self.topology
         if topo.world_size == 1:
             return Handle.completed("hierarchical allreduce")
-        intra, rail = topo.intra_group, topo.rail_group
+        # resolved once for every bucket's steps
+        intra, rail = resolve_group(topo.intra_group), resolve_group(topo.rail_group)
         plan, call, key = self._next_call(tensors, key)
         pipelines = [
             self._pipeline(b, tensors, intra, rail, f"{key}/{i}",
@@ -148,8 +149,8 @@ class HierarchicalAllreduce(BucketedMean):
             handle.wait(self.timeout_s)
         return handle
 
-    def _pipeline(self, bucket: Bucket, tensors: list[torch.Tensor], intra: Any, rail: Any,
-                  key: str, seed: int):
+    def _pipeline(self, bucket: Bucket, tensors: list[torch.Tensor], intra: CommGroup,
+                  rail: CommGroup, key: str, seed: int):
         L, N = self.topology.procs_per_node, self.topology.num_nodes
         spec = self.spec
         device, dtype = tensors[0].device, bucket.dtype

@@ -28,7 +28,6 @@ message per peer step: ``P - 1`` messages per collective.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -41,6 +40,7 @@ from qcomm.collectives.buckets import (
     plan_buckets,
     unpack,
 )
+from qcomm.collectives.group import CommGroup, resolve_group
 from qcomm.collectives.handles import Handle, Last
 from qcomm.collectives.primitives import (
     decode_mean,
@@ -187,7 +187,7 @@ class IntraNodeAllreduce(BucketedMean):
         if L == 1:
             # Alone on the node: the mean is the tensor itself (no codec: nothing is sent).
             return Handle.completed("intra-node allreduce")
-        group = topo.intra_group
+        group = resolve_group(topo.intra_group)   # once for every bucket's steps
         plan, call, key = self._next_call(tensors, key)
         pipelines = [
             self._full_pipeline(b, tensors, group, L) if self.spec is None
@@ -201,7 +201,8 @@ class IntraNodeAllreduce(BucketedMean):
             handle.wait(self.timeout_s)
         return handle
 
-    def _full_pipeline(self, bucket: Bucket, tensors: list[torch.Tensor], group: Any, L: int):
+    def _full_pipeline(self, bucket: Bucket, tensors: list[torch.Tensor], group: CommGroup,
+                       L: int):
         c = -(-bucket.numel // L)
         buf = torch.zeros(L * c, dtype=bucket.dtype, device=tensors[0].device)
         pack(bucket, tensors, buf)
@@ -212,8 +213,8 @@ class IntraNodeAllreduce(BucketedMean):
         yield Last(start_all_gather(out, mine, group, L, self.stats, "intra"))
         unpack(bucket, out, tensors)
 
-    def _codec_pipeline(self, bucket: Bucket, tensors: list[torch.Tensor], group: Any, L: int,
-                        key: str, seed: int):
+    def _codec_pipeline(self, bucket: Bucket, tensors: list[torch.Tensor], group: CommGroup,
+                        L: int, key: str, seed: int):
         device = tensors[0].device
         x = pack(bucket, tensors, torch.empty(bucket.numel, dtype=bucket.dtype, device=device))
         nbytes = packed_nbytes(bucket.numel, self.spec)
@@ -254,6 +255,6 @@ class IntraNodeAllreduce(BucketedMean):
         if L == 1:
             out.copy_(shard.view(-1))
             return
-        group = self.topology.intra_group
+        group = resolve_group(self.topology.intra_group)
         work = start_all_gather(out, shard.view(-1), group, L, self.stats, "intra")
         wait_works([work], self.timeout_s, "intra-node all-gather", group, "intra")

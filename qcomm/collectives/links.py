@@ -3,8 +3,8 @@ interfaces: one payload per round (:class:`Transport`, the bounded-staleness gos
 streams (:class:`MessageStreams`, the wait-free gossip). A group makes them
 (:meth:`~qcomm.collectives.group.CommGroup.transport`,
 :meth:`~qcomm.collectives.group.CommGroup.streams`); the implementations stand beside the
-groups that make them: ``torch.distributed``'s in :mod:`.gossip.transport` and
-:mod:`.gossip.streams` (Gloo point-to-point), the in-memory world's in
+groups that make them: ``torch.distributed``'s in :mod:`.gloo.transport` and
+:mod:`.gloo.streams` (Gloo point-to-point), the in-memory world's in
 :mod:`.memory.transport` and :mod:`.memory.streams`.
 
 Transport: :meth:`Transport.exchange` starts one round: it posts one receive per neighbour,

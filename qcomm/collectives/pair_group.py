@@ -27,6 +27,7 @@ import torch.distributed as dist
 from qcomm.rendezvous.seat import INCARNATION_KEY, claim_incarnation
 from qcomm.validation import check_int, check_timeout
 
+from .gloo.streams import GlooStreams
 from .group import CommGroup, Work
 from .links import MessageStreams
 
@@ -137,8 +138,6 @@ class PairGroup(CommGroup):
 
     def streams(self, peers: list[int], *, nbytes: int, max_backlog: int, timeout_s: float,
                 stream_end, stats, level: str) -> MessageStreams:
-        from qcomm.collectives.gossip.streams import GlooStreams
-
         return GlooStreams(self.ranks, None, self.rank, peers, nbytes, max_backlog=max_backlog,
                            timeout_s=timeout_s, stream_end=stream_end, stats=stats,
                            level=level, connect=self.connect)

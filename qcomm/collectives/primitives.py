@@ -1,9 +1,13 @@
 """The steps every collective of this package is built from.
 
-Each function takes a ``group``: a :class:`~qcomm.collectives.group.CommGroup`, a
-``torch.distributed`` process group, or None (the default group); :func:`resolve_group` makes
-it a ``CommGroup`` and everything here goes through that interface, so the same code runs over
-torch.distributed (:mod:`.torch_group`) and in memory (:mod:`.memory`).
+Everything here goes through the :class:`~qcomm.collectives.group.CommGroup` interface, so the
+same code runs over torch.distributed (:mod:`.torch_group`) and in memory (:mod:`.memory`). A
+caller holding a handle (a ``torch.distributed`` process group, or None: the default group)
+makes it a ``CommGroup`` once, with :func:`resolve_group`, and passes that on: the pipeline
+steps and :func:`all_to_all_single`, :func:`all_reduce_mean_future` take a resolved group.
+:func:`all_reduce`, :func:`all_gather_flat`, :func:`wait_works`, :func:`group_size` and
+:func:`other_ranks` still take any handle (the engine's callers pass their Topology's), and
+resolve it once.
 
 * wrappers: :func:`all_reduce`, :func:`all_gather_flat`, :func:`all_to_all_single`, and
   :func:`all_reduce_mean_future` (DDP's own averaging, for the hook's warm-up), each posting
@@ -135,9 +139,15 @@ def wait_work(work: Any, deadline: float | None, timeout_s: float | None, operat
 
 def wait_works(works: list[Any], timeout_s: float | None, operation: str, group: Any,
                link: str | None) -> None:
-    """Wait for ``works`` on ``group`` with one deadline for all of them."""
+    """Wait for ``works`` on ``group`` (any handle) with one deadline for all of them."""
+    _wait_all(works, timeout_s, operation, resolve_group(group), link)
+
+
+def _wait_all(works: list[Any], timeout_s: float | None, operation: str, group: CommGroup,
+              link: str | None) -> None:
+    """:func:`wait_works` on a resolved group."""
     deadline = None if timeout_s is None else time.monotonic() + float(timeout_s)
-    peers = other_ranks(group)
+    peers = group.other_ranks()
     for w in works:
         wait_work(w, deadline, timeout_s, operation, peers, link)
 
@@ -169,43 +179,47 @@ def _finish(work: Work, async_op: bool, operation: str, group: CommGroup,
 def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum", *,
                timeout_s: float | None = None, link: str | None = None,
                operation: str = "all_reduce") -> None:
-    """Reduce ``tensor`` in place over ``group`` (``op``: ``"sum"``, ``"max"`` or ``"min"``),
-    blocking, for at most ``timeout_s`` seconds (None: the group's own timeout).
+    """Reduce ``tensor`` in place over ``group`` (any handle, resolved once here; ``op``:
+    ``"sum"``, ``"max"`` or ``"min"``), blocking, for at most ``timeout_s`` seconds (None: the
+    group's own timeout).
 
     Raises:
         PeerTimeoutError, PeerLostError: naming the group's other ranks and ``link``.
     """
     g = resolve_group(group)
     work = _post(lambda: g.all_reduce(tensor, op), operation, g, link)
-    wait_works([work], timeout_s, operation, g, link)
+    _wait_all([work], timeout_s, operation, g, link)
 
 
-def all_reduce_mean_future(tensor: torch.Tensor, group: Any) -> torch.futures.Future:
+def all_reduce_mean_future(tensor: torch.Tensor, group: CommGroup) -> torch.futures.Future:
     """DDP's own averaging: ``tensor`` divided by the group's size, then summed over ``group``
-    asynchronously. Returns a future completing with the averaged ``tensor``."""
-    g = resolve_group(group)
-    tensor.div_(g.size)
-    return g.all_reduce_future(tensor)
+    (resolved) asynchronously. Returns a future completing with the averaged ``tensor``."""
+    tensor.div_(group.size)
+    return group.all_reduce_future(tensor)
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, *,
                     async_op: bool = False, link: str | None = None,
                     operation: str = "all_gather") -> Work | None:
-    """``out`` (flat, ``size * inp.numel()``) = every member's ``inp`` by group rank. Returns the
-    work when ``async_op``."""
-    g = resolve_group(group)
-    return _post(lambda: _finish(g.all_gather_flat(out, inp), async_op, operation, g, link),
-                 operation, g, link)
+    """``out`` (flat, ``size * inp.numel()``) = every member's ``inp`` by group rank, over
+    ``group`` (any handle, resolved once here). Returns the work when ``async_op``."""
+    return _all_gather_flat(out, inp, resolve_group(group), async_op, link, operation)
 
 
-def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group: Any, *,
+def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: CommGroup, async_op: bool,
+                     link: str | None, operation: str) -> Work | None:
+    """:func:`all_gather_flat` on a resolved group."""
+    return _post(lambda: _finish(group.all_gather_flat(out, inp), async_op, operation, group,
+                                 link), operation, group, link)
+
+
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group: CommGroup, *,
                       async_op: bool = False, link: str | None = None,
                       operation: str = "all_to_all") -> Work | None:
-    """Equal-split all-to-all: chunk k of ``out`` = chunk ``my rank`` of member k's ``inp``.
-    Returns the work when ``async_op``."""
-    g = resolve_group(group)
-    return _post(lambda: _finish(g.all_to_all_single(out, inp), async_op, operation, g, link),
-                 operation, g, link)
+    """Equal-split all-to-all over ``group`` (resolved): chunk k of ``out`` = chunk ``my rank``
+    of member k's ``inp``. Returns the work when ``async_op``."""
+    return _post(lambda: _finish(group.all_to_all_single(out, inp), async_op, operation, group,
+                                 link), operation, group, link)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,36 +231,35 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def start_reduce_scatter(buf: torch.Tensor, group: Any, size: int, stats: CommStats,
+def start_reduce_scatter(buf: torch.Tensor, group: CommGroup, size: int, stats: CommStats,
                          level: str) -> tuple[Any, Any]:
-    """Start summing ``buf`` (flat ``[size * c]``, wire dtype) over ``group``: rank i gets the
-    sum of everyone's chunk i. Returns (work, result) where ``result()``, called after the work
-    completed, gives that sum as a new ``[c]`` tensor in :func:`acc_dtype`."""
+    """Start summing ``buf`` (flat ``[size * c]``, wire dtype) over ``group`` (resolved): rank
+    i gets the sum of everyone's chunk i. Returns (work, result) where ``result()``, called
+    after the work completed, gives that sum as a new ``[c]`` tensor in :func:`acc_dtype`."""
     c = buf.numel() // size
     stats.record(level, (size - 1) * c * buf.element_size(), size - 1)
     acc = acc_dtype(buf.dtype)
-    g = resolve_group(group)
-    if g.native_reduce_scatter(buf.device):
+    if group.native_reduce_scatter(buf.device):
         out = torch.empty(c, dtype=buf.dtype, device=buf.device)
         operation = f"{level}-node reduce-scatter"
-        work = _post(lambda: Posted(g.reduce_scatter_flat(out, buf), operation, g, level),
-                     operation, g, level)
+        work = _post(lambda: Posted(group.reduce_scatter_flat(out, buf), operation, group,
+                                    level), operation, group, level)
         return work, lambda: out.to(acc)
     # Otherwise (Gloo: its reduce-scatter would all-reduce the whole buffer) all-to-all moves
     # (size-1)/size of it, and the received chunks are summed here, by source rank, in acc
     # dtype.
     recv = torch.empty_like(buf)
-    work = all_to_all_single(recv, buf, g, async_op=True, link=level,
+    work = all_to_all_single(recv, buf, group, async_op=True, link=level,
                              operation=f"{level}-node reduce-scatter")
     return work, lambda: recv.view(size, c).sum(dim=0, dtype=acc)
 
 
-def start_all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, size: int,
+def start_all_gather(out: torch.Tensor, shard: torch.Tensor, group: CommGroup, size: int,
                      stats: CommStats, level: str) -> Any:
-    """Start ``out = cat(every member's shard)`` (flat, by group rank). Returns the work."""
+    """Start ``out = cat(every member's shard)`` (flat, by group rank) over ``group``
+    (resolved). Returns the work."""
     stats.record(level, (size - 1) * shard.numel() * shard.element_size(), size - 1)
-    return all_gather_flat(out, shard, group, async_op=True, link=level,
-                           operation=f"{level}-node all-gather")
+    return _all_gather_flat(out, shard, group, True, level, f"{level}-node all-gather")
 
 
 def quantize_or_poison(ef: ErrorFeedback, key: str, x: torch.Tensor, spec: QuantSpec, seed: int,

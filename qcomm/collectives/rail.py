@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from qcomm.collectives.group import CommGroup
 from qcomm.collectives.handles import Last
 from qcomm.collectives.primitives import (
     all_to_all_single,
@@ -119,7 +120,8 @@ RailStep = Generator[Any, None, tuple[torch.Tensor, NonFiniteError | None, list[
 
 
 def rail_mean(form: str, shard: torch.Tensor, ef: ErrorFeedback, key: str, spec: QuantSpec,
-              seed: int, rail: Any, num_nodes: int, stats: CommStats, last: bool) -> RailStep:
+              seed: int, rail: CommGroup, num_nodes: int, stats: CommStats, last: bool
+              ) -> RailStep:
     """A pipeline segment: average ``shard`` over the rail in ``form``.
 
     Args:
@@ -131,7 +133,7 @@ def rail_mean(form: str, shard: torch.Tensor, ef: ErrorFeedback, key: str, spec:
             reduce-scatter, ``key + "/owner"`` (``s / num_nodes`` elements, the chunk this node
             owns).
         seed: the message seed of this shard (stage 2 derives its own from it).
-        rail: the rail's process group (or in-memory group); ``stats`` counts ``"inter"``.
+        rail: the rail's group (resolved); ``stats`` counts ``"inter"``.
         last: whether this is the pipeline's last communication (its final work is then
             yielded as :class:`Last`).
 

@@ -3,10 +3,12 @@ its collectives and creates its groups.
 
 * :class:`TorchGroup`: a process group (None: the default group) as a
   :class:`~.group.CommGroup`; its gossip messages go over Gloo point-to-point
-  (:class:`~.gossip.transport.GlooTransport`, :class:`~.gossip.streams.GlooStreams`).
+  (:class:`~.gloo.transport.GlooTransport`, :class:`~.gloo.streams.GlooStreams`).
 * :class:`TorchWorld`: the job torch.distributed runs (its rank and size, torchrun's
   ``RANK`` / ``WORLD_SIZE`` before it is initialized, ``new_group``).
-* :func:`resolve_group`: what every function taking a ``group`` calls first.
+
+:func:`~.group.resolve_group`, what every function taking a ``group`` calls first, wraps a
+bare process group (or None) in a :class:`TorchGroup`.
 
 The adapter is cheap to build (it asks torch.distributed for the members only when an error
 needs to name them), so none is kept: a process group can be destroyed and the default group
@@ -21,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives.group import REDUCE_OPS, CommGroup, Work, World, register_bare_groups
+from qcomm.collectives.gloo.streams import GlooStreams
+from qcomm.collectives.gloo.transport import GlooTransport
+from qcomm.collectives.group import REDUCE_OPS, CommGroup, Work, World
 from qcomm.validation import check_choice, env_int
 
 if TYPE_CHECKING:
@@ -106,17 +110,12 @@ class TorchGroup(CommGroup):
 
     def transport(self, peers: list[int], *, stats: CommStats | None,
                   level: str) -> Transport:
-        # Imported here: the gossip package imports the primitives, which import this module.
-        from qcomm.collectives.gossip.transport import GlooTransport
-
         return GlooTransport(self.ranks, self.process_group, self.rank, peers, stats,
                              level=level)
 
     def streams(self, peers: list[int], *, nbytes: int, max_backlog: int, timeout_s: float,
                 stream_end: Callable[[torch.Tensor, int], str | None], stats: CommStats | None,
                 level: str) -> MessageStreams:
-        from qcomm.collectives.gossip.streams import GlooStreams
-
         return GlooStreams(self.ranks, self.process_group, self.rank, peers, nbytes,
                            max_backlog=max_backlog, timeout_s=timeout_s,
                            stream_end=stream_end, stats=stats, level=level)
@@ -181,6 +180,3 @@ class TorchWorld(World):
     def __repr__(self) -> str:
         return "TorchWorld()"
 
-
-# A process group, or None (the default group), passed where a group is asked for.
-register_bare_groups(TorchGroup)

@@ -1,5 +1,6 @@
-"""The torch.optim surface of qcomm: optimizers on the averaging engine, and per-rank
-checkpoints.
+"""The torch.optim surface of qcomm: optimizers on the averaging engine, the settings the README
+recommends (``SLOW_LINK``, ``ADAMW_SLOW_LINK``), and the checkpoints' functions and errors
+(from :mod:`qcomm.checkpoint`, where they live).
 
     from qcomm.sgd import ASSGD, HierarchicalOptimizer, save_checkpoint, load_checkpoint
 
@@ -7,14 +8,21 @@ checkpoints.
     opt = HierarchicalOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), bits=4)
 """
 
+# The checkpoints live in qcomm.checkpoint; their names stay importable from here.
+from qcomm.checkpoint import (
+    CheckpointError,
+    UnsafeCheckpointError,
+    checkpoint_path,
+    load_checkpoint,
+    load_sharded_checkpoint,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
 from qcomm.engine.gradients import NonFiniteGradientError
 from qcomm.engine.sharded import ShardedParamsError
 from qcomm.sgd.assgd import ASSGD
-from qcomm.sgd.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from qcomm.sgd.checkpoint_file import CheckpointError, UnsafeCheckpointError
 from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
 from qcomm.sgd.settings import ADAMW_SLOW_LINK, SLOW_LINK
-from qcomm.sgd.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
 __all__ = ["ADAMW_SLOW_LINK", "ASSGD", "SLOW_LINK", "CheckpointError", "HierarchicalOptimizer",
            "NonFiniteGradientError", "ShardedParamsError", "UnsafeCheckpointError",

@@ -34,14 +34,13 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from qcomm.checkpoint.optimizer import STATE_KEY, CheckpointableOptimizer
 from qcomm.collectives.topology import Topology
 from qcomm.engine import AveragingEngine, CommOptions
 from qcomm.engine.options import user_stacklevel
 from qcomm.validation import check_instance
 
 __all__ = ["STATE_KEY", "HierarchicalOptimizer"]
-
-STATE_KEY = "qcomm"
 
 _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
@@ -56,7 +55,7 @@ def _forwarded(name: str) -> property:
                     doc=f"The wrapped optimizer's ``{name}`` (None when it has none).")
 
 
-class HierarchicalOptimizer(Optimizer):
+class HierarchicalOptimizer(Optimizer, CheckpointableOptimizer):
     """Wraps ``optimizer`` with hierarchical communication: gradients averaged inside each node
     (synchronous, full precision by default), parameters gossiped between nodes (asynchronous,
     compressed, CHOCO with error feedback).

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives.gossip.streams import GlooStreams
+from qcomm.collectives.gloo.streams import GlooStreams
 from qcomm.testing.multiprocess import run_world
 
 NBYTES = 64

@@ -43,7 +43,8 @@ def _values(rank: int, size: int, salt: int) -> torch.Tensor:
 
 
 def _primitives(rank: int, group: object, salt: int) -> dict:
-    """Every primitive once on ``group``; what each produced, and the bytes counted."""
+    """Every primitive once on ``group``; what each produced, and the bytes counted. Those
+    that take any handle are given ``group`` as it comes, the others its resolved ``g``."""
     g = resolve_group(group)
     n, out = g.size, {}
     out["members"] = (g.ranks, g.rank, other_ranks(group))
@@ -56,18 +57,18 @@ def _primitives(rank: int, group: object, salt: int) -> dict:
     all_gather_flat(gathered, x, group)
     out["all_gather"] = gathered
     swapped = torch.empty_like(x)
-    all_to_all_single(swapped, x, group)
+    all_to_all_single(swapped, x, g)
     out["all_to_all"] = swapped
     stats = CommStats()
-    work, chunk_sum = start_reduce_scatter(x.clone(), group, n, stats, "intra")
+    work, chunk_sum = start_reduce_scatter(x.clone(), g, n, stats, "intra")
     wait_works([work], TIMEOUT_S, "reduce-scatter", group, "intra")
     out["reduce_scatter"] = chunk_sum()
     whole = torch.empty(n * CHUNK)
-    work = start_all_gather(whole, out["reduce_scatter"], group, n, stats, "intra")
+    work = start_all_gather(whole, out["reduce_scatter"], g, n, stats, "intra")
     wait_works([work], TIMEOUT_S, "all-gather", group, "intra")
     out["all_gather_pipeline"] = whole
     out["bytes"] = stats.snapshot()
-    out["mean_future"] = all_reduce_mean_future(_values(rank, n, salt + 2), group).wait()
+    out["mean_future"] = all_reduce_mean_future(_values(rank, n, salt + 2), g).wait()
     g.barrier()
     return out
 

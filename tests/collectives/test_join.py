@@ -47,7 +47,7 @@ def test_a_lost_member_rejoins_and_the_ring_opens_to_it() -> None:
     for i, m in enumerate(sim.members):
         assert m.lost == set(), i
         assert m.live_members() == 5
-        assert all(m.membership.greeted[k] for k in m.membership.live_links())
+        assert all(m.membership.links[k].greeted for k in m.membership.live_links())
     # the retired link is not a loss: one loss each on 1 and 3 (member 2's death), no more
     assert [len(m.losses) for m in sim.members] == [0, 1, 0, 1, 0]
     sim.run(xs, 10)

@@ -69,7 +69,7 @@ def _check_ring_closed(sim: WaitFreeSimulator, dead: list[int]) -> None:
         ring = {survivors[pos - 1], survivors[(pos + 1) % len(survivors)]}
         assert set(_live_peers(m)) == ring - {i}
         # every neighbour it now mixes with is one whose copy it set up from a hello or held
-        assert all(m.membership.greeted[k] for k in m.membership.live_links())
+        assert all(m.membership.links[k].greeted for k in m.membership.live_links())
 
 
 @pytest.mark.parametrize("after_sending", [False, True])

@@ -262,20 +262,6 @@ def test_a_missing_own_file_of_the_same_world_size_says_so(tmp_path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
-def test_qcomm_state_is_moved_to_the_parameters_device() -> None:
-    """Checkpoints load on the CPU; qcomm's own state follows the parameters (here to the
-    meta device, the one other device every machine has), nested containers kept."""
-    from qcomm.sgd.checkpoint import _to_device
-
-    state = {"a": torch.ones(2), "b": [torch.zeros(1), (3, torch.ones(1))], "c": "x",
-             "d": None}
-    moved = _to_device(state, torch.device("meta"))
-    assert moved["a"].is_meta and moved["b"][0].is_meta and moved["b"][1][1].is_meta
-    assert isinstance(moved["b"][1], tuple) and moved["b"][1][0] == 3
-    assert moved["c"] == "x" and moved["d"] is None
-    assert state["a"].device.type == "cpu"  # the input is not changed
-
-
 def test_comm_options_object_and_keywords_build_the_same_options() -> None:
     """comm= is the one options object; keywords build it, or replace its fields."""
     from qcomm.engine import CommOptions

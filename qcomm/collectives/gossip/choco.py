@@ -41,7 +41,7 @@ import torch.distributed as dist
 from qcomm.collectives.errors import CorruptPayloadError, PeerTimeoutError
 from qcomm.collectives.group import CommGroup, resolve_group
 from qcomm.collectives.links import RoundHandle
-from qcomm.collectives.primitives import all_reduce, group_size
+from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.stats import CommStats
 from qcomm.compress import WIRE_FORMAT_VERSION, QuantSpec, packed_nbytes
 from qcomm.seeds import gossip_message_seed
@@ -450,10 +450,11 @@ def consensus_distance(x: torch.Tensor, group: CommGroup | dist.ProcessGroup | N
     Computed in float64 (two all-reduces) so that distances far below ``|x|`` are still exact
     enough to test convergence to 1e-3 and beyond.
     """
-    n = group_size(group)
+    g = resolve_group(group)
+    n = g.size
 
     def total(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        all_reduce(t, group, timeout_s=timeout_s, operation="consensus distance")
+        all_reduce(t, g, timeout_s=timeout_s, operation="consensus distance")
         return t, n
 
     return distance_from_sums(x, total)

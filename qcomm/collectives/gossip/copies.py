@@ -26,8 +26,19 @@ from .integrity import bad_messages, judge, message_facts
 from .member import fragment_slice
 from .membership import Membership
 from .mirrors import MirrorLedger, Verified
+from .pace import TermCounter
 
-__all__ = ["NeighbourCopies"]
+__all__ = ["NeighbourCopies", "link_rows"]
+
+
+def link_rows(members: Membership, codec: GossipCodec, fragments: int, kept: int,
+              level: str) -> tuple[NeighbourCopies, TermCounter, MirrorLedger]:
+    """A wait-free member's per-link state, new, for the links ``members`` holds now: the
+    neighbours' copies, the terms per copy and the mirror books (keeping ``kept`` own
+    messages)."""
+    links = len(members.links)
+    return (NeighbourCopies(members, codec, fragments, level), TermCounter(fragments, links),
+            MirrorLedger(codec, fragments, codec.numel, kept, links))
 
 
 class NeighbourCopies:
@@ -46,7 +57,7 @@ class NeighbourCopies:
                  level: str) -> None:
         self.members, self._codec, self.fragments, self.level = members, codec, fragments, level
         self.fragment_numel, self.spec = codec.numel, codec.spec
-        links = len(members.peers)
+        links = len(members.links)
         self.copies: torch.Tensor | None = None   # [links, numel]
         self.received = [0] * links
         self.acked = [0] * links
@@ -86,7 +97,7 @@ class NeighbourCopies:
 
     def rounds_received(self) -> dict[int, int]:
         """Per live neighbour (its global rank), its rounds applied here."""
-        return {self.members.peer_ranks[k]: self.received[k] for k in self.members.live_links()}
+        return {self.members.links[k].rank: self.received[k] for k in self.members.live_links()}
 
     def lag_after(self, t: int) -> int:
         """How far behind round t the rounds applied of the links mixed over lag at most."""
@@ -108,18 +119,18 @@ class NeighbourCopies:
     def _verdicts(self) -> dict[int, list[tuple[str | None, tuple[int, int, int]]]]:
         """Per link, for each message waiting in a live, greeted box taken as its sender's
         next round: ``(None, ack fields)`` when it passes, else ``(why it fails, ...)``."""
-        live, greeted = self.members.live, self.members.greeted
+        links = self.members.links
         facts: dict[torch.device, list[torch.Tensor]] = {}
         where: dict[torch.device, list[tuple[int, int, int]]] = {}  # (link, round, sender)
         for k, box in enumerate(self.boxes):
-            if not (box and live[k] and greeted[k]):
+            if not (box and links[k].live and links[k].greeted):
                 continue
             expected = self._next_round(k)
             for i, m in enumerate(box):
                 facts.setdefault(m.device, []).append(torch.cat([
                     message_facts(m.view(1, -1), self.fragment_numel, self.spec),
                     self.members.layout.ack_field(m).view(3, 1)]))
-                where.setdefault(m.device, []).append((k, expected + i, self.members.peers[k]))
+                where.setdefault(m.device, []).append((k, expected + i, links[k].peer))
         verdicts: dict[int, list[tuple[str | None, tuple[int, int, int]]]] = {}
         for device, rows in facts.items():
             links, rounds, senders = zip(*where[device], strict=True)
@@ -131,20 +142,23 @@ class NeighbourCopies:
         return verdicts
 
     def sort(self, failures: list[tuple[int, PeerError]],
-             hello: Callable[[int], PeerError | None]) -> None:
+             hello: Callable[[int, int, torch.Tensor], None],
+             retired: Callable[[int], None]) -> None:
         """Verify the boxes' messages in order: rounds go to ``pending``, markers are counted
-        (and the lost members they name learnt), a hello is passed to ``hello(k)`` (which sets
-        up the copy; an error it returns is added to ``failures``), a retire to the
-        membership (the link closes once what came before it is applied).
+        (and the lost members they name learnt), a hello's vectors are taken (an error is
+        added to ``failures``) and passed to ``hello(k, rounds, copy)``, which sets up the
+        neighbour's ``copy`` (float32 ``[numel]``, holding its ``rounds``), a retire to
+        ``retired(k)`` (the gossip's membership answers it; the link closes once what came
+        before it is applied).
 
         Raises:
             CorruptPayloadError: at the first message that fails (it stays in its box).
         """
         members, verdicts = self.members, self._verdicts()
         for k, box in enumerate(self.boxes):
-            peer = members.peers[k]
+            link = members.links[k]
             batch, taken = verdicts.get(k, []), 0  # the verdicts hold while rounds pass
-            while box and members.live[k]:
+            while box and link.live:
                 m = box[0]
                 if taken < len(batch) and batch[taken][0] is None:
                     self.pending[k].append((self._next_round(k), m, batch[taken][1]))
@@ -152,17 +166,18 @@ class NeighbourCopies:
                     taken += 1
                     continue
                 batch = []  # a failure or a marker: one by one from here (rounds may shift)
-                if not members.greeted[k]:
+                if not link.greeted:
                     if not members.is_hello(k, m):
                         raise self._corrupt(k, "its first message", "not a hello")
                     box.popleft()
-                    err = hello(k)
-                    if err is not None:
-                        failures.append((k, err))
+                    got = members.take_hello(k)
+                    if isinstance(got, PeerError):
+                        failures.append((k, got))
                         break
+                    hello(k, *got)
                     continue
                 expected = self._next_round(k)
-                bad = bad_messages(m.view(1, -1), expected, [peer], self.fragment_numel,
+                bad = bad_messages(m.view(1, -1), expected, [link.peer], self.fragment_numel,
                                    self.spec)
                 if bad and members.is_marker(k, m):
                     # (a marker is looked for only when not the next round: rounds are common)
@@ -170,7 +185,7 @@ class NeighbourCopies:
                     continue
                 if bad and members.is_retire(k, m):   # the stream's last message
                     box.popleft()
-                    members.peer_retired(k)
+                    retired(k)
                     break
                 if bad:
                     raise self._corrupt(k, f"round {expected}", bad[0][1] + (
@@ -211,7 +226,7 @@ class NeighbourCopies:
         return min((self.acked[k] for k in self.members.live_links()), default=default)
 
     def _corrupt(self, k: int, what: str, why: str) -> CorruptPayloadError:
-        rank = self.members.peer_ranks[k]
+        rank = self.members.links[k].rank
         return CorruptPayloadError(
             f"gossip stream from rank {rank} (rank {self.members.rank}), {what}", [rank],
             self.level, why)

@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .copies import NeighbourCopies
-from .mirrors import MirrorLedger
-from .pace import TermCounter
+from .copies import link_rows
 
 if TYPE_CHECKING:
     from .wait_free import WaitFreeGossip
@@ -81,16 +79,13 @@ def start_joined(g: WaitFreeGossip, state: dict, device: torch.device | str = "c
     g._links.ensure(g.numel, g._hat_own.device)
     g._ledger.owed = torch.zeros_like(g._hat_own)
     g._drained_at = None
-    g.membership.link_up()
+    g._apply(g.membership.link_up(g._own()))
 
 
 def _fresh_links(g: WaitFreeGossip) -> None:
     """``g``'s per-link state anew, for the links its membership holds now."""
-    links = len(g.membership.peers)
-    g._links = NeighbourCopies(g.membership, g._codec, g.fragments, g.level)
-    g._terms = TermCounter(g.fragments, links)
-    g._ledger = MirrorLedger(g._codec, g.fragments, g.fragment_numel,
-                             g.staleness + g.fragments, links)
+    g._links, g._terms, g._ledger = link_rows(g.membership, g._codec, g.fragments,
+                                              g.staleness + g.fragments, g.level)
 
 
 def start_without(g: WaitFreeGossip, absent: set[int]) -> None:
@@ -112,4 +107,4 @@ def start_without(g: WaitFreeGossip, absent: set[int]) -> None:
 def admit(g: WaitFreeGossip, member: int) -> None:
     """``member`` joins: call it on every running member ``g``
     (:meth:`.membership.Membership.admit`: the ring opens to it next to it)."""
-    g.membership.admit(member)
+    g._apply(g.membership.admit(member, g._own()))

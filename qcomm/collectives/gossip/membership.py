@@ -6,21 +6,24 @@ tells it "this link failed"; it keeps:
 * the members, numbered as in the run the gossip started in (a job restarted with the survivors
   only keeps those numbers: its seeds, seals and graph), and each member's index in this run's
   group (``slots``, -1: lost) and global rank;
-* the links, one per stream k, in the order they were opened: the graph's neighbours first,
-  then the members linked to when a neighbour was lost (the ring closes over the gap). A link
-  is *live* until its neighbour is lost, and *greeted* once the neighbour's copy is set up
-  (a new link starts with a hello: the neighbour's public copy and its counts);
+* the links, one record per stream k (:class:`.link_records.Link`), in the order they were
+  opened: the graph's neighbours first, then the members linked to when a neighbour was lost
+  (the ring closes over the gap). A link is *live* until its neighbour is lost, and *greeted*
+  once the neighbour's copy is set up (a new link starts with a hello: the neighbour's public
+  copy and its counts); it counts the drain markers received on it;
 * the members known to be lost (own losses and those the neighbours' markers name) and what
   was dropped, when and why;
-* the drain markers sent and received per link.
+* the drain markers sent.
 
 And it speaks the protocol that changes them: a failed link is dropped and a link opened to
 the nearest live member on each side that is not a neighbour already (the hello: a control
 message, then the opener's round and drain counts and its public copy); a drain marker tells
 the neighbours which members this one knows to be lost; a goodbye ends a member's streams
 cleanly (a member that leaves on purpose is not lost). What a link holds of the gossip itself
-(the neighbour's copy, the messages on their way) stays with the gossip, which the membership
-tells of every link it opens or drops (:class:`LinkOwner`).
+(the neighbour's copy, the messages on their way) stays with the gossip: each step of the
+protocol returns the links it opened and dropped (:class:`.link_records.LinkChanges`), and the
+gossip applies them; what a step needs of the gossip is handed to it
+(:class:`.link_records.OwnState`).
 
 Every edge has the graph's edge weight, a closing edge too, so the mixing stays symmetric.
 """
@@ -30,7 +33,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
@@ -39,6 +41,7 @@ from qcomm.collectives.links import MessageStreams
 
 from .graphs import neighbours
 from .integrity import sealed
+from .link_records import Link, LinkChanges, OwnState
 from .mixing import mixing_matrix
 from .wait_free_message import (
     GOODBYE_ROUND,
@@ -48,60 +51,44 @@ from .wait_free_message import (
     MessageLayout,
 )
 
-__all__ = ["LinkOwner", "Membership", "survivors_slots"]
+__all__ = ["Link", "LinkChanges", "Membership", "OwnState", "survivors_slots"]
 
 log = logging.getLogger("qcomm")
 
 
-class LinkOwner(Protocol):
-    """What the membership needs of the gossip whose links it keeps."""
-
-    numel: int           # floats of a public copy
-    steps: int           # the clock, for the loss records
-    rounds_started: int  # rounds sent (a hello's copy holds them)
-
-    def link_opened(self, k: int) -> None:
-        """A new link k (its rows of per-link state)."""
-
-    def link_dropped(self, k: int) -> None:
-        """Link k is dropped: nothing more of it is applied."""
-
-    def public_copy(self) -> torch.Tensor:
-        """The member's public copy, float32 ``[numel]`` on the CPU (a hello sends it)."""
-
-    def hello_taken(self, k: int, rounds: int, copy: torch.Tensor) -> None:
-        """Link k's hello: its neighbour's public copy, holding its ``rounds`` rounds."""
+def edge_weight(graph: str, mixing: str, member: int, size: int) -> float:
+    """The weight of ``member``'s edges in the graph over ``size`` members: every edge of a
+    regular graph has this one, and a new edge after a loss gets it too."""
+    first = neighbours(graph, member, size)[:1]
+    w = mixing_matrix(graph, size, mixing).to(torch.float32)
+    return float(w[member, first[0]]) if first else 0.0
 
 
 class Membership:
     """The members and links of one wait-free gossip member, and its membership protocol
-    (module docstring).
+    (module docstring). The steps of the protocol return the :class:`LinkChanges` they made.
 
     Args:
         graph, mixing: the gossip graph and its weights (:mod:`.graphs`, :mod:`.mixing`).
         group_ranks: the members' global ranks, by index in this run's group.
         member: this member's index.
+        numel: floats of a public copy (a hello's).
         layout: its messages' layout (control messages are sealed in it).
-        owner: the gossip (:class:`LinkOwner`).
-        streams: the gossip's streams (opened at the first call).
+        streams: the gossip's streams (opened at the first call: a step that sends nothing
+            opens none).
     """
 
     def __init__(self, graph: str, mixing: str, group_ranks: list[int], member: int,
-                 layout: MessageLayout, owner: LinkOwner,
+                 numel: int, layout: MessageLayout,
                  streams: Callable[[], MessageStreams]) -> None:
-        self.graph, self.mixing = graph, mixing
-        self.layout, self.owner, self.streams = layout, owner, streams
+        self.graph, self.mixing, self.numel = graph, mixing, numel
+        self.layout, self.streams = layout, streams
         self._run_ranks = list(group_ranks)   # by index in this run's group
         self.size, self.member = len(group_ranks), member
         self.group_ranks = list(group_ranks)  # by member number
         self.slots = list(range(self.size))
-        self.peers = neighbours(graph, member, self.size)
-        self.peer_ranks = [self.group_ranks[p] for p in self.peers]
-        self.edge_weight = self._graph_edge_weight()
-        self.live = [True] * len(self.peers)     # not lost
-        self.greeted = [True] * len(self.peers)  # its copy is set up (a new link: hello)
-        self.markers = [0] * len(self.peers)     # drain markers received
-        self.retiring = [False] * len(self.peers)  # own retire sent: no more own terms on it
+        self.links = self._links_to(neighbours(graph, member, self.size), greeted=True)
+        self.edge_weight = edge_weight(graph, mixing, member, self.size)
         self.retired_in: list[int] = []          # links whose neighbour's retire came
         self.drains = 0                          # drain markers sent
         self.lost: set[int] = set()              # members known to be lost
@@ -112,33 +99,40 @@ class Membership:
         self.on_unknown_join: Callable[[], None] | None = None
         self._unknown_join = False
 
+    def _links_to(self, peers: list[int], greeted: bool) -> list[Link]:
+        return [Link(p, self.group_ranks[p], greeted=greeted) for p in peers]
+
+    @property
+    def peers(self) -> list[int]:
+        """The member at the other end of each link."""
+        return [link.peer for link in self.links]
+
+    @property
+    def peer_ranks(self) -> list[int]:
+        """The global rank at each link's other end."""
+        return [link.rank for link in self.links]
+
     @property
     def rank(self) -> int:
         """This member's global rank."""
         return self.group_ranks[self.member]
-
-    def _graph_edge_weight(self) -> float:
-        """The weight of this member's edges in the graph over ``size`` members: every edge of
-        a regular graph has this one, and a new edge after a loss gets it too."""
-        first = neighbours(self.graph, self.member, self.size)[:1]
-        w = mixing_matrix(self.graph, self.size, self.mixing).to(torch.float32)
-        return float(w[self.member, first[0]]) if first else 0.0
 
     # -----------------------------------------------------------------------------------------
     # who is there
 
     def live_links(self) -> list[int]:
         """The links whose neighbour is not lost."""
-        return [k for k, live in enumerate(self.live) if live]
+        return [k for k, link in enumerate(self.links) if link.live]
 
     def mixable(self) -> list[int]:
         """The links this member mixes over now: live, the neighbour's copy set up, not being
         retired."""
-        return [k for k in self.live_links() if self.greeted[k] and not self.retiring[k]]
+        return [k for k, link in enumerate(self.links)
+                if link.live and link.greeted and not link.retiring]
 
     def live_peers(self) -> list[int]:
         """The members at the other end of the live links."""
-        return [self.peers[k] for k in self.live_links()]
+        return [link.peer for link in self.links if link.live]
 
     def live_members(self) -> int:
         """How many members are live, as far as this member knows (itself included)."""
@@ -156,22 +150,22 @@ class Membership:
     def link_to(self, peer: int) -> int:
         """The live link to member ``peer``."""
         for k in self.live_links():
-            if self.peers[k] == peer:
+            if self.links[k].peer == peer:
                 return k
         raise RuntimeError(f"no live stream to member {peer}")
 
     def stream_endpoints(self) -> tuple[int, list[int]]:
         """This member's index in its process group and its neighbours' (what its streams
         address)."""
-        return self.slots[self.member], [self.slots[p] for p in self.peers]
+        return self.slots[self.member], [self.slots[link.peer] for link in self.links]
 
     def weights(self, paired: list[int], device: torch.device) -> tuple[torch.Tensor, float]:
         """float32 ``[links]``: each neighbour's weight in a round's own terms (half the
         edge's weight for the links ``paired``, 0 for the others), and their sum."""
-        key = (tuple(paired), len(self.peers))
+        key = (tuple(paired), len(self.links))
         cached = self._weights
         if cached is None or cached[0] != key or cached[1].device != device:
-            w = torch.zeros(len(self.peers), dtype=torch.float32)
+            w = torch.zeros(len(self.links), dtype=torch.float32)
             w[list(paired)] = 0.5 * self.edge_weight
             self._weights = cached = (key, w.to(device), float(w.sum()))
         return cached[1], cached[2]
@@ -181,28 +175,23 @@ class Membership:
 
     def add_link(self, peer: int) -> int:
         """A new link to member ``peer``, live and waiting for its hello; its index."""
-        self.peers.append(peer)
-        self.peer_ranks.append(self.group_ranks[peer])
-        self.live.append(True)
-        self.greeted.append(False)
-        self.markers.append(0)
-        self.retiring.append(False)
-        return len(self.peers) - 1
+        self.links.append(Link(peer, self.group_ranks[peer], greeted=False))
+        return len(self.links) - 1
 
     def greet(self, k: int, drains: int) -> None:
         """Link k's hello came: its neighbour has sent ``drains`` markers before it."""
-        self.markers[k] = drains
-        self.greeted[k] = True
+        self.links[k].markers = drains
+        self.links[k].greeted = True
 
     def drop(self, k: int, err: PeerError, *, steps: int, rounds: int) -> dict | None:
         """Link k failed: its neighbour is lost for good. Returns the loss's record (rank,
         member, step, round, time, error, detail), None when the link was dropped before."""
-        if not self.live[k]:
+        link = self.links[k]
+        if not link.live:
             return None
-        self.live[k] = False
-        peer = self.peers[k]
-        self.lost.add(peer)
-        event = {"rank": self.peer_ranks[k], "member": peer, "step": steps, "round": rounds,
+        link.live = False
+        self.lost.add(link.peer)
+        event = {"rank": link.rank, "member": link.peer, "step": steps, "round": rounds,
                  "time": time.time(), "error": type(err).__name__, "detail": str(err)}
         self.losses.append(event)
         return event
@@ -227,57 +216,62 @@ class Membership:
     # -----------------------------------------------------------------------------------------
     # the protocol
 
-    def lose(self, k: int, err: PeerError) -> None:
+    def lose(self, k: int, err: PeerError, own: OwnState) -> LinkChanges:
         """Drop link k for good (its neighbour is lost) and open a link to the nearest live
         member on each side that is not a neighbour already."""
-        event = self.drop(k, err, steps=self.owner.steps, rounds=self.owner.rounds_started)
+        changes = LinkChanges()
+        event = self.drop(k, err, steps=own.steps, rounds=own.rounds_started)
         if event is None:
-            return
-        self.owner.link_dropped(k)
+            return changes
+        changes.dropped.append(k)
         self.streams().drop(k)
         linked = []
         for side in (1, -1):
             j = self.to_link(side)
             if j is not None:
-                self.open_link(j)
+                changes += self.open_link(j, own)
                 linked.append(self.group_ranks[j])
         self.log_loss(event, err, linked)
+        return changes
 
-    def open_link(self, peer: int) -> None:
+    def open_link(self, peer: int, own: OwnState) -> LinkChanges:
         """Open a link to ``peer`` and send it the hello: a control message, then two
         vectors: int64 ``[rounds started, drains]`` and the public copy."""
         streams = self.streams()
         k = streams.open(self.slots[peer], self.group_ranks[peer])
-        assert k == len(self.peers), "streams and membership disagree on the link count"
+        assert k == len(self.links), "streams and membership disagree on the link count"
         self.add_link(peer)
-        self.owner.link_opened(k)
+        changes = LinkChanges(opened=[k])
         err = streams.send_to(k, self.layout.control(HELLO_ROUND))
         if err is not None:
-            self.lose(k, err)
-            return
-        streams.send_vector(k, torch.tensor([self.owner.rounds_started, self.drains],
+            changes += self.lose(k, err, own)
+            return changes
+        streams.send_vector(k, torch.tensor([own.rounds_started, self.drains],
                                             dtype=torch.int64))
-        streams.send_vector(k, self.owner.public_copy())
+        # the public copy, on the CPU (a copy: the stream holds it until it has left)
+        streams.send_vector(k, own.hat_own.cpu().clone() if own.hat_own is not None
+                            else torch.zeros(self.numel, dtype=torch.float32))
+        return changes
 
     def is_hello(self, k: int, message: torch.Tensor) -> bool:
         """Whether ``message``, the first on link k, is its neighbour's hello."""
-        return self.layout.is_control(message, HELLO_ROUND, self.peers[k])
+        return self.layout.is_control(message, HELLO_ROUND, self.links[k].peer)
 
-    def take_hello(self, k: int) -> PeerError | None:
+    def take_hello(self, k: int) -> tuple[int, torch.Tensor] | PeerError:
         """The hello's vectors of link ``k`` (after its control message): its round and drain
-        counts and its public copy, handed to the owner; the stream's error when they do not
-        come."""
+        counts and its public copy (float32 ``[numel]``, on the CPU). The link is greeted;
+        returned are the neighbour's rounds and its copy, for the gossip to set up, or the
+        stream's error when they do not come."""
         streams = self.streams()
         meta = torch.zeros(2, dtype=torch.int64)
         err = streams.recv_vector(k, meta)
-        copy = torch.zeros(self.owner.numel, dtype=torch.float32)
+        copy = torch.zeros(self.numel, dtype=torch.float32)
         err = err or streams.recv_vector(k, copy)
         if err is not None:
             return err
         rounds, drains = (int(v) for v in meta)
-        self.owner.hello_taken(k, rounds, copy)
         self.greet(k, drains)
-        return None
+        return rounds, copy
 
     def marker(self) -> torch.Tensor:
         """This member's next drain marker (it names the members known to be lost)."""
@@ -288,9 +282,10 @@ class Membership:
     def is_marker(self, k: int, message: torch.Tensor) -> bool:
         """Whether ``message`` is link k's next marker; if so it is counted and the members it
         names lost are learnt."""
-        if not sealed(message, MARKER_ROUND + self.markers[k], self.peers[k]):
+        link = self.links[k]
+        if not sealed(message, MARKER_ROUND + link.markers, link.peer):
             return False
-        self.markers[k] += 1
+        link.markers += 1
         self.learn(self.layout.read_lost(message))
         return True
 
@@ -298,7 +293,8 @@ class Membership:
         """The live links whose hello or marker of the last drain has not come (and whose
         stream has not ended)."""
         return [k for k in self.live_links()
-                if (not self.greeted[k] or self.markers[k] < self.drains) and not ended(k)]
+                if (not self.links[k].greeted or self.links[k].markers < self.drains)
+                and not ended(k)]
 
     def goodbye(self) -> torch.Tensor:
         return self.layout.control(GOODBYE_ROUND)
@@ -314,30 +310,32 @@ class Membership:
     # -----------------------------------------------------------------------------------------
     # a member arrives: the ring opens
 
-    def retire(self, k: int) -> None:
+    def retire(self, k: int, own: OwnState) -> LinkChanges:
         """Stop mixing over link k, which both ends keep no longer (a member arrived between
         them): send the retire, the stream's last message. No own term is added on it from
         now; the neighbour's messages are still applied (their mirrors owed) until its own
         retire comes (:meth:`peer_retired`), then the link is closed (:meth:`close_ended`).
         Every term on the link thus has its mirror: no mass moves."""
-        if not self.live[k] or self.retiring[k]:
-            return
-        self.retiring[k] = True
+        link = self.links[k]
+        if not link.live or link.retiring:
+            return LinkChanges()
+        link.retiring = True
         err = self.streams().finish(k, self.layout.control(RETIRE_ROUND))
-        if err is not None:
-            self.lose(k, err)
+        return self.lose(k, err, own) if err is not None else LinkChanges()
 
     def is_retire(self, k: int, message: torch.Tensor) -> bool:
         """Whether ``message`` on link k is its neighbour's retire (the stream's last)."""
-        return self.layout.is_control(message, RETIRE_ROUND, self.peers[k])
+        return self.layout.is_control(message, RETIRE_ROUND, self.links[k].peer)
 
-    def peer_retired(self, k: int) -> None:
+    def peer_retired(self, k: int, own: OwnState) -> LinkChanges:
         """Link k's neighbour retired it: answer with this member's retire (when not sent
         yet); the link closes once the messages before it are applied."""
-        self._unknown_join |= self.live[k] and not self.retiring[k]
-        self.retire(k)
-        if self.live[k]:
+        link = self.links[k]
+        self._unknown_join |= link.live and not link.retiring
+        changes = self.retire(k, own)
+        if link.live:
             self.retired_in.append(k)
+        return changes
 
     def links_ended(self, goodbyes: bool = True) -> bool:
         """Whether a link is to close: retired at both ends, or (``goodbyes``) its neighbour
@@ -346,64 +344,67 @@ class Membership:
         return bool(self.retired_in) or (goodbyes and any(
             self.streams().ended(k) for k in self.live_links()))
 
-    def close_ended(self, goodbyes: bool = True) -> None:
+    def close_ended(self, goodbyes: bool = True) -> LinkChanges:
         """Close the links :meth:`links_ended` found (after their last messages were applied):
         no loss. A retired link's neighbour stays live; one that said goodbye left on purpose:
         it is no longer live here, but no loss is recorded and the ring is not closed over it
-        (a ring less one member is still connected)."""
+        (a ring less one member is still connected). Returns the links closed (dropped)."""
         if self._unknown_join and self.on_unknown_join is not None:
             # before the link over the gap closes: admit the joiner (link to it) first
             self._unknown_join = False
             self.on_unknown_join()
-        streams = self.streams()
+        streams, changes = self.streams(), LinkChanges()
         for k in self.live_links():
+            link = self.links[k]
             left = goodbyes and streams.ended(k)
             if k not in self.retired_in and not left:
                 continue
-            self.live[k] = False
+            link.live = False
             if left:
-                self.lost.add(self.peers[k])
-            self.owner.link_dropped(k)
+                self.lost.add(link.peer)
+            changes.dropped.append(k)
             streams.drop(k)
-            log.info("qcomm: rank %d closed its link to rank %d (%s)", self.rank,
-                     self.peer_ranks[k], "it left" if left else "a member joined between them")
+            log.info("qcomm: rank %d closed its link to rank %d (%s)", self.rank, link.rank,
+                     "it left" if left else "a member joined between them")
         self.retired_in = []
+        return changes
 
-    def admit(self, member: int) -> None:
+    def admit(self, member: int, own: OwnState) -> LinkChanges:
         """``member`` joins (new, or back after it was lost): it is live again here; when it
         is now this member's nearest live one on a side, the link over its gap on that side
         is retired and a link opened to it (its hello sent). Call it on every member; the
         joiner starts with :meth:`start_joining`."""
         if not 0 <= member < self.size or member == self.member:
             raise ValueError(f"member must be another member of the {self.size}, got {member}")
+        changes = LinkChanges()
         if member in self.live_peers():
             # A join is a new process: the link to its old one is to a process that is gone
             # (its failure not seen yet): lost, as it would be at its next message.
-            self.lose(self.link_to(member), PeerError(
+            changes += self.lose(self.link_to(member), PeerError(
                 f"member {member} started again: the link to its old process is lost",
-                "join", [self.group_ranks[member]], "inter"))
+                "join", [self.group_ranks[member]], "inter"), own)
         self.lost.discard(member)
         near = {self.nearest_live(side) for side in (1, -1)} - {None}
         if member not in near:
             log.info("qcomm: rank %d: member %d joins; %d of %d nodes live as far as it knows",
                      self.rank, member, self.live_members(), self.size)
-            return
+            return changes
         keep = near | set(neighbours(self.graph, self.member, self.size))
         for k in self.live_links():
-            if self.peers[k] not in keep:
-                self.retire(k)
+            if self.links[k].peer not in keep:
+                changes += self.retire(k, own)
         if member not in self.live_peers():
-            self.open_link(member)
+            changes += self.open_link(member, own)
         log.info("qcomm: rank %d linked to member %d, which joins; %d of %d nodes live as "
                  "far as it knows", self.rank, member, self.live_members(), self.size)
+        return changes
 
     def start_joining(self, lost: set[int], drains: int) -> None:
         """This member joins a running gossip whose lost members are ``lost`` and whose
         members have drained ``drains`` times: no links yet (the gossip resets its per-link
         state); :meth:`link_up` opens them."""
         self.lost, self.drains = set(lost) - {self.member}, drains
-        self.peers, self.peer_ranks = [], []
-        self.live, self.greeted, self.markers, self.retiring = [], [], [], []
+        self.links = []
         self._weights = None
 
     def start_without(self, absent: set[int]) -> None:
@@ -418,18 +419,17 @@ class Membership:
             j = self.nearest_live(side)
             if j is not None and j not in peers:
                 peers.append(j)
-        n = len(peers)
-        self.peers, self.peer_ranks = peers, [self.group_ranks[p] for p in peers]
-        self.live, self.greeted, self.markers, self.retiring = [True] * n, [True] * n, \
-            [0] * n, [False] * n
+        self.links = self._links_to(peers, greeted=True)
         self._weights = None
 
-    def link_up(self) -> None:
+    def link_up(self, own: OwnState) -> LinkChanges:
         """Open a link to the nearest live member on each side (a joiner's first links)."""
+        changes = LinkChanges()
         for side in (1, -1):
             j = self.to_link(side)
             if j is not None:
-                self.open_link(j)
+                changes += self.open_link(j, own)
+        return changes
 
     # -----------------------------------------------------------------------------------------
     # checkpoints
@@ -451,16 +451,13 @@ class Membership:
             self.slots = slots
             self.size, self.member = size, member
             self.group_ranks = [self._run_ranks[s] if s >= 0 else -1 for s in slots]
-            self.edge_weight = self._graph_edge_weight()
-        self.peers = [int(p) for p in peers]
-        self.peer_ranks = [self.group_ranks[p] for p in self.peers]
-        self.live = [True] * len(self.peers)
-        self.greeted = [True] * len(self.peers)
-        self.retiring, self.retired_in = [False] * len(self.peers), []
+            self.edge_weight = edge_weight(self.graph, self.mixing, member, size)
+        # Markers restart with the streams (every record's count at 0).
+        self.links = self._links_to([int(p) for p in peers], greeted=True)
+        self.retired_in = []
         self.lost = {int(m) for m in lost}
         self.losses = [dict(e) for e in losses]
-        # Markers restart with the streams.
-        self.drains, self.markers = 0, [0] * len(self.peers)
+        self.drains = 0
 
 
 def survivors_slots(saved: dict, lost: list[int], mine: dict) -> list[int] | None:

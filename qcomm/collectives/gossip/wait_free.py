@@ -44,11 +44,11 @@ from qcomm.seeds import gossip_message_seed
 from qcomm.validation import check_seed
 
 from .choco import _check_group
-from .copies import NeighbourCopies
+from .copies import link_rows
 from .integrity import seal_
+from .link_records import LinkChanges, OwnState
 from .member import GossipMember
 from .membership import Membership, survivors_slots
-from .mirrors import MirrorLedger
 from .options import ON_PEER_LOSS, check_max_backlog, check_on_peer_loss
 from .pace import TermCounter, fragment_to_mix
 from .saved_state import check_saved_state
@@ -130,16 +130,14 @@ class WaitFreeGossip(GossipMember):
         self.group = resolve_group(group)
         ranks, member = _check_group(group_ranks, self.group)
         self.nbytes = packed_nbytes(self.fragment_numel, spec)
-        self.membership = Membership(self.graph, self.mixing, ranks, member,
-                                     MessageLayout(self.nbytes, len(ranks), member), self,
+        self.membership = Membership(self.graph, self.mixing, ranks, member, self.numel,
+                                     MessageLayout(self.nbytes, len(ranks), member),
                                      self._streams_now)
         self._streams: MessageStreams | None = None   # opened at the first use
         self.rounds_started = 0  # (the clock, steps, is the base class's)
-        links = len(self.peers)
-        self._links = NeighbourCopies(self.membership, self._codec, self.fragments, self.level)
-        self._terms = TermCounter(self.fragments, links)
-        self._ledger = MirrorLedger(self._codec, self.fragments, self.fragment_numel,
-                                    self.staleness + self.fragments, links)
+        self._links, self._terms, self._ledger = link_rows(
+            self.membership, self._codec, self.fragments, self.staleness + self.fragments,
+            self.level)
         # buffers (lazily, on x's device)
         self._hat_own: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None  # float32 [fragment_numel]: x - hat_own
@@ -190,11 +188,12 @@ class WaitFreeGossip(GossipMember):
     def _take_in(self, goodbyes: bool = True) -> list[tuple[int, PeerError]]:
         """Take, verify, sort what arrived; handle failed links (returned), ended ones."""
         failures = self._links.take(self._streams_now())
-        self._links.sort(failures, self.membership.take_hello)
+        self._links.sort(failures, self._hello_taken,
+                         lambda k: self._apply(self.membership.peer_retired(k, self._own())))
         self._handle(failures)
         if self.membership.links_ended(goodbyes):  # closed once what came before is applied
             self._apply_pending()
-            self.membership.close_ended(goodbyes)
+            self._apply(self.membership.close_ended(goodbyes))
         return failures
 
     def _handle(self, failures: list[tuple[int, PeerError]]) -> None:
@@ -202,7 +201,7 @@ class WaitFreeGossip(GossipMember):
         if failures and self.on_peer_loss == "raise":
             raise failures[0][1]
         for k, err in failures:
-            self.membership.lose(k, err)
+            self._apply(self.membership.lose(k, err, self._own()))
 
     def _apply_pending(self) -> None:
         """Apply every verified message (:meth:`.copies.NeighbourCopies.apply`), then forget
@@ -313,21 +312,21 @@ class WaitFreeGossip(GossipMember):
             self._anchor = like.detach().clone()  # every fragment's start: x at the first round
 
     # -----------------------------------------------------------------------------------------
-    # what the membership asks of the gossip (membership.LinkOwner)
+    # the membership's steps: what they need of the gossip, what they changed
 
-    def link_opened(self, k: int) -> None:
-        self._links.add_link(acked=self.rounds_started)  # the hello's copy holds these rounds
-        self._terms.add_link()
-        self._ledger.add_link()
+    def _own(self) -> OwnState:
+        return OwnState(self.steps, self.rounds_started, self._hat_own)
 
-    def link_dropped(self, k: int) -> None:
-        self._links.forget(k)
+    def _apply(self, changes: LinkChanges) -> None:
+        """Per-link state for the links ``changes`` opened, forgotten for those it dropped."""
+        for _ in changes.opened:   # each at the end
+            self._links.add_link(acked=self.rounds_started)  # the hello's copy holds these
+            self._terms.add_link()
+            self._ledger.add_link()
+        for k in changes.dropped:
+            self._links.forget(k)
 
-    def public_copy(self) -> torch.Tensor:
-        return self._hat_own.cpu().clone() if self._hat_own is not None \
-            else torch.zeros(self.numel, dtype=torch.float32)
-
-    def hello_taken(self, k: int, rounds: int, copy: torch.Tensor) -> None:
+    def _hello_taken(self, k: int, rounds: int, copy: torch.Tensor) -> None:
         if self._links.copies is None:
             self._ensure_buffers(copy.new_empty(0))  # not x: no outer anchor from it
         self._links.greet(k, rounds, copy)

@@ -2,8 +2,8 @@
 
 :class:`Mailboxes` holds one group's queues per (sender, receiver); each member's
 :class:`MemoryStreams` sends and takes on them, with the semantics of
-:class:`~qcomm.collectives.gossip.streams.GlooStreams` (:class:`~qcomm.collectives.gossip.
-streams.MessageStreams` states them). In a stepped world the mailboxes run on the
+:class:`~qcomm.collectives.gloo.streams.GlooStreams` (:class:`~qcomm.collectives.links.
+MessageStreams` states them). In a stepped world the mailboxes run on the
 simulation's clock and may hold a message back to emulate a slow link.
 """
 

@@ -2,7 +2,7 @@
 
 :class:`MemoryHub` holds one group's payloads by (round, sender); each member's
 :class:`MemoryTransport` posts its payload there and takes its neighbours'. Same bytes, same
-counts as :class:`~qcomm.collectives.gossip.transport.GlooTransport`, no sockets. A hub of a
+counts as :class:`~qcomm.collectives.gloo.transport.GlooTransport`, no sockets. A hub of a
 threaded world blocks a member's wait until the payloads arrive; one of a stepped world (one
 thread drives every member) fails it at once, since nothing arrives while a member waits.
 """

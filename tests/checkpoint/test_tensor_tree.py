@@ -1,5 +1,5 @@
-"""A state of nested containers as tensors only, and back (qcomm/sgd/tensor_tree.py): the very
-same object comes back, types included; anything else is refused naming where it is."""
+"""A state of nested containers as tensors only, and back (qcomm/checkpoint/tensor_tree.py): the
+very same object comes back, types included; anything else is refused naming where it is."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from qcomm.sgd.tensor_tree import STRUCTURE, from_tensors, to_tensors
+from qcomm.checkpoint.tensor_tree import STRUCTURE, from_tensors, to_tensors
 
 
 def test_every_kind_comes_back_as_it_was() -> None:

@@ -27,7 +27,7 @@ from qcomm.sgd import (
     load_checkpoint,
     save_checkpoint,
 )
-from tests.sgd.legacy_checkpoint import make as legacy
+from tests.checkpoint.legacy_checkpoint import make as legacy
 
 LEGACY = Path(__file__).resolve().parent / "legacy_checkpoint"
 

@@ -13,8 +13,8 @@ nodes and ranks per node.
 Loading runs no code from the files: DCP unpickles what is not a tensor with
 ``weights_only=False``; here every such item goes through torch's weights-only unpickler (the
 optimizer's param groups and numbers load, an object that would run code is refused with
-:class:`~qcomm.sgd.checkpoint_file.UnsafeCheckpointError`), and qcomm's state is tensors alone.
-The replicated modes keep their per-rank files (:mod:`qcomm.sgd.checkpoint`).
+:class:`~qcomm.checkpoint.checkpoint_file.UnsafeCheckpointError`), and qcomm's state is tensors
+alone. The replicated modes keep their per-rank files (:mod:`qcomm.checkpoint.checkpoint`).
 """
 
 from __future__ import annotations
@@ -38,21 +38,24 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from qcomm.sgd.checkpoint_file import CheckpointError, UnsafeCheckpointError
-from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
-from qcomm.sgd.tensor_tree import from_tensors, to_tensors
+from qcomm.checkpoint.checkpoint_file import CheckpointError, UnsafeCheckpointError
+from qcomm.checkpoint.optimizer import CheckpointableOptimizer
+from qcomm.checkpoint.tensor_tree import from_tensors, to_tensors
 from qcomm.validation import check_instance
 
 __all__ = ["load_sharded_checkpoint", "save_sharded_checkpoint"]
 
+# How a wrong optimizer is told what was expected (the one checkpointable class there is).
+_OPTIMIZER = "a qcomm.sgd.hierarchical_optimizer.HierarchicalOptimizer"
 
-def _keys(optimizer: HierarchicalOptimizer) -> tuple[str, str, int]:
+
+def _keys(optimizer: CheckpointableOptimizer) -> tuple[str, str, int]:
     """This rank's node key, its own key and its rank (the engine's geometry)."""
     _, ppn, rank = optimizer.engine.geometry()
     return f"node{rank // ppn:05d}", f"qcomm_rank{rank:05d}", rank
 
 
-def save_sharded_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimizer,
+def save_sharded_checkpoint(directory: str | os.PathLike, optimizer: CheckpointableOptimizer,
                             model: torch.nn.Module, *, extra: Any = None) -> Path:
     """Save the model, the optimizer and qcomm's state of every rank as one DCP checkpoint.
     Collective: every rank calls it at the same step (with ``wait_free`` it drains the gossip,
@@ -72,7 +75,7 @@ def save_sharded_checkpoint(directory: str | os.PathLike, optimizer: Hierarchica
         TypeError: ``optimizer`` or ``model`` of the wrong type, or ``extra`` holding another
             type (named); nothing is written then.
     """
-    check_instance("optimizer", optimizer, HierarchicalOptimizer)
+    check_instance("optimizer", optimizer, CheckpointableOptimizer, what=_OPTIMIZER)
     check_instance("model", model, torch.nn.Module)
     mine = to_tensors({"engine": optimizer.engine.state_dict(), "rng": torch.get_rng_state(),
                        "extra": extra})
@@ -157,7 +160,7 @@ def _copied(tree: Any) -> Any:
     return tree
 
 
-def load_sharded_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimizer,
+def load_sharded_checkpoint(directory: str | os.PathLike, optimizer: CheckpointableOptimizer,
                             model: torch.nn.Module) -> Any:
     """Load a checkpoint of :func:`save_sharded_checkpoint` into ``model`` and ``optimizer``
     (built as when it was saved, before their first step) and restore this rank's RNG state.
@@ -170,7 +173,7 @@ def load_sharded_checkpoint(directory: str | os.PathLike, optimizer: Hierarchica
             checks). The model, the optimizer and the RNG are unchanged then: DCP reads into
             copies, which are loaded once everything is read and checked.
     """
-    check_instance("optimizer", optimizer, HierarchicalOptimizer)
+    check_instance("optimizer", optimizer, CheckpointableOptimizer, what=_OPTIMIZER)
     check_instance("model", model, torch.nn.Module)
     directory = Path(directory)
     node_key, own_key, rank = _keys(optimizer)

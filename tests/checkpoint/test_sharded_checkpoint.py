@@ -1,5 +1,5 @@
-"""DCP checkpoints (qcomm/sgd/sharded_checkpoint.py) in one process: a run resumed from one ends
-with the bits of the run that did not stop; loading runs no code from the files; a checkpoint
+"""DCP checkpoints (qcomm/checkpoint/sharded_checkpoint.py) in one process: a run resumed from one
+ends with the bits of the run that did not stop; loading runs no code from the files; a checkpoint
 that is not one, or has no state of this rank, is a named error. The sharded runs over Gloo are
 tests/examples/test_train_charlm_fsdp.py's."""
 
@@ -73,7 +73,7 @@ def test_an_item_that_would_run_code_is_refused(tmp_path: Path,
     """A checkpoint whose optimizer learning rate is an object that runs code when unpickled
     (DCP pickles what is not a tensor, and its own loader unpickles it with
     ``weights_only=False``): refused, the code not run, the model untouched."""
-    import qcomm.sgd.sharded_checkpoint as sc
+    import qcomm.checkpoint.sharded_checkpoint as sc
 
     model, opt = _run(1)
     sentinel = tmp_path / "ran"

@@ -4,9 +4,10 @@ world's implementation, are described there).
 
 :class:`GlooTransport`: ``isend``/``irecv`` on the given process group, receives posted before
 sends (non-blocking point-to-point: Gloo moves the bytes on its own I/O threads while the
-caller computes, so no communication thread of ours is needed; see :mod:`.choco`). The tag of
-a message is its round number modulo ``TAG_MODULUS``, so the ``staleness + 1`` rounds in flight
-between a pair never match each other's receives. Bytes sent are counted in
+caller computes, so no communication thread of ours is needed; see
+:mod:`qcomm.collectives.gossip.choco`). The tag of a message is its round number modulo
+``TAG_MODULUS``, so the ``staleness + 1`` rounds in flight between a pair never match each
+other's receives. Bytes sent are counted in
 :class:`~qcomm.collectives.stats.CommStats` at the transport's level (``"inter"``: gossip runs
 between nodes).
 """

@@ -5,7 +5,7 @@ bit for bit.
 Layout: ``directory/rank00000.pt`` and its metadata record ``rank00000.json``, one pair per
 rank. Each rank writes and reads only its own files (no collective); files are written
 atomically. Loading never runs code from a file unless the caller says it trusts it: see
-:mod:`qcomm.sgd.checkpoint_file` for the format and the safety rules.
+:mod:`qcomm.checkpoint.checkpoint_file` for the format and the safety rules.
 """
 
 from __future__ import annotations
@@ -17,9 +17,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qcomm.checkpoint.checkpoint_file import (
+    CheckpointError,
+    RankFile,
+    checkpoint_path,
+    rank_files,
+)
+from qcomm.checkpoint.optimizer import STATE_KEY, CheckpointableOptimizer
 from qcomm.engine.state import WORLD_CHANGE_MODES
-from qcomm.sgd.checkpoint_file import CheckpointError, RankFile, checkpoint_path, rank_files
-from qcomm.sgd.hierarchical_optimizer import STATE_KEY, HierarchicalOptimizer
 from qcomm.validation import check_instance
 
 __all__ = ["checkpoint_path", "load_checkpoint", "save_checkpoint"]
@@ -31,7 +36,7 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def save_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimizer,
+def save_checkpoint(directory: str | os.PathLike, optimizer: CheckpointableOptimizer,
                     model: torch.nn.Module | None = None, *, extra: Any = None) -> Path:
     """Write this rank's checkpoint file and its metadata record; return the file's path.
 
@@ -64,7 +69,7 @@ def save_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
     return file.path
 
 
-def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimizer,
+def load_checkpoint(directory: str | os.PathLike, optimizer: CheckpointableOptimizer,
                     model: torch.nn.Module | None = None, *,
                     on_world_size_change: str = "error", restore_rng: bool = True,
                     trusted: bool = False) -> Any:
@@ -127,8 +132,8 @@ def load_checkpoint(directory: str | os.PathLike, optimizer: HierarchicalOptimiz
 def _check_subjects(optimizer: object, model: object) -> None:
     """TypeError unless ``optimizer`` is a HierarchicalOptimizer and ``model`` a module (or
     None), before any file is touched (a class for either is named as such)."""
-    check_instance("optimizer", optimizer, HierarchicalOptimizer,
-                   what="a qcomm.sgd.HierarchicalOptimizer")  # ASSGD is one
+    check_instance("optimizer", optimizer, CheckpointableOptimizer,
+                   what="a qcomm.sgd.HierarchicalOptimizer")  # the one there is (ASSGD is one)
     check_instance("model", model, torch.nn.Module, allow_none=True, what="a torch.nn.Module")
 
 
@@ -191,7 +196,7 @@ def _check_model_state(model: torch.nn.Module, state: Any, path: Path) -> None:
                 f"holds {shape}", path)
 
 
-def _params_device(optimizer: HierarchicalOptimizer) -> torch.device:
+def _params_device(optimizer: CheckpointableOptimizer) -> torch.device:
     """The device of the optimizer's first parameter (the engine's flat buffers live there)."""
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -3,7 +3,8 @@ lockstep gossip (a round in flight), saved at step 5.
 
 ``plain/`` holds only plain data; ``fraction/`` has ``extra=Fraction(1, 3)``, an object torch's
 safe loader refuses. They were written by qcomm 0.1.0 before checkpoints had a metadata record
-(commit 205fd4e): ``PYTHONPATH=<that checkout> python tests/sgd/legacy_checkpoint/make.py``.
+(commit 205fd4e):
+``PYTHONPATH=<that checkout> python tests/checkpoint/legacy_checkpoint/make.py``.
 Run with today's code, this writes today's format, which is not what the files are kept for.
 """
 
