@@ -16,7 +16,6 @@ from typing import Any
 
 from qcomm.collectives.gossip.options import GRAPHS, MIXINGS, OPTION_CHECKS, check_fragments
 from qcomm.collectives.gossip.options import ON_PEER_LOSS as PEER_LOSS_MODES
-from qcomm.collectives.gossip.outer_anneal import check_total_steps
 from qcomm.compress import QuantSpec
 from qcomm.kernels.wire_format import SUPPORTED_BITS
 from qcomm.validation import (
@@ -165,7 +164,6 @@ class CommOptions:
         self.gossip_spec  # noqa: B018 -- QuantSpec checks bits, block_size and rounding
         for name, check in OPTION_CHECKS.items():
             check(getattr(self, name))
-        check_total_steps(self.total_steps)
         check_int("sync_every", self.sync_every, low=1)
         check_fragments(self.fragments, self.sync_every, "sync_every")
         check_choice("intra_bits", self.intra_bits, SUPPORTED_BITS, allow_none=True)

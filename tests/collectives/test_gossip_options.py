@@ -28,6 +28,7 @@ BAD: dict[str, list[object]] = {
     "seed": [-1, 2**64, 1.5],
     "outer_momentum": [1.0, -0.1],
     "outer_lr": [0, 2.5, None],
+    "total_steps": [0, -3, 2.5, "100"],
     "max_backlog": [0, 2.5],
     "on_peer_loss": ["continu", "ignore", None],
 }

@@ -25,8 +25,9 @@ from .options import (
     check_seed,
     check_staleness,
     check_timeout,
+    check_total_steps,
 )
-from .outer_anneal import annealed_outer_lr, check_total_steps
+from .outer_anneal import annealed_outer_lr
 
 __all__ = ["GossipMember", "fragment_slice"]
 

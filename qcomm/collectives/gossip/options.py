@@ -23,10 +23,24 @@ from qcomm.validation import (
 from .graphs import GRAPHS, check_graph
 from .mixing import MIXINGS, check_mixing
 
-__all__ = ["GRAPHS", "MIXINGS", "ON_PEER_LOSS", "OPTION_CHECKS", "check_fragments",
-           "check_gamma", "check_graph", "check_max_backlog", "check_mixing",
-           "check_on_peer_loss", "check_outer_lr", "check_outer_momentum", "check_seed",
-           "check_staleness", "check_timeout"]
+__all__ = [
+    "GRAPHS",
+    "MIXINGS",
+    "ON_PEER_LOSS",
+    "OPTION_CHECKS",
+    "check_fragments",
+    "check_gamma",
+    "check_graph",
+    "check_max_backlog",
+    "check_mixing",
+    "check_on_peer_loss",
+    "check_outer_lr",
+    "check_outer_momentum",
+    "check_seed",
+    "check_staleness",
+    "check_timeout",
+    "check_total_steps",
+]
 
 ON_PEER_LOSS = ("raise", "continue")
 """What a wait-free member does when a neighbour is lost: raise, or continue without it."""
@@ -134,6 +148,20 @@ def check_on_peer_loss(value: object, name: str = "on_peer_loss") -> str:
     return check_choice(name, value, ON_PEER_LOSS)  # type: ignore[return-value]
 
 
+def check_total_steps(value: object, name: str = "total_steps") -> int | None:
+    """The run's length in local steps, which the outer step anneals over: None (no anneal)
+    or an int >= 1.
+
+    Args:
+        value (object): the value given.
+        name (str): the argument's name in the message.
+
+    Returns:
+        int | None: ``value``.
+    """
+    return check_int(name, value, low=1, allow_none=True)  # type: ignore[return-value]
+
+
 OPTION_CHECKS: dict[str, Callable[[object], object]] = {
     "graph": check_graph,
     "mixing": check_mixing,
@@ -143,6 +171,7 @@ OPTION_CHECKS: dict[str, Callable[[object], object]] = {
     "seed": check_seed,
     "outer_momentum": check_outer_momentum,
     "outer_lr": check_outer_lr,
+    "total_steps": check_total_steps,
     "max_backlog": check_max_backlog,
     "on_peer_loss": check_on_peer_loss,
 }

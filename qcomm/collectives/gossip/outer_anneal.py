@@ -14,25 +14,10 @@ from __future__ import annotations
 
 import math
 
-from qcomm.validation import check_int
-
-__all__ = ["HOLD", "annealed_outer_lr", "check_total_steps"]
+__all__ = ["HOLD", "annealed_outer_lr"]
 
 # The fraction of the run the outer lr is held at its value before it anneals.
 HOLD = 0.3
-
-
-def check_total_steps(value: object, name: str = "total_steps") -> int | None:
-    """The run's length in local steps: None (no anneal) or an int >= 1.
-
-    Args:
-        value (object): the value given.
-        name (str): the argument's name in the message.
-
-    Returns:
-        int | None: ``value``.
-    """
-    return check_int(name, value, low=1, allow_none=True)  # type: ignore[return-value]
 
 
 def annealed_outer_lr(outer_lr: float, outer_momentum: float, step: int,
