@@ -28,7 +28,6 @@ the same code and the same bytes as over Gloo (tests, simulations).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
@@ -39,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import optimizer as torch_optimizer
 
-from qcomm.collectives.errors import PeerError
+from qcomm.collectives.gossip.clock import StepClock
+from qcomm.collectives.gossip.factory import gossip_class
 from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.linked_world import LinkedWorld
 from qcomm.collectives.primitives import all_reduce
@@ -123,7 +123,8 @@ class AveragingEngine:
                                 world_size=seat.world_size, world=LinkedWorld(seat))
         self._topology_arg = topology
         self.comm_stats = CommStats()
-        self._steps = 0   # the clock while there is no gossip (then the gossip's: `steps`)
+        self.clock = StepClock()   # the run's steps: the gossip advances it, or else finish_step
+        self._kind = gossip_class(options.gossip_config())   # the gossip's mode, asked
         self.skipped_steps = 0
         self._reset_runtime()
         self._pending: dict[str, Any] | None = None  # loaded state waiting for the first step
@@ -149,9 +150,9 @@ class AveragingEngine:
 
     @property
     def steps(self) -> int:
-        """Steps applied: the gossip's clock when there is a gossip (it says when a round is
-        due), else the engine's own count."""
-        return self._node.gossip.steps if self._node is not None else self._steps
+        """Steps applied: the run's clock (the gossip advances it when there is one, and says
+        from it when a round is due)."""
+        return self.clock.steps
 
     def _world_size_now(self) -> int | None:
         """The job's world size as known without a collective; None without a topology and
@@ -270,8 +271,8 @@ class AveragingEngine:
         self._frozen = [p for p in params if not p.requires_grad]
         node = None
         if topo.num_nodes > 1 and communicated:
-            node = NodeGossip(communicated, topo, intra, opts, self.comm_stats,
-                              first_step=self._steps, sharded=sharded)
+            node = NodeGossip(communicated, topo, intra, opts, self.comm_stats, self.clock,
+                              sharded=sharded)
         # One small collective before anything is exchanged: every rank must have the same
         # options and the same communicated parameters, or all raise the same ValueError.
         buffers = self._buffers.signature() if self._buffers is not None else []
@@ -467,7 +468,7 @@ class AveragingEngine:
                 quantized=self.options.intra_spec is not None,
                 # Wait-free nodes skip on their own: no peer waits for their rounds.
                 skip_across_nodes=(self.options.on_nonfinite == "skip" and topo.num_nodes > 1
-                                   and not self.options.wait_free),
+                                   and self._kind.lockstep),
                 timeout_s=self.options.timeout_s, round_mask=round_mask)
             if round_error is not None:
                 raise round_error
@@ -505,7 +506,7 @@ class AveragingEngine:
         if self.distributed and self._node is not None:
             self._node.end_step([p.grad is None for p in self._node.params])
         else:
-            self._steps += 1
+            self.clock.tick()
         self._buffers_node_mean()
 
     def skip_step(self) -> None:
@@ -603,7 +604,7 @@ class AveragingEngine:
             of that round had come in time; more, the older the information mixed).
         """
         out = engine_stats(self.steps, self.skipped_steps, self.comm_stats, self._gossip,
-                           self.options)
+                           self._kind, self.options)
         if consensus and self._node is not None:
             out["consensus_distance"] = self._node.consensus_distance()
         return out
@@ -620,15 +621,12 @@ class AveragingEngine:
         transport and every process-group reference. Never raises a peer's failure: after a
         :class:`~qcomm.collectives.errors.PeerError` it only releases. Idempotent."""
         if self._node is not None:
-            if not self.options.wait_free:
-                # A wait-free drain waits for every neighbour's marker: close() must not wait
-                # for peers that may be gone; it says goodbye instead.
-                with contextlib.suppress(PeerError):
-                    self._gossip.flush()
-            self._gossip.close()
+            # Each mode ends its own way (the lockstep one completes its rounds in flight when
+            # the peers still answer; a wait-free drain would wait for peers that may be gone,
+            # so it says goodbye instead).
+            self._gossip.leave()
         if self._joins is not None:
             self._joins.close()
-        self._steps = self.steps   # the gossip's clock, kept past it
         self._reset_runtime()
         self._closed = True
         # Works and groups can sit in reference cycles (a round and its transport); collect
@@ -668,10 +666,10 @@ class AveragingEngine:
         if self._node is not None and gossip_state is not None:
             self._node.gossip.load_state_dict(gossip_state)   # its clock with it
             gossip_state = None
-        elif self._node is not None:
-            # a fresh gossip state (on_world_size_change="reinit") goes on counting from here
-            self._node.gossip.restart_clock(steps)
-        self._steps = steps
+        else:
+            # without a gossip state (one node, the gossip not built yet, or a fresh one after
+            # on_world_size_change="reinit") the clock goes on counting from here
+            self.clock.restart(steps)
         if self._intra is not None and intra_state is not None:
             self._intra.load_state_dict(intra_state)
             intra_state = None
@@ -692,7 +690,8 @@ class AveragingEngine:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.options = state["options"]
         self.comm_stats = state["comm_stats"]
-        self._steps = state["steps"]
+        self.clock = StepClock(state["steps"])
+        self._kind = gossip_class(self.options.gossip_config())
         self.skipped_steps = state["skipped_steps"]
         self.owner = state["owner"]
         self._topology_arg = None

@@ -47,7 +47,8 @@ log = logging.getLogger("qcomm")
 
 def check_linked_options(options: Any, seat: LinkedSeat) -> None:
     """Raise ValueError when ``options`` cannot run on linked nodes (named)."""
-    if not (options.wait_free and options.on_peer_loss == "continue"):
+    # on_peer_loss="continue" is refused by CommOptions without wait_free=True
+    if options.on_peer_loss != "continue":
         raise ValueError(
             "nodes linked through the rendezvous (qcomm.rendezvous.init_node) need "
             "wait_free=True and on_peer_loss='continue', got wait_free="

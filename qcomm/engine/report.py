@@ -6,6 +6,8 @@ import logging
 import sys
 from typing import Any
 
+from qcomm.collectives.gossip.factory import gossip_class
+from qcomm.collectives.gossip.member import GossipMember
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.engine.options import CommOptions
@@ -27,9 +29,8 @@ def _schedule(options: CommOptions, gamma: float | None) -> str:
     step = f"gamma {gamma:g}" if gamma is not None else "gamma default"
     outer = (f", outer Nesterov momentum {options.outer_momentum:g} lr {options.outer_lr:g}"
              if options.outer_momentum else "")
-    mode = ("wait-free" + (", going on without lost nodes"
-                           if options.on_peer_loss == "continue" else "")
-            if options.wait_free else f"staleness {options.staleness}")
+    config = options.gossip_config()
+    mode = gossip_class(config).mode_words(config)
     return f"gossip {every}{pieces}, {mode}, {step}{outer}"
 
 
@@ -78,9 +79,10 @@ def per_fragment(rounds: int, fragments: int) -> list[int]:
 
 
 def engine_stats(steps: int, skipped_steps: int, comm_stats: CommStats, gossip: Any,
-                 options: CommOptions) -> dict[str, Any]:
+                 kind: type[GossipMember], options: CommOptions) -> dict[str, Any]:
     """The dict :meth:`qcomm.engine.AveragingEngine.stats` returns (``consensus_distance``
-    None: the engine fills it in when asked)."""
+    None: the engine fills it in when asked). ``gossip``: the member, None before there is
+    one; ``kind``: its class (the mode's statistics come from either)."""
     snap = comm_stats.snapshot()
     g = gossip
     out: dict[str, Any] = {
@@ -95,11 +97,5 @@ def engine_stats(steps: int, skipped_steps: int, comm_stats: CommStats, gossip: 
         "gamma": g.gamma if g is not None else None,
         "consensus_distance": None,
     }
-    if options.wait_free:
-        out["rounds_received"] = g.rounds_received() if g is not None else {}
-        out["lag_rounds"] = g.lag() if g is not None else {}
-        out["live_nodes"] = g.live_members() if g is not None else 1
-        out["dropped_ranks"] = [e["rank"] for e in g.losses] if g is not None else []
-        out["terms_paired"] = dict(g.terms) if g is not None else {"paired": 0, "possible": 0}
-        out["mix_lag_rounds"] = dict(sorted(g.mix_lags.items())) if g is not None else {}
+    out.update(g.mode_stats() if g is not None else kind.idle_stats())
     return out
