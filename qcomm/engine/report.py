@@ -79,10 +79,35 @@ def per_fragment(rounds: int, fragments: int) -> list[int]:
 
 
 def engine_stats(steps: int, skipped_steps: int, comm_stats: CommStats, gossip: Any,
-                 kind: type[GossipMember], options: CommOptions) -> dict[str, Any]:
-    """The dict :meth:`qcomm.engine.AveragingEngine.stats` returns (``consensus_distance``
-    None: the engine fills it in when asked). ``gossip``: the member, None before there is
-    one; ``kind``: its class (the mode's statistics come from either)."""
+                 kind: type[GossipMember], options: CommOptions, *,
+                 consensus_of: Any = None) -> dict[str, Any]:
+    """The dict :meth:`qcomm.engine.AveragingEngine.stats` returns: what this rank sent and how
+    the gossip is doing.
+
+    Args:
+        steps, skipped_steps: the engine's counters.
+        comm_stats: the bytes and messages counted.
+        gossip: the gossip member, None before there is one; ``kind``: its class (the mode's
+            own statistics come from either).
+        options: the communication options.
+        consensus_of: the :class:`~qcomm.engine.node_gossip.NodeGossip` whose consensus
+            distance to compute (a collective over the rail), or None.
+
+    Returns:
+        dict with ``steps`` (applied), ``skipped_steps``, ``bytes_sent`` and ``messages_sent``
+        (``{"intra": int, "inter": int}``), ``staleness`` (rounds a gossip round stays in
+        flight), ``gossip_rounds`` (started), ``fragment_rounds`` (rounds started per
+        fragment, a list of ``fragments`` ints), ``gamma`` (the gossip's consensus step, None
+        without gossip) and ``consensus_distance`` (``sqrt(mean_i ||x_i - mean x||^2)`` over
+        nodes, float, or None when not asked for or with one node). With ``wait_free`` also
+        ``rounds_received`` and ``lag_rounds``: per neighbour on this rank's rail (its global
+        rank), the rounds of it applied here and how many rounds this rank has started beyond
+        them; ``live_nodes``, ``dropped_ranks``; ``terms_paired``: ``{"paired": n,
+        "possible": m}``, the neighbour terms this rank's rounds added, against one per live
+        neighbour per round (docs/engine.md, "Wait-free gossip"); ``mix_lag_rounds``: ``{s:
+        rounds}``, how many of this rank's rounds mixed the fragment of the round s before
+        them (``staleness`` when every neighbour's message of that round came in time).
+    """
     snap = comm_stats.snapshot()
     g = gossip
     out: dict[str, Any] = {
@@ -98,4 +123,6 @@ def engine_stats(steps: int, skipped_steps: int, comm_stats: CommStats, gossip: 
         "consensus_distance": None,
     }
     out.update(g.mode_stats() if g is not None else kind.idle_stats())
+    if consensus_of is not None:
+        out["consensus_distance"] = consensus_of.consensus_distance()
     return out
