@@ -1,4 +1,5 @@
-"""The engine's checkpoint entry: what it holds, and whether a saved one may be loaded here.
+"""The engine's checkpoint entry: what it holds, whether a saved one may be loaded here, and
+:class:`EngineState`, which saves it and loads it for the engine.
 
 One rank's entry (``optimizer.state_dict()["qcomm"]``)::
 
@@ -103,6 +104,8 @@ def check_loadable(state: object, options: CommOptions, topology: Topology | Non
                    on_world_size_change: str = "error", warn: bool = True,
                    stacklevel: int = 4) -> bool:
     """Validate a saved engine entry against this run; changes nothing.
+
+    ``stacklevel``: the warning's, seen from here (the engine passes its caller's).
 
     Returns:
         True when the gossip and intra-node state load as they are (same geometry), False when
