@@ -36,18 +36,21 @@ import torch
 
 from qcomm.collectives.gossip.joining import admit, join_state, start_joined, start_without
 from qcomm.collectives.primitives import all_reduce
+from qcomm.collectives.topology import Topology
+from qcomm.engine.agreement import check_agreement, check_job_agreement
 from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
 from qcomm.rendezvous.node import LinkedSeat
 from qcomm.rendezvous.seat import parse_address
 
-__all__ = ["NodeJoins", "check_linked_options"]
+__all__ = ["NodeJoins", "agree_and_join", "check_linked_options"]
 
 log = logging.getLogger("qcomm")
 
 
 def check_linked_options(options: Any, seat: LinkedSeat) -> None:
     """Raise ValueError when ``options`` cannot run on linked nodes (named)."""
-    if not (options.wait_free and options.on_peer_loss == "continue"):
+    # on_peer_loss="continue" is refused by CommOptions without wait_free=True
+    if options.on_peer_loss != "continue":
         raise ValueError(
             "nodes linked through the rendezvous (qcomm.rendezvous.init_node) need "
             "wait_free=True and on_peer_loss='continue', got wait_free="
@@ -56,6 +59,44 @@ def check_linked_options(options: Any, seat: LinkedSeat) -> None:
     if options.procs_per_node not in (None, seat.procs_per_node):
         raise ValueError(f"procs_per_node={options.procs_per_node} but this node runs "
                          f"{seat.procs_per_node} ranks (its torchrun's --nproc-per-node)")
+
+
+def agree_and_join(seat: LinkedSeat, row: list[int], topology: Topology, node: Any,
+                   options: Any, buffers: Any, owner: Any) -> NodeJoins | None:
+    """Linked nodes at set-up: agree over the node, then with the job at the rendezvous (a node
+    that differs is refused alone); a node that comes back starts from a running neighbour's
+    state; watch for the nodes that join after.
+
+    Args:
+        seat: this node's seat.
+        row: this rank's agreement row (:func:`~qcomm.engine.agreement.fingerprint`).
+        topology: the job's layout, groups made.
+        node: the rank's :class:`~qcomm.engine.node_gossip.NodeGossip`, None without gossip.
+        options: the communication options (``timeout_s``, ``join_optimizer_state``).
+        buffers: the attached model's buffers, or None.
+        owner: the wrapped optimizer (its state is copied by a join with
+            ``join_optimizer_state="copy"``, parameters not sharded).
+
+    Returns:
+        The rank's :class:`NodeJoins`, watching; None without gossip.
+    """
+    check_agreement(row, topology.intra_group, topology.procs_per_node,
+                    topology.control_device(), options.timeout_s)
+    check_job_agreement(row, seat.store(), "qcomm/linked/agreement")
+    if node is None:
+        return None
+    copies = options.join_optimizer_state == "copy" and not node.sharded
+    joins = NodeJoins(seat, node, buffers, owner if copies else None)
+    try:
+        if seat.joining:
+            joins.join()
+        else:
+            joins.start_without_absent()
+        joins.watch()
+    except BaseException:
+        joins.close()
+        raise
+    return joins
 
 
 class NodeJoins:

@@ -2,8 +2,10 @@
 
 The communicated parameters live in one flat buffer (:class:`~qcomm.engine.flat.FlatParams`)
 split into one shard per local rank; local rank l gossips shard l with the ranks of its rail
-(rank l of every other node), through a :class:`~qcomm.collectives.gossip.CompressedGossip`
-(bounded staleness) or a :class:`~qcomm.collectives.gossip.WaitFreeGossip`. The gossip owns the
+(rank l of every other node), through the member
+:func:`~qcomm.collectives.gossip.factory.build_gossip` makes for the mode (a
+:class:`~qcomm.collectives.gossip.CompressedGossip` or a
+:class:`~qcomm.collectives.gossip.WaitFreeGossip`: asked, never told apart). The gossip owns the
 schedule (its clock counts the steps, a round every ``sync_every / fragments`` of them, each
 carrying one fragment); this class adds what a node's ranks do around it: bring the fragments
 a round reads up to date (nothing to do when the parameters live in the flat buffer), run the
@@ -22,6 +24,8 @@ from typing import Any
 import torch
 
 from qcomm.collectives.errors import PeerError
+from qcomm.collectives.gossip.clock import StepClock
+from qcomm.collectives.gossip.factory import build_gossip
 from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.stats import CommStats
@@ -44,16 +48,14 @@ class NodeGossip:
         intra: the node's allreduce (its all-gather), None when alone on the node.
         options: the communication options.
         stats: where the gossip counts its bytes.
-        first_step: the step the gossip's clock starts at.
+        clock: the run's step clock, which the gossip advances.
         sharded: ``params`` are DTensors FSDP2 shards over the node's ranks, accepted by
             :func:`~qcomm.engine.sharded.check_sharding` (see the module docstring).
     """
 
     def __init__(self, params: list[torch.Tensor], topology: Topology,
                  intra: IntraNodeAllreduce | None, options: CommOptions,
-                 stats: CommStats, first_step: int = 0, *, sharded: bool = False) -> None:
-        from qcomm.collectives.gossip import CompressedGossip, WaitFreeGossip
-
+                 stats: CommStats, clock: StepClock, *, sharded: bool = False) -> None:
         self.topology = topology
         self.intra = intra
         self.options = options
@@ -69,18 +71,11 @@ class NodeGossip:
             # Every rank holds the whole model: it gossips shard l and the node shares them.
             self.flat = FlatParams(self.params, topology.procs_per_node, align)
             self._index, self._node_share = topology.local_rank, intra
-        kind, extra = ((WaitFreeGossip, {"max_backlog": options.max_backlog,
-                                         "on_peer_loss": options.on_peer_loss})
-                       if options.wait_free else (CompressedGossip, {}))
-        self.gossip = kind(
-            topology.rail_ranks, topology.rail_group, self.flat.shard_numel,
-            graph=options.graph, mixing=options.mixing, spec=options.gossip_spec,
-            gamma=options.gamma, staleness=options.staleness, timeout_s=options.timeout_s,
-            stats=stats, fragments=options.fragments, outer_momentum=options.outer_momentum,
-            outer_lr=options.outer_lr, round_period=options.round_period,
-            total_steps=options.total_steps,
+        self.gossip = build_gossip(
+            options.gossip_config(), topology.rail_ranks, topology.rail_group,
+            self.flat.shard_numel, stats=stats, clock=clock,
             # One random stream per rail (rails quantize different shards).
-            seed=rail_seed(options.seed, topology.local_rank), first_step=first_step, **extra)
+            seed=rail_seed(options.seed, topology.local_rank))
         # With copies (parameters not aliased), the gossip's own buffer: it owns its input only
         # during a round, and the node's all-gather must not read from what it writes.
         self._shard = None if self.flat.aliased else torch.empty(
@@ -301,10 +296,9 @@ class NodeGossip:
         return float(sq.item()) ** 0.5
 
     def state(self) -> dict[str, Any]:
-        """The gossip's state (with ``wait_free``, a drain first: every rank of the rail must
-        call it at the same point)."""
-        if self.options.wait_free:
-            self.gossip.drain()
+        """The gossip's state (what the mode needs first, a drain for the wait-free one, runs
+        first: every rank of the rail must call it at the same point)."""
+        self.gossip.before_state_dict()
         if self.survivable:
             # every rank of the rail learns every loss (a restart maps the survivors by it)
             self.gossip.survivors_sum(torch.zeros(1))

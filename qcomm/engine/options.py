@@ -11,9 +11,10 @@ import os
 import sys
 import warnings
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from qcomm.collectives.gossip.config import GossipConfig
 from qcomm.collectives.gossip.options import GRAPHS, MIXINGS, OPTION_CHECKS, check_fragments
 from qcomm.collectives.gossip.options import ON_PEER_LOSS as PEER_LOSS_MODES
 from qcomm.compress import QuantSpec
@@ -32,6 +33,10 @@ __all__ = ["GRAPHS", "JOIN_OPTIMIZER_STATES", "MIXINGS", "NONFINITE_MODES", "PEE
 NONFINITE_MODES = ("raise", "skip")
 JOIN_OPTIMIZER_STATES = ("copy", "fresh")
 
+
+# The gossip's settings (GossipConfig's fields) that CommOptions holds under another name; every
+# other field is the option of the same name.
+_GOSSIP_OPTION_OF = {"spec": "gossip_spec"}
 
 # Options that shape the wire format and the mixing: a checkpoint loads only into the same ones.
 WIRE_FIELDS = ("bits", "block_size", "rounding", "graph", "mixing", "staleness", "intra_bits",
@@ -222,6 +227,14 @@ class CommOptions:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def gossip_config(self) -> GossipConfig:
+        """The gossip's settings, built from these options: the one mapping from the options
+        to :class:`~qcomm.collectives.gossip.config.GossipConfig` (each of its fields is the
+        option of its name, ``spec`` is :attr:`gossip_spec`, ``round_period`` is
+        :attr:`round_period`)."""
+        return GossipConfig(**{f.name: getattr(self, _GOSSIP_OPTION_OF.get(f.name, f.name))
+                               for f in fields(GossipConfig)})
 
     @property
     def gossip_spec(self) -> QuantSpec:

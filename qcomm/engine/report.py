@@ -6,6 +6,8 @@ import logging
 import sys
 from typing import Any
 
+from qcomm.collectives.gossip.factory import gossip_class
+from qcomm.collectives.gossip.member import GossipMember
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.engine.options import CommOptions
@@ -29,9 +31,8 @@ def _schedule(options: CommOptions, gamma: float | None) -> str:
              if options.outer_momentum else "")
     if outer and options.total_steps is not None:
         outer += f" annealed over {options.total_steps} steps"
-    mode = ("wait-free" + (", going on without lost nodes"
-                           if options.on_peer_loss == "continue" else "")
-            if options.wait_free else f"staleness {options.staleness}")
+    config = options.gossip_config()
+    mode = gossip_class(config).mode_words(config)
     return f"gossip {every}{pieces}, {mode}, {step}{outer}"
 
 
@@ -80,9 +81,35 @@ def per_fragment(rounds: int, fragments: int) -> list[int]:
 
 
 def engine_stats(steps: int, skipped_steps: int, comm_stats: CommStats, gossip: Any,
-                 options: CommOptions) -> dict[str, Any]:
-    """The dict :meth:`qcomm.engine.AveragingEngine.stats` returns (``consensus_distance``
-    None: the engine fills it in when asked)."""
+                 kind: type[GossipMember], options: CommOptions, *,
+                 consensus_of: Any = None) -> dict[str, Any]:
+    """The dict :meth:`qcomm.engine.AveragingEngine.stats` returns: what this rank sent and how
+    the gossip is doing.
+
+    Args:
+        steps, skipped_steps: the engine's counters.
+        comm_stats: the bytes and messages counted.
+        gossip: the gossip member, None before there is one; ``kind``: its class (the mode's
+            own statistics come from either).
+        options: the communication options.
+        consensus_of: the :class:`~qcomm.engine.node_gossip.NodeGossip` whose consensus
+            distance to compute (a collective over the rail), or None.
+
+    Returns:
+        dict with ``steps`` (applied), ``skipped_steps``, ``bytes_sent`` and ``messages_sent``
+        (``{"intra": int, "inter": int}``), ``staleness`` (rounds a gossip round stays in
+        flight), ``gossip_rounds`` (started), ``fragment_rounds`` (rounds started per
+        fragment, a list of ``fragments`` ints), ``gamma`` (the gossip's consensus step, None
+        without gossip) and ``consensus_distance`` (``sqrt(mean_i ||x_i - mean x||^2)`` over
+        nodes, float, or None when not asked for or with one node). With ``wait_free`` also
+        ``rounds_received`` and ``lag_rounds``: per neighbour on this rank's rail (its global
+        rank), the rounds of it applied here and how many rounds this rank has started beyond
+        them; ``live_nodes``, ``dropped_ranks``; ``terms_paired``: ``{"paired": n,
+        "possible": m}``, the neighbour terms this rank's rounds added, against one per live
+        neighbour per round (docs/engine.md, "Wait-free gossip"); ``mix_lag_rounds``: ``{s:
+        rounds}``, how many of this rank's rounds mixed the fragment of the round s before
+        them (``staleness`` when every neighbour's message of that round came in time).
+    """
     snap = comm_stats.snapshot()
     g = gossip
     out: dict[str, Any] = {
@@ -97,11 +124,7 @@ def engine_stats(steps: int, skipped_steps: int, comm_stats: CommStats, gossip: 
         "gamma": g.gamma if g is not None else None,
         "consensus_distance": None,
     }
-    if options.wait_free:
-        out["rounds_received"] = g.rounds_received() if g is not None else {}
-        out["lag_rounds"] = g.lag() if g is not None else {}
-        out["live_nodes"] = g.live_members() if g is not None else 1
-        out["dropped_ranks"] = [e["rank"] for e in g.losses] if g is not None else []
-        out["terms_paired"] = dict(g.terms) if g is not None else {"paired": 0, "possible": 0}
-        out["mix_lag_rounds"] = dict(sorted(g.mix_lags.items())) if g is not None else {}
+    out.update(g.mode_stats() if g is not None else kind.idle_stats())
+    if consensus_of is not None:
+        out["consensus_distance"] = consensus_of.consensus_distance()
     return out

@@ -1,4 +1,5 @@
-"""The engine's checkpoint entry: what it holds, and whether a saved one may be loaded here.
+"""The engine's checkpoint entry: what it holds, whether a saved one may be loaded here, and
+:class:`EngineState`, which saves it and loads it for the engine.
 
 One rank's entry (``optimizer.state_dict()["qcomm"]``)::
 
@@ -27,16 +28,23 @@ cannot move: a non-zero one refuses.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from qcomm.collectives.gossip.clock import StepClock
+from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.engine.options import WIRE_FIELDS, CommOptions
 from qcomm.validation import check_choice
 
-__all__ = ["STATE_FORMAT", "WORLD_CHANGE_MODES", "EngineStateFile", "check_loadable",
-           "geometry"]
+if TYPE_CHECKING:   # (they import this module)
+    from qcomm.engine.placement import Placement
+    from qcomm.engine.runtime import Runtime
+    from qcomm.engine.step import StepCycle
+
+__all__ = ["STATE_FORMAT", "WORLD_CHANGE_MODES", "EngineState", "EngineStateFile",
+           "check_loadable", "geometry"]
 
 STATE_FORMAT = 2
 READABLE_FORMATS = (STATE_FORMAT,)
@@ -93,8 +101,11 @@ def _survivor_of(state: dict, lost: list[int], world: int, ppn: int, rank: int) 
 
 
 def check_loadable(state: object, options: CommOptions, topology: Topology | None, *,
-                   on_world_size_change: str = "error", warn: bool = True) -> bool:
+                   on_world_size_change: str = "error", warn: bool = True,
+                   stacklevel: int = 4) -> bool:
     """Validate a saved engine entry against this run; changes nothing.
+
+    ``stacklevel``: the warning's, seen from here (the engine passes its caller's).
 
     Returns:
         True when the gossip and intra-node state load as they are (same geometry), False when
@@ -149,6 +160,81 @@ def check_loadable(state: object, options: CommOptions, topology: Topology | Non
             f"{change}: the gossip state "
             "is re-initialized (CHOCO's residual x - x_hat lives in the parameters, "
             "and dropped mixing corrections sum to zero over nodes, so the global "
-            "mean of the parameters is preserved)", stacklevel=4,
+            "mean of the parameters is preserved)", stacklevel=stacklevel,
         )
     return False
+
+
+class EngineState:
+    """The engine's checkpoint room: its entry saved from the live objects (or from what waits
+    for them), loaded into them now, or at the first distributed step when they are not built
+    yet (``pending``).
+
+    Args:
+        options: the communication options.
+        placement: where this rank runs (its geometry, without a collective).
+    """
+
+    def __init__(self, options: CommOptions, placement: Placement) -> None:
+        self.options, self.placement = options, placement
+        self.pending: dict[str, Any] | None = None   # loaded, waiting for the first step
+
+    def save(self, runtime: Runtime | None, clock: StepClock, skipped_steps: int,
+             comm_stats: CommStats) -> dict[str, Any]:
+        """The entry (module docstring); the gossip's part first (a drain, with the wait-free
+        gossip: collective over the rail), then the counters."""
+        pending = self.pending or {}
+        node = runtime.node if runtime is not None else None
+        intra = runtime.intra if runtime is not None else None
+        gossip = node.state() if node is not None else pending.get("gossip")
+        intra_state = intra.state_dict() if intra is not None else pending.get("intra")
+        return EngineStateFile.build(
+            self.placement.geometry(), steps=clock.steps, skipped_steps=skipped_steps,
+            options=self.options, gossip=gossip, intra=intra_state,
+            comm_stats=comm_stats.snapshot())
+
+    def load(self, state: dict[str, Any], runtime: Runtime | None, clock: StepClock,
+             step: StepCycle, comm_stats: CommStats, on_world_size_change: str) -> None:
+        """Load an entry: validated first (:func:`check_loadable`), then the counters, the
+        parts whose objects exist, and the rest kept for :meth:`apply_pending`."""
+        keep = check_loadable(state, self.options, self.placement.given,
+                              on_world_size_change=on_world_size_change,
+                              stacklevel=5)   # the caller of the engine's load_state_dict
+        steps = int(state["steps"])
+        step.skipped_steps = int(state["skipped_steps"])
+        if "comm_stats" in state:
+            comm_stats.load(state["comm_stats"])
+        gossip_state = state["gossip"] if keep else None
+        intra_state = state["intra"] if keep else None
+        node = runtime.node if runtime is not None else None
+        intra = runtime.intra if runtime is not None else None
+        if node is not None and gossip_state is not None:
+            node.gossip.load_state_dict(gossip_state)   # its clock with it (the mode's own)
+            gossip_state = None
+        else:
+            # without a gossip state (one node, the gossip not built yet, or a fresh one after
+            # on_world_size_change="reinit") the clock goes on counting from here
+            clock.restart(steps)
+        if intra is not None and intra_state is not None:
+            intra.load_state_dict(intra_state)
+            intra_state = None
+        self.pending = {"gossip": gossip_state, "intra": intra_state}
+
+    def apply_pending(self, runtime: Runtime) -> None:
+        """At the first distributed step, once ``runtime`` is built: load what waited for it
+        (a node that joined started from a running neighbour's state, not its checkpoint's)."""
+        pending = self.pending
+        if pending is None:
+            return
+        if self.placement.joining:
+            pending["gossip"] = None
+        if runtime.intra is not None and pending.get("intra") is not None:
+            runtime.intra.load_state_dict(pending["intra"])
+        if runtime.node is not None and pending.get("gossip") is not None:
+            runtime.node.gossip.load_state_dict(pending["gossip"])
+        self.pending = None
+
+    def check(self, state: dict[str, Any], on_world_size_change: str) -> None:
+        """Raise what :meth:`load` would raise, changing nothing."""
+        check_loadable(state, self.options, self.placement.given,
+                       on_world_size_change=on_world_size_change, warn=False)

@@ -95,7 +95,7 @@ def test_frozen_and_gradless_parameters_stay_bit_identical(nodes: int, ppn: int)
         return {"frozen": torch.equal(frozen, model.frozen),
                 "unused": torch.equal(unused, model.unused),
                 "moved": not torch.equal(first, model.net[0].weight),
-                "communicated": opt.engine._flat.numel,
+                "communicated": opt.engine._runtime.node.flat.numel,
                 "rounds": opt.stats()["gossip_rounds"]}
 
     for r in world.run(body):
@@ -144,7 +144,7 @@ def test_skip_with_intra_bits_is_a_true_noop() -> None:
             if step == nan_at and rank == 1:
                 model[0].weight.grad[0, 0] = float("nan")
             opt.step()
-        intra = opt.engine._intra.state_dict()
+        intra = opt.engine._runtime.intra.state_dict()
         return {"params": [p.detach().clone() for p in model.parameters()],
                 "calls": intra["calls"],
                 "residuals": {k: v.clone() for k, v in

@@ -44,7 +44,8 @@ def _tamper(how: str, message: torch.Tensor, round_: int, sender: int, numel: in
 def _snapshot(model: torch.nn.Module, opt: HierarchicalOptimizer) -> dict:
     """Everything a step may change. The gossip's buffers are read directly: its state_dict()
     would wait for rounds in flight, which a failed peer never sends."""
-    g = opt.engine._gossip
+    runtime = opt.engine._runtime   # None before the first step
+    g = None if runtime is None else runtime.gossip
     gossip = None if g is None else {
         "buffers": [g._hat_own, g._hat_pub, g._mix_acc, g._momentum],
         "counters": (g.rounds_started, g.rounds_applied),
@@ -90,7 +91,7 @@ def _run_with_a_bad_message(how: str) -> list[dict]:
             opt.zero_grad()
             mlp_loss(model, rank, step).backward()
             if step == 1 and rank == LIAR:
-                gossip = opt.engine._gossip
+                gossip = opt.engine._runtime.gossip
                 send = gossip.transport.exchange
 
                 def tampered(round_, payload, recv, send=send, gossip=gossip):

@@ -37,7 +37,7 @@ def _body(world: MemoryWorld, extra: dict[int, int], out: dict) -> callable:
             if step == 0 or rank not in extra:
                 opt.step()
             else:
-                node = opt.engine._node
+                node = opt.engine._runtime.node
                 gossip, end_step = node.gossip, node.gossip.end_step
 
                 def one_more(x, _end=end_step, _g=gossip):
@@ -91,7 +91,7 @@ def _trained(world: MemoryWorld, rank: int) -> tuple[torch.nn.Module, ASSGD]:
 def _share_body(world: MemoryWorld, out: dict) -> callable:
     def body(rank: int) -> None:
         model, opt = _trained(world, rank)
-        node = opt.engine._node
+        node = opt.engine._runtime.node
         with torch.no_grad():   # each rank as if started from a neighbour of its own
             for p in model.parameters():
                 p.fill_(float(rank + 1))
@@ -121,7 +121,7 @@ def test_after_a_join_each_rank_keeps_its_own_shard_and_takes_the_others_from_it
 def _one_node_body(world: MemoryWorld, out: dict) -> callable:
     def body(rank: int) -> None:
         model, opt = _trained(world, rank)
-        node = opt.engine._node
+        node = opt.engine._runtime.node
         # as if each rank had taken its own rail's neighbour's state, a few steps apart
         node.gossip.restart_clock(node.gossip.steps + 3 * rank)
         with torch.no_grad():

@@ -51,7 +51,7 @@ def test_each_fragment_once_per_h_steps_and_bytes_per_step(nodes: int, ppn: int,
         opt = _opt(model, rank, world, ppn, sync_every=h, fragments=f)
         _train(model, opt, rank, range(steps))
         st = opt.stats()
-        shard = opt.engine._flat.shard_numel
+        shard = opt.engine._runtime.node.flat.shard_numel
         opt.close()
         return st, shard
 

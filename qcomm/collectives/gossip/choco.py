@@ -30,26 +30,30 @@ docs/gossip_tuning.md, "The default gamma" (:func:`default_gamma`, from :mod:`.g
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from qcomm.collectives.errors import CorruptPayloadError, PeerTimeoutError
+from qcomm.collectives.errors import CorruptPayloadError, PeerError, PeerTimeoutError
 from qcomm.collectives.group import CommGroup, resolve_group
 from qcomm.collectives.links import RoundHandle
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.stats import CommStats
-from qcomm.compress import WIRE_FORMAT_VERSION, QuantSpec, packed_nbytes
+from qcomm.compress import WIRE_FORMAT_VERSION, packed_nbytes
 from qcomm.seeds import gossip_message_seed
 from qcomm.validation import (
     check_seed,
 )
 
+from .clock import StepClock
 from .codec import check_state_buffers
+from .config import GossipConfig
 from .gamma import default_gamma
 from .graphs import neighbours
 from .integrity import SEAL_NBYTES, bad_messages, seal_
@@ -121,48 +125,36 @@ class CompressedGossip(GossipMember):
             torch.distributed process group, or None = the default group (then
             ``group_ranks`` must be all ranks, in order).
         numel: number of floats each member gossips (its shard), >= 1.
-        graph: ``"ring"`` (default), ``"exponential"`` or ``"complete"`` (:mod:`.graphs`).
-        mixing: ``"uniform"`` or ``"metropolis"`` (:mod:`.mixing`; equal on these graphs).
-        spec: the codec's QuantSpec for every message.
-        gamma: consensus step size in (0, 1]; None = :func:`default_gamma` (bits, staleness).
-        staleness: tau >= 0: round t is applied at step t + tau; 0 = synchronous.
-        timeout_s: how long to wait for a round before :class:`PeerTimeoutError`.
+        config: the settings (:class:`~.config.GossipConfig`: graph, mixing, spec, gamma,
+            staleness, timeout_s, fragments, round_period, the outer step); None: the
+            defaults. ``settings``: keywords that replace its fields.
         stats: counts the bytes this member sends, level ``"inter"``; None = a private one
             (``self.stats``).
         seed: base seed of stochastic rounding, int in [0, 2**64).
-        fragments: F >= 1 dividing ``numel``: round t carries only fragment ``t % F`` (elements
-            ``[f * numel/F, (f+1) * numel/F)``), so each fragment is gossiped every F rounds
-            and every message has the same length. Staleness counts rounds of any fragment.
-        outer_lr, outer_momentum: an outer Nesterov step on each fragment's own progress
-            since its previous round, as DiLoCo and SlowMo take on their averaged deltas:
-            with ``d = x_f - a_f`` (``a_f``: the fragment right after its previous mix),
-            ``u = mu u + d; x_f = a_f + lr (d + mu u)``, then the mixing. ``outer_lr=1,
-            outer_momentum=0`` (default) is plain CHOCO. The average of the members moves by
-            the outer step on their average progress; the mixing still preserves it.
-        total_steps: the run's length in local steps, or None: the outer lr is held for its
-            first 30%, then anneals to ``min(outer_lr, 1 - outer_momentum)`` at its end
-            (:mod:`.outer_anneal`).
+        first_step, clock: where the step clock starts, or the clock itself (shared with the
+            caller, :class:`~.clock.StepClock`).
+
+    Round t is applied at step t + ``staleness`` (0: synchronous), waited for at most
+    ``timeout_s`` (then :class:`PeerTimeoutError`); round t carries fragment ``t % fragments``
+    (elements ``[f * numel/F, (f+1) * numel/F)``). The outer step, with ``d = x_f - a_f``
+    (``a_f``: the fragment right after its previous mix): ``u = mu u + d; x_f = a_f + lr (d +
+    mu u)``, then the mixing; the average of the members moves by the outer step on their
+    average progress, and the mixing still preserves it.
 
     Buffers (fp32 ``[numel]`` x 3 (x 4 with momentum), plus ``staleness + 1`` rounds of uint8
     ``[degree + 1, packed_nbytes(numel / F, spec)]``) are created on the first :meth:`step`, on
     x's device. The constructor runs no collective and no blocking call.
     """
 
+    lockstep = True
+
     def __init__(self, group_ranks: list[int], group: CommGroup | dist.ProcessGroup | None,
-                 numel: int, *,
-                 graph: str = "ring", mixing: str = "uniform",
-                 spec: QuantSpec = QuantSpec(4, 128, "stochastic"),  # noqa: B008 (frozen)
-                 gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
-                 stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
-                 outer_momentum: float = 0.0, outer_lr: float = 1.0,
-                 round_period: int = 1, first_step: int = 0,
-                 total_steps: int | None = None) -> None:
+                 numel: int, config: GossipConfig | None = None, *,
+                 stats: CommStats | None = None, seed: int = 0, first_step: int = 0,
+                 clock: StepClock | None = None, **settings: Any) -> None:
         # hyperparameters (checked with the limits every layer shares, then fixed)
-        self._set_hyperparameters(
-            numel, graph=graph, mixing=mixing, spec=spec, gamma=gamma, staleness=staleness,
-            timeout_s=timeout_s, seed=seed, fragments=fragments,
-            outer_momentum=outer_momentum, outer_lr=outer_lr, round_period=round_period,
-            stats=stats, first_step=first_step, total_steps=total_steps)
+        self._set_hyperparameters(numel, GossipConfig.of(config, settings), stats=stats,
+                                  seed=seed, first_step=first_step, clock=clock)
 
         self.group = resolve_group(group)
         self.group_ranks, self.member = _check_group(group_ranks, self.group)
@@ -176,7 +168,7 @@ class CompressedGossip(GossipMember):
         self.transport_level = "inter"  # gossip runs between nodes
         self.transport = self.group.transport(self.peers, stats=self.stats,
                                               level=self.transport_level)
-        self.nbytes = packed_nbytes(self.fragment_numel, spec)
+        self.nbytes = packed_nbytes(self.fragment_numel, self.spec)
         self.message_nbytes = self.nbytes + SEAL_NBYTES  # what crosses the link per message
 
         # internal state (buffers lazily, on x's device)
@@ -429,6 +421,17 @@ class CompressedGossip(GossipMember):
         self._scratch = None
         self._weights_here = None
         self._in_flight = deque(_Round(r, copy(p), None) for r, p in in_flight)
+
+    def leave(self) -> None:
+        """Apply the rounds in flight when the peers still answer (a peer's failure is
+        swallowed: after one this only releases), then :meth:`close`."""
+        with contextlib.suppress(PeerError):
+            self.flush()
+        self.close()
+
+    @classmethod
+    def mode_words(cls, config: GossipConfig) -> str:
+        return f"staleness {config.staleness}"
 
     def close(self) -> None:
         """Forget rounds in flight and release the transport. Never blocks, also after a

@@ -1,25 +1,31 @@
-"""What every gossip member has, whichever mode: its validated hyperparameters, the step clock
-that says when a round is due, the fragments a round carries, and the mixing of a fragment (the
-outer Nesterov step and the CHOCO correction)."""
+"""What every gossip member has, whichever mode: its validated hyperparameters (a
+:class:`~.config.GossipConfig`), the step clock that says when a round is due, the fragments a
+round carries, the mixing of a fragment (the outer Nesterov step and the CHOCO correction), and
+what its user asks of either mode alike (how it ends, what a checkpoint needs first, its
+statistics)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
 from qcomm.collectives.stats import CommStats
-from qcomm.compress import QuantSpec
 from qcomm.kernels.wire_format import check_spec
 from qcomm.validation import check_instance, check_int
 
+from .clock import StepClock
 from .codec import GossipCodec
+from .config import GossipConfig
 from .gamma import default_gamma
 from .options import (
     check_fragments,
     check_gamma,
     check_graph,
+    check_max_backlog,
     check_mixing,
+    check_on_peer_loss,
     check_outer_lr,
     check_outer_momentum,
     check_seed,
@@ -50,36 +56,53 @@ class GossipMember:
     #: then all-gather those without agreeing on them first).
     changes_agree_across_rails = True
 
-    def _set_hyperparameters(self, numel: int, *, graph: str, mixing: str, spec: QuantSpec,
-                             gamma: float | None, staleness: int, timeout_s: float, seed: int,
-                             fragments: int, outer_momentum: float, outer_lr: float,
-                             round_period: int, stats: CommStats | None,
-                             first_step: int = 0, total_steps: int | None = None) -> None:
-        """Check the hyperparameters with the functions of :mod:`.options` (``CommOptions``
-        checks the same options with the same functions), then fix them."""
-        self.graph = check_graph(graph)
-        self.mixing = check_mixing(mixing)
-        self.spec = check_spec(spec)
+    #: Whether a member waits for its neighbours' rounds (every member then takes the same
+    #: steps, so a step skipped anywhere is skipped everywhere).
+    lockstep: ClassVar[bool]
+
+    def _set_hyperparameters(self, numel: int, config: GossipConfig, *,
+                             stats: CommStats | None, seed: int, first_step: int = 0,
+                             clock: StepClock | None = None) -> None:
+        """Check the settings with the functions of :mod:`.options` (``CommOptions`` checks the
+        same options with the same functions), then fix them. ``clock``: the step clock to
+        advance (shared with whoever built this member); None: a new one from
+        ``first_step``."""
+        self.config = config
+        self.graph = check_graph(config.graph)
+        self.mixing = check_mixing(config.mixing)
+        self.spec = spec = check_spec(config.spec)
         self.numel = check_int("numel", numel, low=1)
-        self.staleness = check_staleness(staleness)
-        gamma = check_gamma(gamma)
+        self.staleness = check_staleness(config.staleness)
+        gamma = check_gamma(config.gamma)
         self.gamma = default_gamma(spec.bits, self.staleness) if gamma is None else gamma
-        self.timeout_s = check_timeout(timeout_s)
+        self.timeout_s = check_timeout(config.timeout_s)
         self.seed = check_seed(seed)
-        self.fragments = check_fragments(fragments, self.numel, "numel")
+        self.fragments = check_fragments(config.fragments, self.numel, "numel")
         self.fragment_numel = self.numel // self.fragments
         self._codec = GossipCodec(self.spec, self.fragment_numel)  # its checks, once
-        self.outer_momentum = check_outer_momentum(outer_momentum)
-        self.outer_lr = check_outer_lr(outer_lr)
+        self.outer_momentum = check_outer_momentum(config.outer_momentum)
+        self.outer_lr = check_outer_lr(config.outer_lr)
         self._outer = self.outer_momentum != 0 or self.outer_lr != 1
         # The run's length: the outer lr anneals over its last 70% (outer_anneal.py).
-        self.total_steps = check_total_steps(total_steps)
-        self.round_period = check_int("round_period", round_period, low=1)
+        self.total_steps = check_total_steps(config.total_steps)
+        self.round_period = check_int("round_period", config.round_period, low=1)
         check_instance("stats", stats, CommStats, allow_none=True)
         self.stats = stats if stats is not None else CommStats()
         # The clock: local steps ended (end_step calls), from ``first_step`` (a run resumed
         # into a fresh gossip state goes on counting where it was).
-        self.steps = check_int("first_step", first_step, low=0)
+        check_instance("clock", clock, StepClock, allow_none=True)
+        self.clock = clock if clock is not None else StepClock(first_step)
+        self.max_backlog = check_max_backlog(config.max_backlog)
+        self.on_peer_loss = check_on_peer_loss(config.on_peer_loss)
+
+    @property
+    def steps(self) -> int:
+        """Local steps ended: the clock's count."""
+        return self.clock.steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.clock.steps = value
 
     def _config(self) -> dict:
         """The settings a saved state must have been saved with (the modes add theirs)."""
@@ -120,7 +143,33 @@ class GossipMember:
     def restart_clock(self, steps: int) -> None:
         """Count on from ``steps`` (a run resumed with a fresh gossip state: its rounds stay
         on the run's schedule)."""
-        self.steps = check_int("steps", steps, low=0)
+        self.clock.restart(steps)
+
+    # -----------------------------------------------------------------------------------------
+    # what the user of either mode asks alike (each mode answers in its own way)
+
+    def leave(self) -> None:
+        """End this member's part at the end of a run: complete what the mode completes when
+        the peers still answer, then :meth:`close`. Never raises a peer's failure."""
+        self.close()
+
+    def before_state_dict(self) -> None:
+        """What must run on every member of the group at the same point before
+        ``state_dict()`` (collective in the modes that need it; nothing by default)."""
+
+    def mode_stats(self) -> dict[str, Any]:
+        """The statistics only this mode keeps (keys as :meth:`idle_stats`)."""
+        return {}
+
+    @classmethod
+    def idle_stats(cls) -> dict[str, Any]:
+        """:meth:`mode_stats` before any member of this mode exists."""
+        return {}
+
+    @classmethod
+    def mode_words(cls, config: GossipConfig) -> str:
+        """The mode in words, for a log line (``config``: the settings)."""
+        raise NotImplementedError
 
     def round_due(self) -> bool:
         """Whether the step in progress ends with a round: the last step of every

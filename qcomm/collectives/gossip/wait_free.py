@@ -39,17 +39,19 @@ from qcomm.collectives.errors import PeerError, PeerTimeoutError
 from qcomm.collectives.group import resolve_group
 from qcomm.collectives.links import MessageStreams
 from qcomm.collectives.stats import CommStats
-from qcomm.compress import WIRE_FORMAT_VERSION, QuantSpec, packed_nbytes
+from qcomm.compress import WIRE_FORMAT_VERSION, packed_nbytes
 from qcomm.seeds import gossip_message_seed
 from qcomm.validation import check_seed
 
 from .choco import _check_group
+from .clock import StepClock
+from .config import GossipConfig
 from .copies import link_rows
 from .integrity import seal_
 from .link_records import LinkChanges, OwnState
 from .member import GossipMember
 from .membership import Membership, survivors_slots
-from .options import ON_PEER_LOSS, check_max_backlog, check_on_peer_loss
+from .options import ON_PEER_LOSS
 from .pace import TermCounter, fragment_to_mix
 from .saved_state import check_saved_state
 from .survivors import survivors_sum
@@ -73,21 +75,9 @@ class WaitFreeGossip(GossipMember):
     """Compressed CHOCO gossip of one fp32 vector per member, wait-free (module docstring).
 
     Args:
-        group_ranks, group: the members' global ranks (node order) and their group (a
-            :class:`~qcomm.collectives.group.CommGroup`, a process group, or None: the default
-            group), which makes the streams.
-        numel: floats each member gossips (its shard), >= 1.
-        graph, mixing, spec, seed, fragments, outer_momentum, outer_lr, total_steps: as
-            :class:`~.choco.CompressedGossip`.
-        gamma: consensus step in (0, 1]; None: :func:`~.gamma.default_gamma` (bits, staleness).
-        staleness: rounds by which the member's own copy in the mixing lags its fresh copy
-            (the delay its messages are expected to take), >= 0.
-        timeout_s: silence after which a neighbour's stream fails, > 0.
-        round_period: steps per round (``sync_every / fragments``), >= 1.
-        max_backlog: messages per neighbour sent and not yet taken, >= 1.
-        stats: counts the bytes sent (level ``"inter"``); None: a private one.
-        on_peer_loss: ``"raise"`` a neighbour's failure, or ``"continue"`` without it (the
-            module docstring).
+        group_ranks, group, numel, config, settings, stats, seed, first_step, clock: as
+            :class:`~.choco.CompressedGossip` (the group makes the streams; what each setting
+            means here: :class:`~.config.GossipConfig`).
 
     Buffers (fp32 ``[numel]`` x (degree + 2), 2 more with an outer step) and the streams are
     created at the first round (on x's device); the constructor communicates nothing. A member
@@ -96,6 +86,7 @@ class WaitFreeGossip(GossipMember):
 
     # the fragments owed something differ between rails (NodeGossip agrees on them)
     changes_agree_across_rails = False
+    lockstep = False
     level = "inter"
 
     size = _of("membership", "size", "Members in the graph (lost ones included).")
@@ -112,24 +103,15 @@ class WaitFreeGossip(GossipMember):
     _layout = _of("membership", "layout", "The messages' layout (:mod:`.wait_free_message`).")
     message_nbytes = _of("_layout", "message_nbytes", "Bytes of every message on the wire.")
 
-    def __init__(self, group_ranks: list[int], group: Any, numel: int, *,
-                 graph: str = "ring", mixing: str = "uniform",
-                 spec: QuantSpec = QuantSpec(4, 128, "stochastic"),  # noqa: B008 (frozen)
-                 gamma: float | None = None, staleness: int = 1, timeout_s: float = 300.0,
-                 stats: CommStats | None = None, seed: int = 0, fragments: int = 1,
-                 outer_momentum: float = 0.0, outer_lr: float = 1.0, round_period: int = 1,
-                 max_backlog: int = 64, on_peer_loss: str = "raise",
-                 first_step: int = 0, total_steps: int | None = None) -> None:
-        self._set_hyperparameters(
-            numel, graph=graph, mixing=mixing, spec=spec, gamma=gamma, staleness=staleness,
-            timeout_s=timeout_s, seed=seed, fragments=fragments,
-            outer_momentum=outer_momentum, outer_lr=outer_lr, round_period=round_period,
-            stats=stats, first_step=first_step, total_steps=total_steps)
-        self.max_backlog = check_max_backlog(max_backlog)
-        self.on_peer_loss = check_on_peer_loss(on_peer_loss)
+    def __init__(self, group_ranks: list[int], group: Any, numel: int,
+                 config: GossipConfig | None = None, *, stats: CommStats | None = None,
+                 seed: int = 0, first_step: int = 0, clock: StepClock | None = None,
+                 **settings: Any) -> None:
+        self._set_hyperparameters(numel, GossipConfig.of(config, settings), stats=stats,
+                                  seed=seed, first_step=first_step, clock=clock)
         self.group = resolve_group(group)
         ranks, member = _check_group(group_ranks, self.group)
-        self.nbytes = packed_nbytes(self.fragment_numel, spec)
+        self.nbytes = packed_nbytes(self.fragment_numel, self.spec)
         self.membership = Membership(self.graph, self.mixing, ranks, member, self.numel,
                                      MessageLayout(self.nbytes, len(ranks), member),
                                      self._streams_now)
@@ -386,6 +368,8 @@ class WaitFreeGossip(GossipMember):
         self._apply_pending()
         self._drained_at = self.rounds_started
 
+    before_state_dict = drain   # the consistent cut state_dict() needs
+
     def close(self) -> None:
         """Say goodbye to the neighbours (their streams from us end cleanly) and stop the
         streams. Never raises a peer's failure; idempotent."""
@@ -405,6 +389,23 @@ class WaitFreeGossip(GossipMember):
     def lag(self) -> dict[int, int]:
         """Per live neighbour's global rank: own rounds minus its rounds applied (< 0: ahead)."""
         return {r: self.rounds_started - n for r, n in self.rounds_received().items()}
+
+    def mode_stats(self) -> dict[str, Any]:
+        return {"rounds_received": self.rounds_received(), "lag_rounds": self.lag(),
+                "live_nodes": self.live_members(),
+                "dropped_ranks": [e["rank"] for e in self.losses],
+                "terms_paired": dict(self.terms),
+                "mix_lag_rounds": dict(sorted(self.mix_lags.items()))}
+
+    @classmethod
+    def idle_stats(cls) -> dict[str, Any]:
+        return {"rounds_received": {}, "lag_rounds": {}, "live_nodes": 1, "dropped_ranks": [],
+                "terms_paired": {"paired": 0, "possible": 0}, "mix_lag_rounds": {}}
+
+    @classmethod
+    def mode_words(cls, config: GossipConfig) -> str:
+        return "wait-free" + (", going on without lost nodes"
+                              if config.on_peer_loss == "continue" else "")
 
     def _config(self) -> dict:
         return {**super()._config(), "fragments": self.fragments,
