@@ -27,7 +27,7 @@ PACKAGE = Path(qcomm.__file__).resolve().parent
 # Every option that feeds the gossip, away from its default.
 OPTIONS = CommOptions(bits=2, block_size=64, rounding="nearest", graph="complete",
                       mixing="metropolis", gamma=0.3, staleness=2, timeout_s=7.0, sync_every=4,
-                      fragments=2, outer_momentum=0.5, outer_lr=0.7, wait_free=True,
+                      fragments=2, outer_momentum=0.5, outer_lr=0.7, total_steps=99, wait_free=True,
                       max_backlog=3, on_peer_loss="continue")
 
 
