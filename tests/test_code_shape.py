@@ -14,6 +14,8 @@ PACKAGE = REPO / "qcomm"
 MAX_MODULE_DOCSTRING_LINES = 30
 MAX_FUNCTION_LINES = 80
 MAX_GOSSIP_CLASS_LINES = 400
+MAX_CLASS_LINES = 400
+MAX_METHOD_LINES = 60
 DOC_PATH = re.compile(r"docs/[\w/.-]+\.md")
 
 
@@ -74,3 +76,19 @@ def test_no_class_of_the_gossip_is_longer_than_400_lines() -> None:
                 if isinstance(node, ast.ClassDef) and _lines(node) > MAX_GOSSIP_CLASS_LINES]
     assert not too_long, (f"gossip classes over {MAX_GOSSIP_CLASS_LINES} lines:\n"
                           + "\n".join(too_long))
+
+
+def test_no_class_is_longer_than_400_lines_and_no_method_than_60() -> None:
+    """Anywhere in the package: a class that grows past 400 lines holds more than one job (the
+    engine once held set-up, attachment, the step, joins, stats and state in 608), and a method
+    past 60 lines is a function that wants its parts named."""
+    classes = [f"{path}: class {node.name} of {_lines(node)} lines"
+               for path, tree in _modules() for node in ast.walk(tree)
+               if isinstance(node, ast.ClassDef) and _lines(node) > MAX_CLASS_LINES]
+    methods = [f"{path}: {node.name}.{item.name} of {_lines(item)} lines"
+               for path, tree in _modules() for node in ast.walk(tree)
+               if isinstance(node, ast.ClassDef) for item in node.body
+               if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and _lines(item) > MAX_METHOD_LINES]
+    assert not classes + methods, (f"classes over {MAX_CLASS_LINES} lines or methods over "
+                                   f"{MAX_METHOD_LINES}:\n" + "\n".join(classes + methods))
