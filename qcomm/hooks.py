@@ -304,8 +304,8 @@ class _Worker:
 def _allreduce_fp(state: HierarchicalQuantState, tensor: torch.Tensor
                   ) -> torch.futures.Future[torch.Tensor]:
     """DDP's own averaging (divide, then allreduce, asynchronous), for the warm-up."""
-    from qcomm.collectives.group import resolve_group
     from qcomm.collectives.primitives import all_reduce_mean_future
+    from qcomm.collectives.torch_group import resolve_group
 
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     return all_reduce_mean_future(tensor, resolve_group(group))

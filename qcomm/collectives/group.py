@@ -11,8 +11,8 @@ got: :mod:`.torch_group` (``torch.distributed`` process groups: Gloo, NCCL) and
 :mod:`.memory` (a whole job's ranks as threads of one process, or driven step by step from
 one thread; tests and simulations). A function that takes a ``group`` accepts a
 ``CommGroup``, a ``torch.distributed`` process group, or None (the default group), and turns
-it into a ``CommGroup`` with :func:`resolve_group`: a bare handle is torch.distributed's, and
-:mod:`.torch_group` wraps it (the one implementation this module names, in that function).
+it into a ``CommGroup`` with :func:`~.torch_group.resolve_group`: a bare handle is
+torch.distributed's, and :mod:`.torch_group` wraps it; this module names no implementation.
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from qcomm.validation import fail, fail_instance
-
 if TYPE_CHECKING:
     from qcomm.collectives.links import MessageStreams, Transport
     from qcomm.collectives.stats import CommStats
 
-__all__ = ["REDUCE_OPS", "CommGroup", "Work", "World", "resolve_group"]
+__all__ = ["REDUCE_OPS", "CommGroup", "Work", "World"]
 
 REDUCE_OPS = ("sum", "max", "min")
 
@@ -153,18 +151,3 @@ class World(ABC):
     def control_device(self) -> torch.device:
         """Where small control tensors (votes, agreement rows) must live for this world's
         groups to move them."""
-
-
-def resolve_group(group: Any) -> CommGroup:
-    """``group`` as a :class:`CommGroup`: itself when it is one, else the
-    ``torch.distributed`` process group it names (None: the default group) as a
-    :class:`~qcomm.collectives.torch_group.TorchGroup`."""
-    if isinstance(group, CommGroup):
-        return group
-    if isinstance(group, type):  # never a handle; the wrapper would take it and fail much later
-        fail_instance("group", group, CommGroup, "a qcomm.collectives.group.CommGroup")
-        fail("group", "a CommGroup, a torch.distributed process group or None", group, TypeError)
-    # Imported here: torch_group's classes are built on this module's.
-    from qcomm.collectives.torch_group import TorchGroup
-
-    return TorchGroup(group)

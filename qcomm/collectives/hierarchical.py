@@ -32,13 +32,14 @@ from collections.abc import Sequence
 import torch
 
 from qcomm.collectives.buckets import Bucket, pack, unpack
-from qcomm.collectives.group import CommGroup, resolve_group
+from qcomm.collectives.group import CommGroup
 from qcomm.collectives.handles import Handle, Last
 from qcomm.collectives.intra import BucketedMean
 from qcomm.collectives.primitives import acc_dtype, start_all_gather, start_reduce_scatter
 from qcomm.collectives.rail import check_rail_collective, rail_form, rail_mean
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
+from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import NonFiniteError, QuantSpec
 from qcomm.seeds import derive
 

@@ -40,7 +40,7 @@ from qcomm.collectives.buckets import (
     plan_buckets,
     unpack,
 )
-from qcomm.collectives.group import CommGroup, resolve_group
+from qcomm.collectives.group import CommGroup
 from qcomm.collectives.handles import Handle, Last
 from qcomm.collectives.primitives import (
     decode_mean,
@@ -51,6 +51,7 @@ from qcomm.collectives.primitives import (
 )
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
+from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import (
     ErrorFeedback,
     QuantSpec,

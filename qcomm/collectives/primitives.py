@@ -31,8 +31,9 @@ from qcomm.collectives.errors import (
     PeerTimeoutError,
     backend_detail,
 )
-from qcomm.collectives.group import CommGroup, Work, resolve_group
+from qcomm.collectives.group import CommGroup, Work
 from qcomm.collectives.stats import CommStats
+from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import ErrorFeedback, NonFiniteError, QuantSpec, dequant_accumulate
 
 __all__ = [

@@ -7,7 +7,7 @@ its collectives and creates its groups.
 * :class:`TorchWorld`: the job torch.distributed runs (its rank and size, torchrun's
   ``RANK`` / ``WORLD_SIZE`` before it is initialized, ``new_group``).
 
-:func:`~.group.resolve_group`, what every function taking a ``group`` calls first, wraps a
+:func:`resolve_group`, what every function taking a ``group`` calls first, wraps a
 bare process group (or None) in a :class:`TorchGroup`.
 
 The adapter is cheap to build (it asks torch.distributed for the members only when an error
@@ -26,13 +26,13 @@ import torch.distributed as dist
 from qcomm.collectives.gloo.streams import GlooStreams
 from qcomm.collectives.gloo.transport import GlooTransport
 from qcomm.collectives.group import REDUCE_OPS, CommGroup, Work, World
-from qcomm.validation import check_choice, env_int
+from qcomm.validation import check_choice, env_int, fail, fail_instance
 
 if TYPE_CHECKING:
     from qcomm.collectives.links import MessageStreams, Transport
     from qcomm.collectives.stats import CommStats
 
-__all__ = ["TorchGroup", "TorchWorld"]
+__all__ = ["TorchGroup", "TorchWorld", "resolve_group"]
 
 # torch 2.13 renames the flat collectives (same signatures) and warns on the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -180,3 +180,14 @@ class TorchWorld(World):
     def __repr__(self) -> str:
         return "TorchWorld()"
 
+
+def resolve_group(group: Any) -> CommGroup:
+    """``group`` as a :class:`CommGroup`: itself when it is one, else the
+    ``torch.distributed`` process group it names (None: the default group) as a
+    :class:`TorchGroup`."""
+    if isinstance(group, CommGroup):
+        return group
+    if isinstance(group, type):  # never a handle; the wrapper would take it and fail much later
+        fail_instance("group", group, CommGroup, "a qcomm.collectives.group.CommGroup")
+        fail("group", "a CommGroup, a torch.distributed process group or None", group, TypeError)
+    return TorchGroup(group)

@@ -19,10 +19,19 @@ from qcomm.collectives.linked_world import LinkedWorld
 from qcomm.collectives.topology import Topology
 from qcomm.engine.options import CommOptions
 from qcomm.engine.sharded import check_sharding
-from qcomm.engine.state import geometry
 from qcomm.rendezvous.node import LinkedSeat, linked_seat
 
-__all__ = ["Placement", "check_not_differentiable"]
+__all__ = ["Placement", "check_not_differentiable", "geometry"]
+
+
+def geometry(procs_per_node: int | None, topology: Topology | None) -> tuple[int, int, int]:
+    """(world size, ranks per node, rank) of this run, without any collective."""
+    if topology is not None:
+        return topology.world_size, topology.procs_per_node, topology.rank
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return 1, 1, 0
+    topo = Topology(procs_per_node)
+    return topo.world_size, topo.procs_per_node, topo.rank
 
 
 def check_not_differentiable(groups: list[dict[str, Any]]) -> None:

@@ -30,12 +30,11 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from qcomm.collectives.gossip.clock import StepClock
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.engine.options import WIRE_FIELDS, CommOptions
+from qcomm.engine.placement import geometry
 from qcomm.validation import check_choice
 
 if TYPE_CHECKING:   # (they import this module)
@@ -49,16 +48,6 @@ __all__ = ["STATE_FORMAT", "WORLD_CHANGE_MODES", "EngineState", "EngineStateFile
 STATE_FORMAT = 2
 READABLE_FORMATS = (STATE_FORMAT,)
 WORLD_CHANGE_MODES = ("error", "reinit")
-
-
-def geometry(procs_per_node: int | None, topology: Topology | None) -> tuple[int, int, int]:
-    """(world size, ranks per node, rank) of this run, without any collective."""
-    if topology is not None:
-        return topology.world_size, topology.procs_per_node, topology.rank
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return 1, 1, 0
-    topo = Topology(procs_per_node)
-    return topo.world_size, topo.procs_per_node, topo.rank
 
 
 class EngineStateFile:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qcomm.collectives.errors import PeerTimeoutError
-from qcomm.collectives.group import CommGroup, resolve_group
+from qcomm.collectives.group import CommGroup
 from qcomm.collectives.memory import MemoryGroup, MemoryWorld
 from qcomm.collectives.primitives import (
     all_gather_flat,
@@ -28,7 +28,7 @@ from qcomm.collectives.primitives import (
 )
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
-from qcomm.collectives.torch_group import TorchGroup
+from qcomm.collectives.torch_group import TorchGroup, resolve_group
 
 CHUNK = 6  # elements per member in every collective
 TIMEOUT_S = 30.0

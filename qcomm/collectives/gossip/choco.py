@@ -41,10 +41,11 @@ import torch
 import torch.distributed as dist
 
 from qcomm.collectives.errors import CorruptPayloadError, PeerError, PeerTimeoutError
-from qcomm.collectives.group import CommGroup, resolve_group
+from qcomm.collectives.group import CommGroup
 from qcomm.collectives.links import RoundHandle
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.stats import CommStats
+from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import WIRE_FORMAT_VERSION, packed_nbytes
 from qcomm.seeds import gossip_message_seed
 from qcomm.validation import (

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from qcomm.collectives.errors import PeerError, PeerTimeoutError
-from qcomm.collectives.group import resolve_group
 from qcomm.collectives.links import MessageStreams
 from qcomm.collectives.stats import CommStats
+from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import WIRE_FORMAT_VERSION, packed_nbytes
 from qcomm.seeds import gossip_message_seed
 from qcomm.validation import check_seed
