@@ -30,8 +30,11 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p for p in [*REPO.glob("bench/*.py"), *REPO.glob("bench/cluster/*.py")]
                  if p.name != "__init__.py")
 LIBRARIES = {"bench/common.py", "bench/cluster/charlm.py", "bench/cluster/corpus.py",
-             "bench/cluster/methods.py", "bench/cluster/rejoining.py",
-             "bench/cluster/sharding.py",
+             "bench/cluster/methods.py", "bench/cluster/project_targets.py",
+             "bench/cluster/rejoining.py", "bench/cluster/repetitions.py",
+             "bench/cluster/run_launch.py", "bench/cluster/run_summary.py",
+             "bench/cluster/sharding.py", "bench/cluster/sweep_plots.py",
+             "bench/cluster/sweep_summary.py", "bench/cluster/sweep_tables.py",
              "bench/cluster/torchft_methods.py",
              "bench/cluster/training.py", "bench/cluster/worker_flags.py",
              "bench/cluster/workloads.py", "bench/progress.py"}
