@@ -44,6 +44,9 @@ from bench.cluster import training as T
 from bench.cluster import worker_flags as F
 from bench.cluster import workload as WL
 from bench.cluster import workloads as W
+from bench.cluster.node_loss import kill_this_node, stop_record
+from bench.cluster.run_record import rank_record, run_config, write_json
+from bench.cluster.snapshot_eval import average_states, evaluate_curve
 
 # Steps between the ranks' votes on the window's end: every rank must stop at the same step.
 STOP_CHECK_EVERY = 10
@@ -114,7 +117,7 @@ class Life:
     def write(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self._written >= RECORD_EVERY_S:
-            WL.write_json(self.path, self.rec)
+            write_json(self.path, self.rec)
             self._written = now
 
 
@@ -205,8 +208,8 @@ def main(argv: list[str] | None = None) -> None:
         WL.warm_up(built, train_step, args.warmup)
         if rank == 0:
             opened = time.time()
-            WL.write_json(where["window"], {"time": opened})
-            WL.write_json(where["rejoin"], {"time": opened + args.join_at * args.time_budget})
+            write_json(where["window"], {"time": opened})
+            write_json(where["rejoin"], {"time": opened + args.join_at * args.time_budget})
         # Waited for by the other nodes' torchruns in a heal, read by every life.
         J.wait_for_window(args.out, args.pg_timeout)
         dist.barrier()
@@ -258,7 +261,7 @@ def _train(args: argparse.Namespace, where: dict[str, Path], life: Life, built: 
     doomed = node == args.kill_node and not where["killed"].exists()
     if doomed and local_rank == 0:
         def lose() -> NoReturn:
-            WL.kill_this_node(where["killed"], {"node": node, "rank": rank, "step": s,
+            kill_this_node(where["killed"], {"node": node, "rank": rank, "step": s,
                                                 "time_s": time.time() - opened,
                                                 "time": time.time()})
         timer = threading.Timer(max(0.0, opened + args.kill_at * budget - time.time()), lose)
@@ -295,7 +298,7 @@ def _train(args: argparse.Namespace, where: dict[str, Path], life: Life, built: 
                       f"{args.steps}", flush=True)
             life.write()
     except Exception as exc:
-        life.rec["error"] = WL.stop_record(exc, "step", s)
+        life.rec["error"] = stop_record(exc, "step", s)
         if not (healed_groups and time.time() >= opened + budget):
             # A peer is gone: this life ends; the agent starts the next from the checkpoint.
             life.rec["status"] = "failed"
@@ -321,7 +324,7 @@ def merge_lives(lives: list[dict[str, Any]], procs: int, opened: float) -> list[
         rs.sort(key=lambda r: r["process_start"])
         times = [t for r in rs for t in r["step_times"]]
         ends = sorted(t for r in rs for t in r["step_ends"])
-        rec = WL.rank_record(node * procs + local, node, local, len(times), times,
+        rec = rank_record(node * procs + local, node, local, len(times), times,
                              [t for r in rs for t in r["fwd_bwd"]],
                              [t for r in rs for t in r["opt_times"]],
                              next((r["baseline"] for r in rs if r["baseline"]), []),
@@ -364,11 +367,11 @@ def assemble(args: argparse.Namespace, work, notes: dict[str, Any], layout: T.La
         snaps = [where["snapshots"] / f"m{k:03d}.n{n}.pt" for k in range(args.snapshots + 1)]
         per_node.append([torch.load(f, weights_only=True) if f.exists() else None
                          for f in snaps])
-    curve = WL.evaluate_curve(work, per_node)
+    curve = evaluate_curve(work, per_node)
     finals = [torch.load(f, weights_only=True) for f in
               sorted(where["dir"].glob("final.n*.pt"))]
     evaluator = work.make_model()
-    evaluator.load_state_dict(WL.average_states(finals))
+    evaluator.load_state_dict(average_states(finals))
     metric = work.info.metric
     final = work.evaluate(evaluator)
     killed = json.loads(where["killed"].read_text()) if where["killed"].exists() else None
@@ -388,7 +391,7 @@ def assemble(args: argparse.Namespace, work, notes: dict[str, Any], layout: T.La
         "layout": {"nodes": nodes, "procs": procs, "world": nodes * procs},
         "model": {**work.model_config, "params": model[0], "shapes": model[1]},
         "data": work.data_config,
-        "config": {**WL.run_config(args), "recovery": "heal" if heal else "elastic"},
+        "config": {**run_config(args), "recovery": "heal" if heal else "elastic"},
         f"final_{metric}": final, "curve": curve, "ranks": ranks,
         "notes": {**notes, "recovery": "torchft heal from a live replica group" if heal else
                   "torchrun elastic restart from the last checkpoint",
@@ -399,7 +402,7 @@ def assemble(args: argparse.Namespace, work, notes: dict[str, Any], layout: T.La
         "rejoin": {"at": args.join_at, **(J.join_summary(
             ranks, None if killed is None else killed["time"], args.kill_node) or {})},
     }
-    WL.write_json(Path(args.out), result)
+    write_json(Path(args.out), result)
     shown = f"{final:.4f}"
     print(f"QCB_DONE {args.method} final {metric}={shown} (node {args.kill_node} "
           f"{'killed' if killed else 'not killed'}, {result['config']['recovery']}; lives at "
