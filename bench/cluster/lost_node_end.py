@@ -29,7 +29,7 @@ from bench.cluster import training as T
 from bench.cluster.link_counters import Readings, read_iface_bytes, read_tcp_retransmits
 from bench.cluster.node_loss import cut_connections, stop_record
 from bench.cluster.rank_place import Place
-from bench.cluster.run_record import rank_record, run_config, write_json
+from bench.cluster.run_record import run_result, timed_record, write_json
 from bench.cluster.snapshot_eval import average_states, evaluate_curve
 from bench.cluster.timed_window import Timed
 
@@ -50,7 +50,7 @@ def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, 
     minutes), evaluates the surviving nodes' snapshots and final parameters and writes the
     JSON. With ``--join-at`` the record also holds the wall-clock end of every step and, on
     the ranks that came back, their ``timeline``, and rank 0 waits for every rank."""
-    counters0, retrans0, stats0 = start
+    counters0, _, stats0 = start
     counters1 = retrans1 = stats1 = None
     live = pace = None
     stop = timed.stop
@@ -80,11 +80,8 @@ def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, 
             except Exception:  # a stopped method's counters may be gone
                 stats1 = None
     t_window = time.perf_counter() - timed.t_open
-    rec = rank_record(here.rank, here.node, here.local_rank, timed.steps, timed.step_times,
-                      timed.fwd_bwd, timed.opt_times, base_times, timed.t_loop, t_window,
-                      None if counters0 is None else (counters0, counters1),
-                      None if retrans0 is None else (retrans0, retrans1),
-                      None if stats0 is None or stats1 is None else (stats0, stats1))
+    rec = timed_record(here, timed, base_times, t_window, start,
+                       (counters1, retrans1, stats1))
     rec["status"] = "finished" if stop is None else "stopped"
     if stop is not None:
         rec["error"] = stop
@@ -149,19 +146,9 @@ def assemble_after_kill(args: argparse.Namespace, work, built: T.Built, kill: di
     else:
         final = curve[-1][metric] if curve else None
         final_from = "last snapshot"
-    numel, shapes = model
     result = {
-        "method": args.method,
-        "workload": args.workload,
-        "metric": {"name": metric, "goal": work.info.goal},
-        "layout": {"nodes": layout.nodes, "procs": procs, "world": world},
-        "model": {**work.model_config, "params": numel, "shapes": shapes},
-        "data": work.data_config,
-        "config": run_config(args),
-        f"final_{metric}": final,
-        "curve": curve,
-        "ranks": sorted(ranks, key=lambda r: r["rank"]),
-        "notes": built.notes,
+        **run_result(args, work, layout, model, final=final, curve=curve,
+                     ranks=sorted(ranks, key=lambda r: r["rank"]), notes=built.notes),
         "kill": {**kill, "happened": killed is not None,
                  "killed_at_step": None if killed is None else killed["step"],
                  "killed_at_s": None if killed is None else killed["time_s"]},

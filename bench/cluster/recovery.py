@@ -45,7 +45,7 @@ from bench.cluster import worker_flags as F
 from bench.cluster import workload as WL
 from bench.cluster import workloads as W
 from bench.cluster.node_loss import kill_this_node, stop_record
-from bench.cluster.run_record import rank_record, run_config, write_json
+from bench.cluster.run_record import rank_record, run_config, run_result, write_json
 from bench.cluster.snapshot_eval import average_states, evaluate_curve
 
 # Steps between the ranks' votes on the window's end: every rank must stop at the same step.
@@ -386,17 +386,13 @@ def assemble(args: argparse.Namespace, work, notes: dict[str, Any], layout: T.La
     restarts = sorted({round(r["process_start"] - opened, 2) for r in lives
                        if r["process_start"] > opened})
     result = {
-        "method": args.method, "workload": args.workload,
-        "metric": {"name": metric, "goal": work.info.goal},
-        "layout": {"nodes": nodes, "procs": procs, "world": nodes * procs},
-        "model": {**work.model_config, "params": model[0], "shapes": model[1]},
-        "data": work.data_config,
-        "config": {**run_config(args), "recovery": "heal" if heal else "elastic"},
-        f"final_{metric}": final, "curve": curve, "ranks": ranks,
-        "notes": {**notes, "recovery": "torchft heal from a live replica group" if heal else
-                  "torchrun elastic restart from the last checkpoint",
-                  "ckpt_every_s": None if heal else args.ckpt_every_s,
-                  "lives_started_s": restarts},
+        **run_result(args, work, T.Layout(nodes, procs), model, final=final, curve=curve,
+                     ranks=ranks,
+                     config={**run_config(args), "recovery": "heal" if heal else "elastic"},
+                     notes={**notes, "recovery": "torchft heal from a live replica group"
+                            if heal else "torchrun elastic restart from the last checkpoint",
+                            "ckpt_every_s": None if heal else args.ckpt_every_s,
+                            "lives_started_s": restarts}),
         "kill": kill, "nodes": [{"node": n, "killed": False} for n in range(nodes)],
         "final_from": "final parameters", "missing_ranks": [],
         "rejoin": {"at": args.join_at, **(J.join_summary(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import os
 import sys
@@ -49,7 +48,7 @@ from bench.cluster.link_counters import Readings, read_counters
 from bench.cluster.lost_node_end import end_after_kill
 from bench.cluster.node_loss import cut_connections, kill_plan, node_processes, stop_record
 from bench.cluster.rank_place import Place, find_place
-from bench.cluster.run_record import rank_record, run_config, write_json
+from bench.cluster.run_record import rank_record, run_config, run_result, timed_record, write_json
 from bench.cluster.snapshot_eval import evaluate_curve
 from bench.cluster.timed_window import Timed, fastest_marks, snapshot_spacing, timed_steps
 
@@ -219,8 +218,7 @@ def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: T
     (:func:`write_result`). Then leave."""
     built.flush()
     dist.barrier()
-    counters0, retrans0, stats0 = start
-    counters1, retrans1, stats1 = read_counters(here, built, counters0 is not None)
+    end = read_counters(here, built, start[0] is not None)
     t_window = time.perf_counter() - timed.t_open
 
     built.context.__exit__(None, None, None)
@@ -231,11 +229,7 @@ def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: T
     if here.keeps_snapshots:  # every namespace shares the file system
         torch.save(timed.snapshots, snap_file)
     dist.barrier()
-    mine = rank_record(here.rank, here.node, here.local_rank, timed.steps, timed.step_times,
-                       timed.fwd_bwd, timed.opt_times, base_times, timed.t_loop, t_window,
-                       None if counters0 is None else (counters0, counters1),
-                       None if retrans0 is None else (retrans0, retrans1),
-                       None if stats0 is None else (stats0, stats1))
+    mine = timed_record(here, timed, base_times, t_window, start, end)
     pace = built.pace()
     if pace is not None:
         mine.update(pace)
@@ -264,8 +258,6 @@ def write_result(args: argparse.Namespace, work, built: T.Built, here: Place,
     """Rank 0 at the end of a run without a lost node: every node's snapshots evaluated into
     the curve, the final model (``final_state`` when the module is sharded) evaluated, one
     JSON with every rank's record."""
-    info = work.info
-    metric = info.metric
     per_node = []
     for n in range(here.layout.nodes):
         f = Path(f"{args.out}.node{n}.snapshots")
@@ -277,25 +269,9 @@ def write_result(args: argparse.Namespace, work, built: T.Built, here: Place,
         evaluator = work.make_model()
         evaluator.load_state_dict(final_state)
     final = work.evaluate(evaluator)
-    numel, shapes = model
-    result = {
-        "method": args.method,
-        "workload": args.workload,
-        "metric": {"name": metric, "goal": info.goal},
-        "layout": {"nodes": here.layout.nodes, "procs": here.layout.procs,
-                   "world": here.world},
-        "model": {**work.model_config, "params": numel, "shapes": shapes},
-        "data": work.data_config,
-        "config": run_config(args),
-        f"final_{metric}": final,
-        "curve": curve,
-        "ranks": ranks,
-        "notes": built.notes,
-    }
-    tmp = Path(args.out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.out)
-    print(f"QCB_DONE {args.method} final {metric}={final:.4f}", flush=True)
+    write_json(Path(args.out), run_result(args, work, here.layout, model, final=final,
+                                          curve=curve, ranks=ranks, notes=built.notes))
+    print(f"QCB_DONE {args.method} final {work.info.metric}={final:.4f}", flush=True)
 
 
 def join_job(args: argparse.Namespace) -> tuple[Place, dict[str, float] | None]:
