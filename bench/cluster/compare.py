@@ -211,8 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="The quality whose first reaching is the time to target; the "
                         "workload's when left out (mnist1d test accuracy 0.70, charlm "
                         "validation loss 1.90).")
-    F.add_flags(p, ("powersgd_rank", "localsgd_period", "diloco_sync_every",
-                    "streaming_fragments", "streaming_delay"))
+    F.add_flags(p, F.METHOD_SETTINGS)
     p.add_argument("--delay-ms", type=float, default=None,
                    help="One-way latency between nodes, ms: the nodes are joined by the "
                         "delayline forwarder (netns.sh) instead of the bridge. Left out: the "

@@ -67,15 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="What to train (workload.py's workloads).")
     p.add_argument("--data", required=True, help="The workload's data file (compare.py's npz).")
     p.add_argument("--out", required=True, help="The JSON file the last life's rank 0 writes.")
-    F.add_flags(p, ("width", "depth", "heads", "context", "eval_windows", "batch", "lr",
-                    "momentum", "weight_decay", "steps", "lr_schedule", "warmup",
-                    "baseline_steps", "snapshots", "seed", "powersgd_rank", "localsgd_period",
-                    "diloco_sync_every", "streaming_fragments", "streaming_delay"))
+    F.add_flags(p, F.TRAINING)
     p.add_argument("--time-budget", type=float, required=True,
                    help="Seconds of the timed window, wall-clock from its opening in the first "
                         "life: every life trains until it closes.")
-    F.add_flags(p, ("max_steps", "pg_timeout", "kill_node", "kill_at", "join_at", "fsdp",
-                    "profile"))
+    F.add_flags(p, ("max_steps", *F.RUN_END))
     p.add_argument("--ckpt-every-s", type=float, default=1.0,
                    help="Seconds of training between checkpoints: rank 0 writes the model and "
                         "the optimizer's state after the first step this long after the last "
@@ -98,8 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"{args.kill_at:g} and {args.join_at:g}")
     if args.fsdp:
         p.error("--fsdp: the recoveries here run whole models per rank")
-    if args.snapshots == 0:   # workload.py's defaults
-        args.snapshots = 30 if args.workload == "charlm" else 60
+    args.snapshots = F.default_snapshots(args.snapshots, args.workload)
     return args
 
 

@@ -77,10 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="The workload's data file, an npz written by compare.py.")
     p.add_argument("--out", required=True, help="The JSON file rank 0 writes.")
     # the flags compare.py and ddp_reference.py take too: declared once, in worker_flags.py
-    F.add_flags(p, ("width", "depth", "heads", "context", "eval_windows", "batch", "lr",
-                    "momentum", "weight_decay", "steps", "lr_schedule", "warmup",
-                    "baseline_steps", "snapshots", "seed", "powersgd_rank", "localsgd_period",
-                    "diloco_sync_every", "streaming_fragments", "streaming_delay"))
+    F.add_flags(p, F.TRAINING)
     p.add_argument("--time-budget", type=float, default=None,
                    help="Seconds of training per node for methods whose nodes may take "
                         "different numbers of steps (wait-free gossip, names ending in -wf); "
@@ -91,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Instead of --time-budget: every node of a method whose nodes may take "
                         "different numbers of steps trains until the first node has taken "
                         "--steps steps (the same work as a lockstep run, for the fastest node).")
-    F.add_flags(p, ("pg_timeout", "kill_node", "kill_at", "join_at", "fsdp", "profile"))
+    F.add_flags(p, F.RUN_END)
     args = p.parse_args(argv)
     if (args.kill_node is None) != (args.kill_at is None):
         p.error("--kill-node and --kill-at go together")
@@ -120,8 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key in ("width", "depth", "batch", "lr", "momentum", "weight_decay", "steps"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(info, key))
-    if not args.snapshots:
-        args.snapshots = 30 if args.workload == "charlm" else 60
+    args.snapshots = F.default_snapshots(args.snapshots, args.workload)
     return args
 
 
