@@ -66,6 +66,13 @@ def steps_to_target(curve: Sequence[dict[str, float]], target: float,
     return time_to_target(curve, target, metric, goal, at="step")
 
 
+def reached(curve: Sequence[dict[str, float]], target: float, metric: str,
+            goal: str) -> dict[str, float | None]:
+    """The row's ``time_to_target_s`` and ``steps_to_target`` on ``curve``."""
+    return {"time_to_target_s": time_to_target(curve, target, metric, goal),
+            "steps_to_target": steps_to_target(curve, target, metric, goal)}
+
+
 def _metric(result: dict[str, Any]) -> tuple[str, str]:
     """(metric, goal) of a run's JSON; runs written before there were workloads are MNIST-1D."""
     m = result.get("metric") or {"name": "test_acc", "goal": "max"}
@@ -123,8 +130,7 @@ def kill_summary(result: dict[str, Any], target: float) -> dict[str, Any]:
                                           "killed_at_step", "killed_at_s")},
         "behaviour": behaviour, "outcome": outcome, "stop": stop,
         "survivor_nodes": survivors, "missing_ranks": missing,
-        "time_to_target_s": time_to_target(counted, target, metric, goal),
-        "steps_to_target": steps_to_target(counted, target, metric, goal),
+        **reached(counted, target, metric, goal),
         "final": result[f"final_{metric}"], "final_from": result.get("final_from"),
         "best": best, "counted_curve": counted,
     }
@@ -202,8 +208,7 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
         "node_steps": node_steps,
         "node_steps_per_s": node_rates,
         "node_compute_step_s": node_compute,
-        "time_to_target_s": time_to_target(result["curve"], target, metric, goal),
-        "steps_to_target": steps_to_target(result["curve"], target, metric, goal),
+        **reached(result["curve"], target, metric, goal),
         "quality_at_steps": quality_at_steps(result["curve"], steps, metric),
         "quality_at_work": quality_at_steps(result["curve"], steps, metric, by="step"),
         "final": result[f"final_{metric}"],
@@ -253,8 +258,7 @@ def rejoin_summary(result: dict[str, Any], row: dict[str, Any],
     back = rejoin.get("kill_to_first_step_s")
     metric, goal = _metric(result)
     out.update(outcome="continues", counted_curve=result["curve"],
-               time_to_target_s=time_to_target(result["curve"], target, metric, goal),
-               steps_to_target=steps_to_target(result["curve"], target, metric, goal),
+               **reached(result["curve"], target, metric, goal),
                behaviour=(f"continues; node {node} did not come back"
                           + ("" if stop is None else f" (its join: {stop['error']})")
                           if back is None else

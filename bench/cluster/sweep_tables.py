@@ -110,6 +110,18 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _cell(r: dict[str, Any]) -> str:
+    """A markdown row's first four cells, the cell's names: ``| workload | layout | rate |
+    method |``."""
+    return f"| {r.get('workload', 'mnist1d')} | {r['layout']} | {r['rate']} | {r['method']} |"
+
+
+def _time_to_target(r: dict[str, Any]) -> str:
+    """A markdown row's time to target: the median [min-max], ``never`` for none."""
+    return fmt_spread(r["time_to_target_s"], (r.get("spread") or {}).get("time_to_target_s"),
+                      ".1f", none="never")
+
+
 def kill_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown: what each method did when the node was lost (rows of one sweep with
     ``--kill-node``): behaviour, the survivors' time to target and final quality, the best
@@ -118,14 +130,10 @@ def kill_table(rows: Sequence[dict[str, Any]]) -> str:
              "survivors' final | best |", "|" + "---|" * 8]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r.get('workload', 'mnist1d')} | {r['layout']} | {r['rate']} | "
-                         f"{r['method']} | {r['status']} | - | - | - |")
+            lines.append(f"{_cell(r)} {r['status']} | - | - | - |")
             continue
         metric = r.get("metric", "test_acc")
-        ttt = fmt_spread(r["time_to_target_s"], (r.get("spread") or {}).get("time_to_target_s"),
-                         ".1f", none="never")
-        lines.append(f"| {r.get('workload', 'mnist1d')} | {r['layout']} | {r['rate']} | "
-                     f"{r['method']} | {r.get('behaviour') or '-'} | {ttt} | "
+        lines.append(f"{_cell(r)} {r.get('behaviour') or '-'} | {_time_to_target(r)} | "
                      f"{fmt_quality(r['final'], metric)} | {fmt_quality(r.get('best'), metric)} |")
     return "\n".join(lines)
 
@@ -146,10 +154,7 @@ def rejoin_table(rows: Sequence[dict[str, Any]]) -> str:
         if r.get("status") != "ok" or not rj:
             continue
         cells = [_median_spread(rj.get(k), rj.get(f"{k}_spread")) for k in REJOIN_FIELDS]
-        ttt = fmt_spread(r["time_to_target_s"], (r.get("spread") or {}).get("time_to_target_s"),
-                         ".1f", none="never")
-        lines.append(f"| {r.get('workload', 'mnist1d')} | {r['layout']} | {r['rate']} | "
-                     f"{r['method']} | " + " | ".join(cells) + f" | {ttt} |")
+        lines.append(f"{_cell(r)} " + " | ".join(cells) + f" | {_time_to_target(r)} |")
     return "\n".join(lines)
 
 
@@ -173,8 +178,7 @@ def equal_steps_table(rows: Sequence[dict[str, Any]], key: str = "quality_at_ste
     for r in keyed:
         q, spread = r[key], r.get(f"{key}_spread") or {}
         cells = [_median_spread(q.get(m), spread.get(m)) for m in marks]
-        lines.append(f"| {r.get('workload', 'mnist1d')} | {r['layout']} | {r['rate']} | "
-                     f"{r['method']} | " + " | ".join(cells) + " |")
+        lines.append(f"{_cell(r)} " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
