@@ -30,6 +30,11 @@ SPREAD_FIELDS = ("step_median_s", "samples_per_s", "time_to_target_s", "steps_to
 NEVER_FIELDS = ("time_to_target_s", "steps_to_target")
 
 
+def _spread(values: Sequence[float]) -> list[float] | None:
+    """``[min, max]`` of ``values``; None for none."""
+    return [min(values), max(values)] if values else None
+
+
 def _median_or_none(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -57,11 +62,11 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
             med = statistics.median([inf if v is None else v for v in vals])
             row[key] = None if med == inf else med
             got = [v for v in vals if v is not None]
-            spread[key] = [min(got), max(got)] if got else None
+            spread[key] = _spread(got)
             continue
         got = [v for v in vals if v is not None]
-        row[key] = statistics.median(got) if got else None
-        spread[key] = [min(got), max(got)] if got else None
+        row[key] = _median_or_none(got)
+        spread[key] = _spread(got)
     for key in ("bytes_rel_diff", "payload_rel_diff"):
         got = [r[key] for r in ok if r.get(key) is not None]
         row[key] = max(got) if got else None
@@ -69,8 +74,8 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         marks = [r[key] for r in ok if r.get(key)]
         if marks:
             got = {k: [m[k] for m in marks if m.get(k) is not None] for k in marks[0]}
-            row[key] = {k: statistics.median(v) if v else None for k, v in got.items()}
-            row[f"{key}_spread"] = {k: [min(v), max(v)] if v else None for k, v in got.items()}
+            row[key] = {k: _median_or_none(v) for k, v in got.items()}
+            row[f"{key}_spread"] = {k: _spread(v) for k, v in got.items()}
     for key in ("node_steps", "node_steps_per_s", "node_compute_step_s"):
         lists = [r[key] for r in ok if r.get(key)]
         if lists and all(len(v) == len(lists[0]) for v in lists):
@@ -81,7 +86,7 @@ def aggregate(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "inter_packets_iface", "inter_payload_iface", "compute_step_s", "fwd_bwd_s",
                 "opt_step_s"):
         got = [r[key] for r in ok if r.get(key) is not None]
-        row[key] = statistics.median(got) if got else None
+        row[key] = _median_or_none(got)
 
     def rank_key(r: dict[str, Any]) -> float:
         t = r.get("time_to_target_s")
@@ -125,8 +130,8 @@ def aggregate_kill(ok: Sequence[dict[str, Any]]) -> dict[str, Any]:
     outcomes = Counter(r.get("outcome") for r in ok)
     best = [r["best"] for r in ok if r.get("best") is not None]
     return {"behaviour": behaviour, "outcome": outcomes.most_common(1)[0][0],
-            "best": statistics.median(best) if best else None,
-            "best_spread": [min(best), max(best)] if best else None}
+            "best": _median_or_none(best),
+            "best_spread": _spread(best)}
 
 
 def aggregate_rejoin(ok: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -134,8 +139,8 @@ def aggregate_rejoin(ok: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k in REJOIN_FIELDS:
         vals = [r["rejoin"][k] for r in ok if (r.get("rejoin") or {}).get(k) is not None]
-        out[k] = statistics.median(vals) if vals else None
-        out[f"{k}_spread"] = [min(vals), max(vals)] if vals else None
+        out[k] = _median_or_none(vals)
+        out[f"{k}_spread"] = _spread(vals)
     return {"rejoin": out}
 
 
