@@ -143,7 +143,7 @@ def rate_bits_per_s(rate: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# running
+# one run: its command line (run_launch.py launches it), and the driver's flags
 
 
 def settings(workload: str, args: argparse.Namespace) -> dict[str, Any]:
