@@ -44,6 +44,9 @@ from bench.cluster import training as T
 from bench.cluster import worker_flags as F
 from bench.cluster import workload as WL
 from bench.cluster import workloads as W
+from bench.cluster.node_loss import kill_this_node, stop_record
+from bench.cluster.run_record import rank_record, run_config, run_result, write_json
+from bench.cluster.snapshot_eval import average_states, evaluate_curve
 
 # Steps between the ranks' votes on the window's end: every rank must stop at the same step.
 STOP_CHECK_EVERY = 10
@@ -64,15 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="What to train (workload.py's workloads).")
     p.add_argument("--data", required=True, help="The workload's data file (compare.py's npz).")
     p.add_argument("--out", required=True, help="The JSON file the last life's rank 0 writes.")
-    F.add_flags(p, ("width", "depth", "heads", "context", "eval_windows", "batch", "lr",
-                    "momentum", "weight_decay", "steps", "lr_schedule", "warmup",
-                    "baseline_steps", "snapshots", "seed", "powersgd_rank", "localsgd_period",
-                    "diloco_sync_every", "streaming_fragments", "streaming_delay"))
+    F.add_flags(p, F.TRAINING)
     p.add_argument("--time-budget", type=float, required=True,
                    help="Seconds of the timed window, wall-clock from its opening in the first "
                         "life: every life trains until it closes.")
-    F.add_flags(p, ("max_steps", "pg_timeout", "kill_node", "kill_at", "join_at", "fsdp",
-                    "profile"))
+    F.add_flags(p, ("max_steps", *F.RUN_END))
     p.add_argument("--ckpt-every-s", type=float, default=1.0,
                    help="Seconds of training between checkpoints: rank 0 writes the model and "
                         "the optimizer's state after the first step this long after the last "
@@ -95,8 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"{args.kill_at:g} and {args.join_at:g}")
     if args.fsdp:
         p.error("--fsdp: the recoveries here run whole models per rank")
-    if args.snapshots == 0:   # workload.py's defaults
-        args.snapshots = 30 if args.workload == "charlm" else 60
+    args.snapshots = F.default_snapshots(args.snapshots, args.workload)
     return args
 
 
@@ -114,7 +112,7 @@ class Life:
     def write(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self._written >= RECORD_EVERY_S:
-            WL.write_json(self.path, self.rec)
+            write_json(self.path, self.rec)
             self._written = now
 
 
@@ -205,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         WL.warm_up(built, train_step, args.warmup)
         if rank == 0:
             opened = time.time()
-            WL.write_json(where["window"], {"time": opened})
-            WL.write_json(where["rejoin"], {"time": opened + args.join_at * args.time_budget})
+            write_json(where["window"], {"time": opened})
+            write_json(where["rejoin"], {"time": opened + args.join_at * args.time_budget})
         # Waited for by the other nodes' torchruns in a heal, read by every life.
         J.wait_for_window(args.out, args.pg_timeout)
         dist.barrier()
@@ -258,7 +256,7 @@ def _train(args: argparse.Namespace, where: dict[str, Path], life: Life, built: 
     doomed = node == args.kill_node and not where["killed"].exists()
     if doomed and local_rank == 0:
         def lose() -> NoReturn:
-            WL.kill_this_node(where["killed"], {"node": node, "rank": rank, "step": s,
+            kill_this_node(where["killed"], {"node": node, "rank": rank, "step": s,
                                                 "time_s": time.time() - opened,
                                                 "time": time.time()})
         timer = threading.Timer(max(0.0, opened + args.kill_at * budget - time.time()), lose)
@@ -295,7 +293,7 @@ def _train(args: argparse.Namespace, where: dict[str, Path], life: Life, built: 
                       f"{args.steps}", flush=True)
             life.write()
     except Exception as exc:
-        life.rec["error"] = WL.stop_record(exc, "step", s)
+        life.rec["error"] = stop_record(exc, "step", s)
         if not (healed_groups and time.time() >= opened + budget):
             # A peer is gone: this life ends; the agent starts the next from the checkpoint.
             life.rec["status"] = "failed"
@@ -321,7 +319,7 @@ def merge_lives(lives: list[dict[str, Any]], procs: int, opened: float) -> list[
         rs.sort(key=lambda r: r["process_start"])
         times = [t for r in rs for t in r["step_times"]]
         ends = sorted(t for r in rs for t in r["step_ends"])
-        rec = WL.rank_record(node * procs + local, node, local, len(times), times,
+        rec = rank_record(node * procs + local, node, local, len(times), times,
                              [t for r in rs for t in r["fwd_bwd"]],
                              [t for r in rs for t in r["opt_times"]],
                              next((r["baseline"] for r in rs if r["baseline"]), []),
@@ -364,11 +362,11 @@ def assemble(args: argparse.Namespace, work, notes: dict[str, Any], layout: T.La
         snaps = [where["snapshots"] / f"m{k:03d}.n{n}.pt" for k in range(args.snapshots + 1)]
         per_node.append([torch.load(f, weights_only=True) if f.exists() else None
                          for f in snaps])
-    curve = WL.evaluate_curve(work, per_node)
+    curve = evaluate_curve(work, per_node)
     finals = [torch.load(f, weights_only=True) for f in
               sorted(where["dir"].glob("final.n*.pt"))]
     evaluator = work.make_model()
-    evaluator.load_state_dict(WL.average_states(finals))
+    evaluator.load_state_dict(average_states(finals))
     metric = work.info.metric
     final = work.evaluate(evaluator)
     killed = json.loads(where["killed"].read_text()) if where["killed"].exists() else None
@@ -383,23 +381,19 @@ def assemble(args: argparse.Namespace, work, notes: dict[str, Any], layout: T.La
     restarts = sorted({round(r["process_start"] - opened, 2) for r in lives
                        if r["process_start"] > opened})
     result = {
-        "method": args.method, "workload": args.workload,
-        "metric": {"name": metric, "goal": work.info.goal},
-        "layout": {"nodes": nodes, "procs": procs, "world": nodes * procs},
-        "model": {**work.model_config, "params": model[0], "shapes": model[1]},
-        "data": work.data_config,
-        "config": {**WL.run_config(args), "recovery": "heal" if heal else "elastic"},
-        f"final_{metric}": final, "curve": curve, "ranks": ranks,
-        "notes": {**notes, "recovery": "torchft heal from a live replica group" if heal else
-                  "torchrun elastic restart from the last checkpoint",
-                  "ckpt_every_s": None if heal else args.ckpt_every_s,
-                  "lives_started_s": restarts},
+        **run_result(args, work, T.Layout(nodes, procs), model, final=final, curve=curve,
+                     ranks=ranks,
+                     config={**run_config(args), "recovery": "heal" if heal else "elastic"},
+                     notes={**notes, "recovery": "torchft heal from a live replica group"
+                            if heal else "torchrun elastic restart from the last checkpoint",
+                            "ckpt_every_s": None if heal else args.ckpt_every_s,
+                            "lives_started_s": restarts}),
         "kill": kill, "nodes": [{"node": n, "killed": False} for n in range(nodes)],
         "final_from": "final parameters", "missing_ranks": [],
         "rejoin": {"at": args.join_at, **(J.join_summary(
             ranks, None if killed is None else killed["time"], args.kill_node) or {})},
     }
-    WL.write_json(Path(args.out), result)
+    write_json(Path(args.out), result)
     shown = f"{final:.4f}"
     print(f"QCB_DONE {args.method} final {metric}={shown} (node {args.kill_node} "
           f"{'killed' if killed else 'not killed'}, {result['config']['recovery']}; lives at "

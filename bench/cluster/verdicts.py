@@ -32,7 +32,7 @@ if __package__ in (None, ""):
     # Run by path: the repository root first on sys.path, so that `bench.cluster` imports.
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.cluster.compare import time_to_target
+from bench.cluster.run_summary import time_to_target
 
 INF = float("inf")
 # A crossing later than this fraction of the run leaves the win no margin.

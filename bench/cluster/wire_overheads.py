@@ -39,7 +39,7 @@ if __package__ in (None, ""):
 from bench.cluster import charlm
 from bench.cluster import methods as M
 from bench.cluster import training as T
-from bench.cluster.workload import read_iface_bytes
+from bench.cluster.link_counters import read_iface_bytes
 
 IFACE = os.environ.get("QCB_IFACE", "qceth0")
 

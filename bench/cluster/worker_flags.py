@@ -4,8 +4,10 @@ workload.py (one rank of a run) takes them; compare.py takes the same flags and 
 to every run, and ddp_reference.py takes the model's, which workloads.py's ``load`` reads. Each
 script adds the flags it takes with :func:`add_flags` (same name, type, default and help
 everywhere), and compare.py builds workload.py's command line from the same table with
-:func:`command_line`. Flags whose meaning differs between the scripts (``--workload``: one or a
-list; ``--time-budget``: seconds, or seconds per layout) stay with each script.
+:func:`command_line`. The lists two scripts share have names here (:data:`TRAINING`,
+:data:`RUN_END`, :data:`METHOD_SETTINGS`). Flags whose meaning differs between the scripts
+(``--workload``: one or a list; ``--time-budget``: seconds, or seconds per layout) stay with
+each script.
 
 Pure Python, like the registries it reads its help texts from (workloads.py).
 """
@@ -27,7 +29,8 @@ if __package__ in (None, ""):
 from bench.cluster import workloads as W
 from bench.cluster.training import LR_SCHEDULES
 
-__all__ = ["FLAGS", "PASSED_ON", "Flag", "add_flags", "command_line"]
+__all__ = ["FLAGS", "METHOD_SETTINGS", "PASSED_ON", "RUN_END", "TRAINING", "Flag",
+           "add_flags", "command_line", "default_snapshots"]
 
 
 @dataclass(frozen=True)
@@ -166,11 +169,24 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          "to OUT.prof<rank>.txt (compare.py: runs/<run>.json.prof<rank>.txt)."),
 )}
 
+METHOD_SETTINGS = ("powersgd_rank", "localsgd_period", "diloco_sync_every",
+                   "streaming_fragments", "streaming_delay")
+"""The methods' own settings, in the order every script's ``--help`` lists them."""
+
+TRAINING = ("width", "depth", "heads", "context", "eval_windows", "batch", "lr", "momentum",
+            "weight_decay", "steps", "lr_schedule", "warmup", "baseline_steps", "snapshots",
+            "seed", *METHOD_SETTINGS)
+"""The model, its training and the methods' settings: what workload.py and recovery.py (one
+rank of a run either way) both take, in this order."""
+
+RUN_END = ("pg_timeout", "kill_node", "kill_at", "join_at", "fsdp", "profile")
+"""How a run of workload.py or recovery.py ends and what it measures on the way: the
+deadline of a wait, the lost node (and its return), the sharding, the profile."""
+
 PASSED_ON = ("width", "depth", "batch", "lr", "momentum", "weight_decay", "steps",
              "lr_schedule", "warmup",
-             "seed", "powersgd_rank", "localsgd_period", "diloco_sync_every",
-             "streaming_fragments", "streaming_delay", "profile", "pg_timeout", "kill_node",
-             "kill_at", "join_at", "fsdp")
+             "seed", *METHOD_SETTINGS, "profile", "pg_timeout", "kill_node", "kill_at",
+             "join_at", "fsdp")
 """What compare.py passes on to every run as it got it (``--max-steps`` goes with the time
 budget, which compare.py sets per layout)."""
 
@@ -204,6 +220,14 @@ def command_line(values: Mapping[str, Any], names: Iterable[str]) -> list[str]:
     """
     return [word for name in names for word in FLAGS[name].words(values[name])]
 
+
+
+def default_snapshots(given: int, workload: str) -> int:
+    """``--snapshots`` as a worker uses it: ``given``, or for 0 the workload's count (30 for
+    charlm, whose evaluation costs more; 60 for the others), as its help says."""
+    if given:
+        return given
+    return 30 if workload == "charlm" else 60
 
 if __name__ == "__main__":  # a library: say so rather than exit silently
     print(

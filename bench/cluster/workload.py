@@ -21,19 +21,12 @@ bench/cluster/README.md, "workload.py".
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import json
 import logging
 import os
-import signal
-import socket
-import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -51,413 +44,25 @@ from bench.cluster import sharding as S
 from bench.cluster import training as T
 from bench.cluster import worker_flags as F
 from bench.cluster import workloads as W
+from bench.cluster.link_counters import Readings, read_counters
+from bench.cluster.lost_node_end import end_after_kill
+from bench.cluster.node_loss import cut_connections, kill_plan, node_processes, stop_record
+from bench.cluster.rank_place import Place, find_place
+from bench.cluster.run_record import rank_record, run_config, run_result, timed_record, write_json
+from bench.cluster.snapshot_eval import evaluate_curve
+from bench.cluster.timed_window import Timed, fastest_marks, snapshot_spacing, timed_steps
 
-# Steps between the votes of a node's ranks on stopping a per-node run (timed_steps).
-STOP_CHECK_EVERY = 4
+# The names the tests import from here, wherever they now live: the timed window, the lost
+# node, the record and the evaluation are modules of their own beside this one.
+__all__ = ["Place", "Timed", "cut_connections", "evaluate_curve", "fastest_marks", "finish",
+           "main", "node_processes", "parse_args", "rank_record", "run_config", "stop_record",
+           "timed_steps"]
 
 
 def _method_name(name: str) -> str:
     if name not in M.METHODS:
         raise argparse.ArgumentTypeError(f"unknown method {name!r}{M.near_miss(name)}")
     return name
-
-
-def read_iface_bytes(iface: str) -> tuple[int, int, int]:
-    """(tx_bytes, rx_bytes, tx_packets) of ``iface`` in this process's network namespace
-    (/proc/net/dev is per namespace, unlike a /sys that may be mounted from another one)."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, sep, rest = line.partition(":")
-            if sep and name.strip() == iface:
-                fields = rest.split()
-                return int(fields[8]), int(fields[0]), int(fields[9])
-    raise RuntimeError(f"interface {iface!r} not found in /proc/net/dev (set QCB_IFACE)")
-
-
-def read_tcp_retransmits() -> int:
-    """TCP segments retransmitted so far by this network namespace (/proc/net/snmp is per
-    namespace): resent bytes count in tx_bytes but in no algorithm's formula."""
-    with open("/proc/net/snmp") as f:
-        rows = [line.split() for line in f if line.startswith("Tcp:")]
-    return int(rows[1][rows[0].index("RetransSegs")])
-
-
-def average_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The element-wise mean of the nodes' state dicts (floating tensors; others: node 0's)."""
-    out = {}
-    for key, first in states[0].items():
-        if first.is_floating_point():
-            out[key] = torch.stack([st[key] for st in states]).mean(dim=0)
-        else:
-            out[key] = first
-    return out
-
-
-# (step, seconds since the window opened, parameters)
-Snapshot = tuple[int, float, dict[str, torch.Tensor]]
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def rank_record(rank: int, node: int, local_rank: int, steps: int, step_times: list[float],
-                fwd_bwd: list[float], opt_times: list[float], base_times: list[float],
-                t_loop: float, t_window: float, counters: tuple | None, retrans: tuple | None,
-                stats: tuple | None) -> dict[str, Any]:
-    """One rank's numbers for the JSON. ``counters``, ``retrans`` and ``stats`` are the
-    (window opened, window closed) readings, or None where this rank reads none. A rank that
-    stopped before its first timed step has no step times (those fields are None)."""
-    med = _median(step_times)
-    return {
-        "rank": rank, "node": node, "local_rank": local_rank, "steps": steps,
-        "step_median_s": med,
-        "step_mean_s": statistics.fmean(step_times) if step_times else None,
-        # Stalls: the longest step, and when the long ones (over 10x the median) happened.
-        "step_max_s": max(step_times) if step_times else None,
-        "long_steps": [(i, round(t, 4)) for i, t in enumerate(step_times)
-                       if t > 10 * med][:50] if step_times else [],
-        "fwd_bwd_median_s": _median(fwd_bwd),
-        "opt_step_median_s": _median(opt_times),
-        "baseline_median_s": _median(base_times),
-        "loop_s": t_loop, "window_s": t_window,
-        "iface_tx_bytes": None if counters is None else counters[1][0] - counters[0][0],
-        "iface_rx_bytes": None if counters is None else counters[1][1] - counters[0][1],
-        "iface_tx_packets": None if counters is None else counters[1][2] - counters[0][2],
-        "tcp_retrans_segs": None if retrans is None else retrans[1] - retrans[0],
-        "qcomm_bytes": None if stats is None else
-        {k: stats[1][k] - stats[0][k] for k in stats[1]},
-    }
-
-
-def evaluate_curve(work, per_node: list[list[Snapshot | None]]) -> list[dict[str, float]]:
-    """The snapshots of several nodes -> the curve: at each mark, the average of the nodes'
-    parameters evaluated, timed at the latest of the nodes' snapshot times."""
-    evaluator = work.make_model()
-    metric = work.info.metric
-    curve = []
-    for i in range(max(len(snaps) for snaps in per_node)):
-        # A node that stopped before this mark (--max-steps) counts with its last snapshot; a
-        # node that came back (--join-at) has None at the marks before its return.
-        points = [snaps[min(i, len(snaps) - 1)] for snaps in per_node]
-        points = [p for p in points if p is not None]
-        if not points:
-            continue
-        evaluator.load_state_dict(average_states([st for _, _, st in points]))
-        curve.append({"step": statistics.fmean(p[0] for p in points),
-                      "fastest_step": max(p[0] for p in points),
-                      "time_s": max(p[1] for p in points),
-                      metric: work.evaluate(evaluator)})
-    return curve
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """``obj`` as JSON to ``path``, atomically (a reader sees the whole file or none)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
-
-
-def node_processes() -> list[int]:
-    """Every process of this rank's node but itself: its torchrun agent (the parent) first,
-    then every descendant of the agent (the node's other ranks). Empty when the parent is not
-    torchrun (never a process outside the node's launch)."""
-    me, agent = os.getpid(), os.getppid()
-    try:
-        cmd = Path(f"/proc/{agent}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-            errors="replace")
-    except OSError:
-        return []
-    if "torchrun" not in cmd and "torch.distributed.run" not in cmd:
-        return []
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    out, todo = [agent], [agent]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return [pid for pid in out if pid != me]
-
-
-def kill_this_node(marker: Path, what: dict[str, Any], *, agent: bool = True) -> NoReturn:
-    """The node is lost: write ``what`` (when, by whom) to ``marker`` for the survivors' record,
-    then SIGKILL the node's torchrun agent (unless ``agent`` is False: it then starts the ranks
-    again, ``--join-at``), its other ranks and this process. No cleanup of any kind: the kernel
-    closes the sockets, as when a machine dies."""
-    write_json(marker, what)
-    pids = node_processes()
-    for pid in pids if agent else pids[1:]:
-        with contextlib.suppress(OSError):  # gone already
-            os.kill(pid, signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGKILL)
-    os._exit(137)  # not reached: SIGKILL cannot be caught
-
-
-def cut_connections() -> int:
-    """Shut every connected socket of this process down (each peer gets end-of-stream; the
-    descriptors stay open, so Gloo's bookkeeping stays valid) and return how many. A rank that
-    stopped calls it: a survivor blocked on a receive from this rank fails at once instead of
-    at the process group's timeout (Gloo does not fail an operation waiting on one peer when
-    another peer's connection breaks, and ``abort()`` of a Gloo group closes nothing).
-    Listening sockets are left alone: Gloo's listener aborts the process when its socket is
-    shut down."""
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                continue
-            sock = socket.socket(fileno=int(fd))
-        except OSError:
-            continue
-        try:
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
-                n += 1
-        except OSError:
-            pass  # not connected, or not a TCP socket
-        finally:
-            sock.detach()  # the descriptor stays its owner's
-    return n
-
-
-def stop_record(exc: BaseException, where: str, step: int) -> dict[str, Any]:
-    """What a stopped rank records: where (``step``, ``flush``, ``finalize``, ...) and at
-    which step it stopped, the exception's class name and its message's first line."""
-    lines = str(exc).strip().splitlines()
-    return {"type": type(exc).__name__, "message": lines[0] if lines else "", "where": where,
-            "step": step}
-
-
-def _write_profile(profiler, path: Path) -> None:
-    """Top functions of the timed steps by cumulative and by own time (main thread only: Gloo's
-    and gossip's background work shows as time spent waiting for it)."""
-    import io
-    import pstats
-
-    buf = io.StringIO()
-    stats = pstats.Stats(profiler, stream=buf)
-    stats.sort_stats("cumulative").print_stats(35)
-    stats.sort_stats("tottime").print_stats(25)
-    path.write_text(buf.getvalue())
-
-
-def run_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The command line as the JSON records it (the kill options only when given)."""
-    return {k: v for k, v in vars(args).items()
-            if k != "out" and not (k in ("kill_node", "kill_at", "join_at") and v is None)}
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where this rank runs: its rank in the world, its node and its rank there, the layout,
-    and the interface that carries its node's traffic to the other nodes."""
-
-    rank: int
-    world: int
-    node: int
-    local_rank: int
-    layout: T.Layout
-    iface: str
-
-    @property
-    def keeps_snapshots(self) -> bool:
-        """Whether this rank keeps its node's snapshots: one per node, the node's ranks hold
-        the same model."""
-        return self.local_rank == 0
-
-
-@dataclass
-class Timed:
-    """What a rank's timed window recorded.
-
-    Attributes:
-        steps: the steps it completed.
-        step_times, fwd_bwd, opt_times: per step, seconds of the whole step, of forward and
-            backward, and of the optimizer step.
-        snapshots: ``(step, seconds since the window opened, parameters)``, on the rank that
-            keeps its node's snapshots; None at the marks before a node came back.
-        t_open: ``time.perf_counter()`` when the window opened.
-        t_loop: seconds from the window's opening to the end of the training loop.
-        stop: where and why the rank stopped (:func:`stop_record`), when a lost node made its
-            communication fail; else None.
-        step_ends: ``time.time()`` at the end of each step (for what a join costs).
-    """
-
-    steps: int
-    step_times: list[float]
-    fwd_bwd: list[float]
-    opt_times: list[float]
-    snapshots: list[Snapshot | None]
-    t_open: float
-    t_loop: float
-    stop: dict[str, Any] | None
-    step_ends: list[float] = field(default_factory=list)
-
-
-# The byte counters read when the window opens (and again when it closes): the node's
-# interface (tx bytes, rx bytes, tx packets) and TCP retransmits, read by the node's local
-# rank 0 when there are other nodes (else None), and the method's own counters (or None).
-Readings = tuple[tuple[int, int, int] | None, int | None, dict[str, int] | None]
-
-
-def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, timed: Timed,
-                   start: Readings, base_times: list[float], kill: dict[str, Any],
-                   marker: Path, model: tuple[int, list],
-                   timeline: dict[str, float] | None = None) -> NoReturn:
-    """The end of a run in which a node is lost (every rank but the lost node's): no
-    collective over all ranks, files instead.
-
-    A rank that got through the timed steps completes its traffic, makes the final model and
-    closes, as in a healthy run; an error on the way makes it a stopped rank too. A stopped
-    rank drops its connections at once (:func:`cut_connections`). Each node's local rank 0
-    saves its snapshots (and, when it finished, its final parameters); every rank writes its
-    record to ``OUT.rank<r>.json`` and leaves, except rank 0, which waits for the records of
-    every rank not killed (at most the longest any communication may block, plus two
-    minutes), evaluates the surviving nodes' snapshots and final parameters and writes the
-    JSON. With ``--join-at`` the record also holds the wall-clock end of every step and, on
-    the ranks that came back, their ``timeline``, and rank 0 waits for every rank."""
-    counters0, retrans0, stats0 = start
-    counters1 = retrans1 = stats1 = None
-    live = pace = None
-    stop = timed.stop
-    where = "flush"
-    if stop is None:
-        try:
-            built.flush()
-            if counters0 is not None:
-                counters1, retrans1 = read_iface_bytes(here.iface), read_tcp_retransmits()
-            stats1 = built.comm_stats()
-            where = "context exit"
-            built.context.__exit__(None, None, None)
-            where = "finalize"
-            built.finalize()
-            live, pace = built.live_nodes(), built.pace()
-            where = "close"
-            built.close()
-        except Exception as exc:
-            stop = stop_record(exc, where, timed.steps)
-    if stop is not None:
-        cut_connections()
-        if counters0 is not None and counters1 is None:
-            counters1, retrans1 = read_iface_bytes(here.iface), read_tcp_retransmits()
-        if stats0 is not None and stats1 is None:
-            try:
-                stats1 = built.comm_stats()
-            except Exception:  # a stopped method's counters may be gone
-                stats1 = None
-    t_window = time.perf_counter() - timed.t_open
-    rec = rank_record(here.rank, here.node, here.local_rank, timed.steps, timed.step_times,
-                      timed.fwd_bwd, timed.opt_times, base_times, timed.t_loop, t_window,
-                      None if counters0 is None else (counters0, counters1),
-                      None if retrans0 is None else (retrans0, retrans1),
-                      None if stats0 is None or stats1 is None else (stats0, stats1))
-    rec["status"] = "finished" if stop is None else "stopped"
-    if stop is not None:
-        rec["error"] = stop
-    if live is not None:
-        rec["live_nodes"] = live
-    if pace is not None:
-        rec.update(pace)
-    if args.join_at is not None:
-        rec["step_ends"] = timed.step_ends
-        rec["timeline"] = timeline
-    if here.keeps_snapshots:
-        torch.save(timed.snapshots, Path(f"{args.out}.node{here.node}.snapshots"))
-        if stop is None:
-            torch.save(built.module.state_dict(), Path(f"{args.out}.node{here.node}.final"))
-    write_json(Path(f"{args.out}.rank{here.rank}.json"), rec)
-    if here.rank == 0:
-        assemble_after_kill(args, work, built, kill, marker, here.layout, model)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def assemble_after_kill(args: argparse.Namespace, work, built: T.Built, kill: dict[str, Any],
-                        marker: Path, layout: T.Layout, model: tuple[int, list]) -> None:
-    """Rank 0 after a lost node: the records of the other ranks (waited for, with a
-    deadline), the surviving nodes' snapshots averaged into the curve, the final quality
-    (the surviving nodes' final parameters averaged when every survivor finished, else the
-    last snapshot's), one JSON."""
-    procs, world = layout.procs, layout.world
-    records = {r: Path(f"{args.out}.rank{r}.json") for r in range(world)}
-
-    comes_back = args.join_at is not None
-
-    def accounted(r: int) -> bool:
-        return records[r].exists() or (
-            not comes_back and r // procs == kill["node"] and marker.exists())
-
-    deadline = time.monotonic() + max(args.pg_timeout, 300.0) + 120.0
-    while not all(accounted(r) for r in range(world)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    killed = json.loads(marker.read_text()) if marker.exists() else None
-    lost = {killed["node"]} if killed and not comes_back else set()
-    ranks = [json.loads(f.read_text()) for r, f in records.items() if f.exists()]
-    missing = [r for r, f in records.items() if not f.exists() and r // procs not in lost]
-    metric = work.info.metric
-    per_node, finals = [], []
-    for n in range(layout.nodes):
-        if n in lost:
-            continue
-        snap, fin = Path(f"{args.out}.node{n}.snapshots"), Path(f"{args.out}.node{n}.final")
-        if snap.exists():
-            per_node.append(torch.load(snap, weights_only=True))
-        if fin.exists():
-            finals.append(torch.load(fin, weights_only=True))
-    curve = evaluate_curve(work, per_node) if per_node else []
-    survivors = layout.nodes - len(lost)
-    if (not missing and all(r["status"] == "finished" for r in ranks)
-            and len(finals) == survivors):
-        evaluator = work.make_model()
-        evaluator.load_state_dict(average_states(finals))
-        final, final_from = work.evaluate(evaluator), "final parameters"
-    else:
-        final = curve[-1][metric] if curve else None
-        final_from = "last snapshot"
-    numel, shapes = model
-    result = {
-        "method": args.method,
-        "workload": args.workload,
-        "metric": {"name": metric, "goal": work.info.goal},
-        "layout": {"nodes": layout.nodes, "procs": procs, "world": world},
-        "model": {**work.model_config, "params": numel, "shapes": shapes},
-        "data": work.data_config,
-        "config": run_config(args),
-        f"final_{metric}": final,
-        "curve": curve,
-        "ranks": sorted(ranks, key=lambda r: r["rank"]),
-        "notes": built.notes,
-        "kill": {**kill, "happened": killed is not None,
-                 "killed_at_step": None if killed is None else killed["step"],
-                 "killed_at_s": None if killed is None else killed["time_s"]},
-        "nodes": [{"node": n, "killed": n in lost} for n in range(layout.nodes)],
-        "final_from": final_from,
-        "missing_ranks": missing,
-    }
-    if comes_back:
-        result["rejoin"] = {"at": args.join_at, **(J.join_summary(
-            ranks, None if killed is None else killed.get("time"), kill["node"]) or {})}
-    write_json(Path(args.out), result)
-    for n in range(layout.nodes):
-        for suffix in ("snapshots", "final"):
-            Path(f"{args.out}.node{n}.{suffix}").unlink(missing_ok=True)
-    for f in records.values():
-        f.unlink(missing_ok=True)
-    marker.unlink(missing_ok=True)
-    J.window_file(args.out).unlink(missing_ok=True)
-    shown = "-" if final is None else f"{final:.4f}"
-    print(f"QCB_DONE {args.method} final {metric}={shown} (node {kill['node']} "
-          f"{'killed' if killed else 'not killed'}, {final_from})", flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -472,10 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="The workload's data file, an npz written by compare.py.")
     p.add_argument("--out", required=True, help="The JSON file rank 0 writes.")
     # the flags compare.py and ddp_reference.py take too: declared once, in worker_flags.py
-    F.add_flags(p, ("width", "depth", "heads", "context", "eval_windows", "batch", "lr",
-                    "momentum", "weight_decay", "steps", "lr_schedule", "warmup",
-                    "baseline_steps", "snapshots", "seed", "powersgd_rank", "localsgd_period",
-                    "diloco_sync_every", "streaming_fragments", "streaming_delay"))
+    F.add_flags(p, F.TRAINING)
     p.add_argument("--time-budget", type=float, default=None,
                    help="Seconds of training per node for methods whose nodes may take "
                         "different numbers of steps (wait-free gossip, names ending in -wf); "
@@ -486,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Instead of --time-budget: every node of a method whose nodes may take "
                         "different numbers of steps trains until the first node has taken "
                         "--steps steps (the same work as a lockstep run, for the fastest node).")
-    F.add_flags(p, ("pg_timeout", "kill_node", "kill_at", "join_at", "fsdp", "profile"))
+    F.add_flags(p, F.RUN_END)
     args = p.parse_args(argv)
     if (args.kill_node is None) != (args.kill_at is None):
         p.error("--kill-node and --kill-at go together")
@@ -515,8 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key in ("width", "depth", "batch", "lr", "momentum", "weight_decay", "steps"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(info, key))
-    if not args.snapshots:
-        args.snapshots = 30 if args.workload == "charlm" else 60
+    args.snapshots = F.default_snapshots(args.snapshots, args.workload)
     return args
 
 
@@ -535,21 +136,6 @@ def fsdp_problem(args: argparse.Namespace) -> str | None:
         return (f"--fsdp cannot be combined with {', '.join(clash)}: a sharded run is healthy "
                 "and takes --steps steps on every rank")
     return None
-
-
-def find_place(seat: Any = None, nodes: int | None = None) -> Place:
-    """This rank's place, from the process group and torchrun's environment; for linked nodes
-    (``seat`` from :func:`rejoining.init_linked`, the job's ``nodes``) from the seat: the
-    default group is then the node."""
-    iface = os.environ.get("QCB_IFACE", "qceth0")
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if seat is not None and nodes is not None:
-        return Place(seat.rank, nodes * procs, seat.node, local_rank, T.Layout(nodes, procs),
-                     iface)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    node = int(os.environ.get("GROUP_RANK", str(rank // procs)))
-    return Place(rank, world, node, local_rank, T.Layout(world // procs, procs), iface)
 
 
 def method_config(args: argparse.Namespace, layout: T.Layout, optimizer: str) -> T.Config:
@@ -620,160 +206,6 @@ def warm_up(built: T.Built, train_step: Callable[[int], Any], steps: int) -> Non
     dist.barrier()
 
 
-def read_counters(here: Place, built: T.Built, node_counters: bool) -> Readings:
-    """The byte counters (:data:`Readings`); the node's only when ``node_counters``."""
-    counters = read_iface_bytes(here.iface) if node_counters else None
-    retrans = read_tcp_retransmits() if counters is not None else None
-    return counters, retrans, built.comm_stats()
-
-
-def kill_plan(args: argparse.Namespace, layout: T.Layout,
-              budget: float | None) -> dict[str, Any] | None:
-    """A lost node: which, and when (after a step of its own, or a time into the window);
-    None without ``--kill-node``.
-
-    Raises:
-        ValueError: the layout has no such node.
-    """
-    if args.kill_node is None:
-        return None
-    if args.kill_node >= layout.nodes:
-        raise ValueError(f"--kill-node {args.kill_node}: the layout has nodes 0.."
-                         f"{layout.nodes - 1}")
-    return {"node": args.kill_node, "at": args.kill_at,
-            "step": None if budget is not None else round(args.kill_at * args.steps),
-            "time_s": None if budget is None else args.kill_at * budget}
-
-
-def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
-                train_step: Callable[[int], tuple[float, float]], budget: float | None,
-                max_steps: int, kill: dict[str, Any] | None, marker: Path,
-                fastest: tuple[Path, float] | None = None, *, origin: float | None = None,
-                spare_agent: bool = False) -> Timed:
-    """Step 4, the timed window: ``--steps`` steps, or each node's own ``budget`` seconds (at
-    most ``max_steps`` steps), or (``fastest``: the flag file and the snapshots' spacing in
-    seconds) until the first node has taken ``--steps`` steps; snapshots of the parameters at
-    evenly spaced steps (or times); progress lines from rank 0; the node ``kill`` names dies on
-    its step or time. Under a lost node a rank whose communication fails stops there
-    (``Timed.stop``). A rank that came back (``--join-at``) measures the window from ``origin``
-    (the first ranks' opening, a ``perf_counter`` reading) and has no snapshots for the marks
-    before it; ``spare_agent``: the node's loss kills its ranks, not its torchrun agent."""
-    rank, node = here.rank, here.node
-    doomed = kill is not None and node == kill["node"] and origin is None
-    # Snapshot marks: steps (every rank takes the same ones), or times (per-node budgets).
-    snap_steps = {round(k * args.steps / args.snapshots) for k in range(1, args.snapshots + 1)}
-    snap_times = [k * budget / args.snapshots for k in range(1, args.snapshots + 1)] \
-        if budget is not None else []
-    if fastest is not None:
-        flag, spacing = fastest
-        snap_times = fastest_marks(spacing, args.snapshots)
-    snapshots: list[Snapshot | None] = []
-    step_times: list[float] = []
-    step_ends: list[float] = []
-    fwd_bwd: list[float] = []
-    opt_times: list[float] = []
-    report_every = max(1, args.steps // 50)
-    t_open = time.perf_counter() if origin is None else origin
-    keeps_snapshots = here.keeps_snapshots
-    # A sharded model's snapshot is gathered whole by every rank of the node (at step marks,
-    # which they all take); one of them keeps it.
-    takes_snapshots = keeps_snapshots or built.sharded
-
-    def snapshot(step: int) -> None:
-        # Parameters only: a copy of 2 MB costs ~1 ms, evaluation happens after the run.
-        state = S.full_state(built.module) if built.sharded else \
-            {k: v.clone() for k, v in built.module.state_dict().items()}
-        if keeps_snapshots:
-            snapshots.append((step, time.perf_counter() - t_open, state))
-
-    if takes_snapshots and origin is None:
-        snapshot(0)
-    elif keeps_snapshots:  # came back: no snapshot for the start and the marks passed
-        passed = time.perf_counter() - t_open
-        snapshots.extend([None] * (1 + sum(m <= passed for m in snap_times)))
-
-    profiler = None
-    if args.profile:
-        import cProfile
-
-        profiler = cProfile.Profile()
-        profiler.enable()
-    s = 0
-
-    def lose_node() -> NoReturn:
-        kill_this_node(marker, {"node": node, "rank": rank, "step": s,
-                                "time_s": time.perf_counter() - t_open, "time": time.time()},
-                       agent=not spare_agent)
-
-    if doomed and kill["time_s"] is not None:
-        # Whatever the main thread is doing (a step, a wait): the machine dies on time.
-        timer = threading.Timer(max(0.0, kill["time_s"] - (time.perf_counter() - t_open)),
-                                lose_node)
-        timer.daemon = True
-        timer.start()
-    elif doomed and kill["step"] == 0:
-        lose_node()
-    stop: dict[str, Any] | None = None  # a survivor whose communication failed
-    try:
-        while s < max_steps:
-            # A node's ranks agree to stop every STOP_CHECK_EVERY steps (they take the same
-            # steps, so they check at the same ones): a vote every step would cost a method
-            # that votes a collective per step the others do not pay (2.6 ms at 2x2 here).
-            votes = s % STOP_CHECK_EVERY == 0
-            if budget is not None:
-                if votes and built.node_any(time.perf_counter() - t_open >= budget):
-                    break
-            elif fastest is not None:
-                if (votes or s >= args.steps) and \
-                        built.node_any(s >= args.steps or flag.exists()):
-                    break
-            elif s >= args.steps:
-                break
-            s += 1
-            t = time.perf_counter()
-            a, b = train_step(args.warmup + s - 1)
-            step_times.append(time.perf_counter() - t)
-            step_ends.append(time.time())
-            fwd_bwd.append(a)
-            opt_times.append(b)
-            elapsed = time.perf_counter() - t_open
-            if fastest is not None and s >= args.steps:
-                fastest[0].touch()   # the first node there ends every node's window
-            if takes_snapshots:
-                if not snap_times and s in snap_steps:
-                    snapshot(s)
-                # Time marks: snapshot 0 is the start, snapshot k belongs to snap_times[k - 1].
-                while snap_times and len(snapshots) <= len(snap_times) \
-                        and elapsed >= snap_times[len(snapshots) - 1]:
-                    snapshot(s)
-            if rank == 0:
-                done = min(s, args.steps) if budget is None else min(
-                    args.steps, round(args.steps * elapsed / budget))
-                if s % report_every == 0:
-                    print(f"QCB_PROGRESS {done} {args.steps}", flush=True)
-            if doomed and s == kill["step"]:
-                lose_node()
-    except Exception as exc:
-        if kill is None:
-            raise
-        # Steps completed: the failed one was not; it is the step the rank stopped at.
-        stop = stop_record(exc, "step", len(step_times) + 1)
-        s = len(step_times)
-    if doomed and kill["time_s"] is not None:
-        timer.cancel()  # the node got through its steps before the time of its loss
-    if fastest is not None and keeps_snapshots and snapshots[-1][0] != s:
-        snapshot(s)   # where the node stopped: the curve's last point
-    steps_done = s
-    t_loop = time.perf_counter() - t_open
-    if rank == 0:
-        print(f"QCB_PROGRESS {args.steps} {args.steps}", flush=True)
-    if profiler is not None:
-        profiler.disable()
-        _write_profile(profiler, Path(f"{args.out}.prof{rank}.txt"))
-    return Timed(steps_done, step_times, fwd_bwd, opt_times, snapshots, t_open, t_loop, stop,
-                 step_ends)
-
-
 def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: Timed,
            start: Readings, base_times: list[float], model: tuple[int, list]) -> NoReturn:
     """Steps 5 and 6 of a run without a lost node: close the window (traffic completed,
@@ -782,8 +214,7 @@ def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: T
     (:func:`write_result`). Then leave."""
     built.flush()
     dist.barrier()
-    counters0, retrans0, stats0 = start
-    counters1, retrans1, stats1 = read_counters(here, built, counters0 is not None)
+    end = read_counters(here, built, start[0] is not None)
     t_window = time.perf_counter() - timed.t_open
 
     built.context.__exit__(None, None, None)
@@ -794,11 +225,7 @@ def finish(args: argparse.Namespace, work, built: T.Built, here: Place, timed: T
     if here.keeps_snapshots:  # every namespace shares the file system
         torch.save(timed.snapshots, snap_file)
     dist.barrier()
-    mine = rank_record(here.rank, here.node, here.local_rank, timed.steps, timed.step_times,
-                       timed.fwd_bwd, timed.opt_times, base_times, timed.t_loop, t_window,
-                       None if counters0 is None else (counters0, counters1),
-                       None if retrans0 is None else (retrans0, retrans1),
-                       None if stats0 is None else (stats0, stats1))
+    mine = timed_record(here, timed, base_times, t_window, start, end)
     pace = built.pace()
     if pace is not None:
         mine.update(pace)
@@ -827,8 +254,6 @@ def write_result(args: argparse.Namespace, work, built: T.Built, here: Place,
     """Rank 0 at the end of a run without a lost node: every node's snapshots evaluated into
     the curve, the final model (``final_state`` when the module is sharded) evaluated, one
     JSON with every rank's record."""
-    info = work.info
-    metric = info.metric
     per_node = []
     for n in range(here.layout.nodes):
         f = Path(f"{args.out}.node{n}.snapshots")
@@ -840,50 +265,9 @@ def write_result(args: argparse.Namespace, work, built: T.Built, here: Place,
         evaluator = work.make_model()
         evaluator.load_state_dict(final_state)
     final = work.evaluate(evaluator)
-    numel, shapes = model
-    result = {
-        "method": args.method,
-        "workload": args.workload,
-        "metric": {"name": metric, "goal": info.goal},
-        "layout": {"nodes": here.layout.nodes, "procs": here.layout.procs,
-                   "world": here.world},
-        "model": {**work.model_config, "params": numel, "shapes": shapes},
-        "data": work.data_config,
-        "config": run_config(args),
-        f"final_{metric}": final,
-        "curve": curve,
-        "ranks": ranks,
-        "notes": built.notes,
-    }
-    tmp = Path(args.out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.out)
-    print(f"QCB_DONE {args.method} final {metric}={final:.4f}", flush=True)
-
-
-def fastest_marks(spacing: float, snapshots: int, *, doublings: int = 6) -> list[float]:
-    """The snapshot times (seconds since the window opened) of a run that ends at the fastest
-    node's steps: ``4 x snapshots`` marks every ``spacing`` seconds (four times the fastest
-    node's compute alone), then, for a run that communication or a slow machine makes longer,
-    blocks of ``snapshots / 2`` marks, each block's spacing twice the last one's (the curve
-    thins out instead of stopping, which made a late crossing read as the end of the run).
-    Every node computes the same marks, so the k-th snapshots of the nodes belong together."""
-    marks = [k * spacing for k in range(1, 4 * snapshots + 1)]
-    step, per_block = spacing, max(1, snapshots // 2)
-    for _ in range(doublings):
-        step *= 2
-        marks += [marks[-1] + step * (j + 1) for j in range(per_block)]
-    return marks
-
-
-def snapshot_spacing(base_times: list[float], args: argparse.Namespace) -> float:
-    """Seconds between the snapshots of a run until the fastest node's ``--steps``: the fastest
-    rank's compute-only step (the median of its baseline, agreed over every rank: a
-    collective) times ``--steps``, over ``--snapshots``. A step with communication is longer,
-    so a run takes somewhat more snapshots than ``--snapshots``."""
-    fastest = torch.tensor([statistics.median(base_times)], dtype=torch.float64)
-    dist.all_reduce(fastest, op=dist.ReduceOp.MIN)
-    return float(fastest) * args.steps / args.snapshots
+    write_json(Path(args.out), run_result(args, work, here.layout, model, final=final,
+                                          curve=curve, ranks=ranks, notes=built.notes))
+    print(f"QCB_DONE {args.method} final {work.info.metric}={final:.4f}", flush=True)
 
 
 def join_job(args: argparse.Namespace) -> tuple[Place, dict[str, float] | None]:

@@ -30,8 +30,15 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p for p in [*REPO.glob("bench/*.py"), *REPO.glob("bench/cluster/*.py")]
                  if p.name != "__init__.py")
 LIBRARIES = {"bench/common.py", "bench/cluster/charlm.py", "bench/cluster/corpus.py",
-             "bench/cluster/methods.py", "bench/cluster/rejoining.py",
-             "bench/cluster/sharding.py",
+             "bench/cluster/link_counters.py", "bench/cluster/lost_node_end.py",
+             "bench/cluster/methods.py", "bench/cluster/node_loss.py",
+             "bench/cluster/project_targets.py", "bench/cluster/rank_place.py",
+             "bench/cluster/rejoining.py", "bench/cluster/repetitions.py",
+             "bench/cluster/run_launch.py", "bench/cluster/run_record.py",
+             "bench/cluster/run_summary.py", "bench/cluster/sharding.py",
+             "bench/cluster/snapshot_eval.py", "bench/cluster/sweep_plots.py",
+             "bench/cluster/sweep_summary.py", "bench/cluster/sweep_tables.py",
+             "bench/cluster/timed_window.py",
              "bench/cluster/torchft_methods.py",
              "bench/cluster/training.py", "bench/cluster/worker_flags.py",
              "bench/cluster/workloads.py", "bench/progress.py"}
