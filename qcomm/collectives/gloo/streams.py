@@ -32,6 +32,8 @@ from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError,
 from qcomm.collectives.links import TAG_MODULUS, MessageStreams, record
 from qcomm.collectives.stats import CommStats
 
+from .ends import LinkEnds
+
 __all__ = ["Channel", "GlooStreams", "GroupChannel"]
 
 # Receives (and sends) each neighbour keeps posted ahead. Gloo moves a message only into a
@@ -229,7 +231,7 @@ class _Link:
                 self.cond.notify_all()
 
 
-class GlooStreams(MessageStreams):
+class GlooStreams(MessageStreams, LinkEnds):
     """Streams over a ``torch.distributed`` (Gloo) process group, moved by two threads per
     neighbour (see the module docstring). The threads start in the constructor.
 
@@ -257,19 +259,11 @@ class GlooStreams(MessageStreams):
                  stats: CommStats | None = None, level: str = "inter",
                  depth: int = DEFAULT_DEPTH,
                  connect: Callable[[int, int], Channel] | None = None) -> None:
-        self.group_ranks = list(group_ranks)
-        self.group = group
-        self.member = member
-        self.size = len(group_ranks)
-        self.rank = self.group_ranks[member]
-        self.peers = list(peers)
-        self.peer_ranks = [self.group_ranks[p] for p in peers]
+        self._set_ends(group_ranks, group, member, peers, stats, level)
         self.nbytes = nbytes
         self.max_backlog = max_backlog
         self.timeout_s = timeout_s
         self.stream_end = stream_end
-        self.stats = stats
-        self.level = level
         self.depth = max(1, min(depth, max_backlog))
         self.connect = connect or (lambda peer, rank: GroupChannel(group, peer))
         self.cond = threading.Condition()

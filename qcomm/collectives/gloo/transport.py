@@ -24,6 +24,8 @@ from qcomm.collectives.errors import PeerLostError, PeerTimeoutError, backend_de
 from qcomm.collectives.links import TAG_MODULUS, RoundHandle, Transport
 from qcomm.collectives.stats import CommStats
 
+from .ends import LinkEnds
+
 # ---------------------------------------------------------------------------------------------
 # torch.distributed point-to-point
 
@@ -71,7 +73,7 @@ class _GlooRound(RoundHandle):
         self._done = True
 
 
-class GlooTransport(Transport):
+class GlooTransport(Transport, LinkEnds):
     """Non-blocking point-to-point exchange over a ``torch.distributed`` process group.
 
     Args:
@@ -91,15 +93,7 @@ class GlooTransport(Transport):
     def __init__(self, group_ranks: list[int], group: dist.ProcessGroup | None, member: int,
                  peers: list[int], stats: CommStats | None = None, level: str = "inter",
                  recv_first: bool = True):
-        self.group_ranks = list(group_ranks)
-        self.group = group
-        self.member = member
-        self.size = len(group_ranks)
-        self.rank = self.group_ranks[member]
-        self.peers = list(peers)
-        self.peer_ranks = [self.group_ranks[p] for p in peers]
-        self.stats = stats
-        self.level = level
+        self._set_ends(group_ranks, group, member, peers, stats, level)
         self.recv_first = recv_first
         self.failed: str | None = None
 
