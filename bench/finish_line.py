@@ -107,7 +107,7 @@ def run(name: str, seed: int, args: argparse.Namespace, data: Path) -> dict:
     import torch
 
     from bench.cluster import workloads as W
-    from bench.cluster.training import lr_factor
+    from bench.cluster.training import scheduled
     from bench.wait_free_causes import Member
     from qcomm.collectives.gossip.choco import CompressedGossip
     from qcomm.collectives.memory import MemoryWorld, WaitFreeSimulator
@@ -129,6 +129,8 @@ def run(name: str, seed: int, args: argparse.Namespace, data: Path) -> dict:
         torch.manual_seed(seed)   # every member starts from the same weights
         members.append(Member(w, numel, args.lr, info.momentum))
     xs = [m.x for m in members]
+    # the cluster bench's schedule, set on each member's optimizer by the step's index
+    schedules = [scheduled(m.opt, args.schedule, total, args.lr) for m in members]
     gossips: list[Any] = []
     clock = {"t": 0}
     if v.kind == "gossip":
@@ -151,10 +153,8 @@ def run(name: str, seed: int, args: argparse.Namespace, data: Path) -> dict:
     curve: dict[int, dict[str, float]] = {}
     t0 = time.perf_counter()
     for step in range(total):
-        factor = lr_factor(args.schedule, step, total)
-        for m in members:
-            for g in m.opt.param_groups:
-                g["lr"] = args.lr * factor
+        for lr_at in schedules:
+            lr_at(step)
         for g in gossips:
             for attr, sched in v.knobs:
                 setattr(g, attr, sched(step / total))
