@@ -13,8 +13,8 @@ import torch
 
 from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.memory import MemoryGroup, MemoryWorld
-from qcomm.collectives.primitives import group_size
 from qcomm.collectives.topology import Topology
+from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import Packed, QuantSpec, dequantize, quantize
 from qcomm.engine import CommOptions
 from qcomm.hooks import HierarchicalQuantState, hierarchical_quantized_hook
@@ -52,7 +52,7 @@ CLASS_FOR_INSTANCE: list[tuple[Callable[[], object], str]] = [
     (lambda: Topology(1, rank=0, world_size=1, world=MemoryWorld),  # type: ignore[arg-type]
      "world must be a qcomm.collectives.group.World instance, got the class MemoryWorld; "
      "did you mean MemoryWorld(...)?"),
-    (lambda: group_size(MemoryGroup),
+    (lambda: resolve_group(MemoryGroup),
      "group must be a qcomm.collectives.group.CommGroup instance, got the class MemoryGroup; "
      "did you mean MemoryGroup(...)?"),
     (lambda: hierarchical_quantized_hook(HierarchicalQuantState, None),  # type: ignore
@@ -85,7 +85,7 @@ def test_a_class_that_is_not_the_kind_is_shown_as_a_class_without_a_hint() -> No
         check_instance("model", int, torch.nn.Module, what="a torch.nn.Module")
     assert str(info.value) == "model must be a torch.nn.Module, got the class int"
     with pytest.raises(TypeError) as info:
-        group_size(int)
+        resolve_group(int)
     assert str(info.value) == ("group must be a CommGroup, a torch.distributed process group or "
                                "None, got the class int")
 

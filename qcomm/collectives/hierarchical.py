@@ -39,7 +39,6 @@ from qcomm.collectives.primitives import acc_dtype, start_all_gather, start_redu
 from qcomm.collectives.rail import check_rail_collective, rail_form, rail_mean
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
-from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import NonFiniteError, QuantSpec
 from qcomm.seeds import derive
 
@@ -137,7 +136,7 @@ class HierarchicalAllreduce(BucketedMean):
         if topo.world_size == 1:
             return Handle.completed("hierarchical allreduce")
         # resolved once for every bucket's steps
-        intra, rail = resolve_group(topo.intra_group), resolve_group(topo.rail_group)
+        intra, rail = topo.intra, topo.rail
         plan, call, key = self._next_call(tensors, key)
         pipelines = [
             self._pipeline(b, tensors, intra, rail, f"{key}/{i}",

@@ -51,7 +51,6 @@ from qcomm.collectives.primitives import (
 )
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
-from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import (
     ErrorFeedback,
     QuantSpec,
@@ -188,7 +187,7 @@ class IntraNodeAllreduce(BucketedMean):
         if L == 1:
             # Alone on the node: the mean is the tensor itself (no codec: nothing is sent).
             return Handle.completed("intra-node allreduce")
-        group = resolve_group(topo.intra_group)   # once for every bucket's steps
+        group = topo.intra   # resolved once, by the topology
         plan, call, key = self._next_call(tensors, key)
         pipelines = [
             self._full_pipeline(b, tensors, group, L) if self.spec is None
@@ -256,6 +255,6 @@ class IntraNodeAllreduce(BucketedMean):
         if L == 1:
             out.copy_(shard.view(-1))
             return
-        group = resolve_group(self.topology.intra_group)
+        group = self.topology.intra
         work = start_all_gather(out, shard.view(-1), group, L, self.stats, "intra")
         wait_works([work], self.timeout_s, "intra-node all-gather", group, "intra")

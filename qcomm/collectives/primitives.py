@@ -3,11 +3,10 @@
 Everything here goes through the :class:`~qcomm.collectives.group.CommGroup` interface, so the
 same code runs over torch.distributed (:mod:`.torch_group`) and in memory (:mod:`.memory`). A
 caller holding a handle (a ``torch.distributed`` process group, or None: the default group)
-makes it a ``CommGroup`` once, with :func:`resolve_group`, and passes that on: the pipeline
-steps and :func:`all_to_all_single`, :func:`all_reduce_mean_future` take a resolved group.
-:func:`all_reduce`, :func:`all_gather_flat`, :func:`wait_works`, :func:`group_size` and
-:func:`other_ranks` still take any handle (the engine's callers pass their Topology's), and
-resolve it once.
+makes it a ``CommGroup`` once, with :func:`resolve_group` (a
+:class:`~qcomm.collectives.topology.Topology` holds its groups resolved: ``intra``, ``rail``,
+``whole``), and passes that on: every function here takes a resolved group, and refuses a bare
+handle by name rather than resolving it again on every call.
 
 * wrappers: :func:`all_reduce`, :func:`all_gather_flat`, :func:`all_to_all_single`, and
   :func:`all_reduce_mean_future` (DDP's own averaging, for the hook's warm-up), each posting
@@ -45,8 +44,6 @@ __all__ = [
     "all_to_all_single",
     "as_peer_error",
     "decode_mean",
-    "group_size",
-    "other_ranks",
     "quantize_or_poison",
     "resolve_group",
     "start_all_gather",
@@ -60,14 +57,16 @@ __all__ = [
 # waiting with a deadline, and naming who failed
 
 
-def group_size(group: Any) -> int:
-    """Number of members of ``group``."""
-    return resolve_group(group).size
-
-
-def other_ranks(group: Any) -> list[int]:
-    """Global ranks of the other members of ``group`` (the peers an error names)."""
-    return resolve_group(group).other_ranks()
+def _resolved(group: object) -> CommGroup:
+    """``group`` when it is a :class:`CommGroup`; else TypeError naming the argument (a bare
+    handle is resolved once by its owner, not again by every call)."""
+    if isinstance(group, CommGroup):
+        return group
+    if isinstance(group, type):
+        resolve_group(group)  # names the class: "did you mean ...(...)?"
+    raise TypeError(f"group must be a qcomm.collectives.group.CommGroup (resolve a "
+                    f"torch.distributed process group once with resolve_group(group), or use "
+                    f"Topology.intra / .rail / .whole), got {type(group).__name__}: {group!r}")
 
 
 def as_peer_error(e: RuntimeError, operation: str, timeout_s: float | None,
@@ -138,15 +137,10 @@ def wait_work(work: Any, deadline: float | None, timeout_s: float | None, operat
                             link) from e
 
 
-def wait_works(works: list[Any], timeout_s: float | None, operation: str, group: Any,
+def wait_works(works: list[Any], timeout_s: float | None, operation: str, group: CommGroup,
                link: str | None) -> None:
-    """Wait for ``works`` on ``group`` (any handle) with one deadline for all of them."""
-    _wait_all(works, timeout_s, operation, resolve_group(group), link)
-
-
-def _wait_all(works: list[Any], timeout_s: float | None, operation: str, group: CommGroup,
-              link: str | None) -> None:
-    """:func:`wait_works` on a resolved group."""
+    """Wait for ``works`` on ``group`` (resolved) with one deadline for all of them."""
+    group = _resolved(group)
     deadline = None if timeout_s is None else time.monotonic() + float(timeout_s)
     peers = group.other_ranks()
     for w in works:
@@ -177,19 +171,19 @@ def _finish(work: Work, async_op: bool, operation: str, group: CommGroup,
 # wrappers: one call for every kind of group
 
 
-def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum", *,
+def all_reduce(tensor: torch.Tensor, group: CommGroup, op: str = "sum", *,
                timeout_s: float | None = None, link: str | None = None,
                operation: str = "all_reduce") -> None:
-    """Reduce ``tensor`` in place over ``group`` (any handle, resolved once here; ``op``:
+    """Reduce ``tensor`` in place over ``group`` (resolved; ``op``:
     ``"sum"``, ``"max"`` or ``"min"``), blocking, for at most ``timeout_s`` seconds (None: the
     group's own timeout).
 
     Raises:
         PeerTimeoutError, PeerLostError: naming the group's other ranks and ``link``.
     """
-    g = resolve_group(group)
+    g = _resolved(group)
     work = _post(lambda: g.all_reduce(tensor, op), operation, g, link)
-    _wait_all([work], timeout_s, operation, g, link)
+    wait_works([work], timeout_s, operation, g, link)
 
 
 def all_reduce_mean_future(tensor: torch.Tensor, group: CommGroup) -> torch.futures.Future:
@@ -199,17 +193,12 @@ def all_reduce_mean_future(tensor: torch.Tensor, group: CommGroup) -> torch.futu
     return group.all_reduce_future(tensor)
 
 
-def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, *,
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: CommGroup, *,
                     async_op: bool = False, link: str | None = None,
                     operation: str = "all_gather") -> Work | None:
     """``out`` (flat, ``size * inp.numel()``) = every member's ``inp`` by group rank, over
-    ``group`` (any handle, resolved once here). Returns the work when ``async_op``."""
-    return _all_gather_flat(out, inp, resolve_group(group), async_op, link, operation)
-
-
-def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: CommGroup, async_op: bool,
-                     link: str | None, operation: str) -> Work | None:
-    """:func:`all_gather_flat` on a resolved group."""
+    ``group`` (resolved). Returns the work when ``async_op``."""
+    group = _resolved(group)
     return _post(lambda: _finish(group.all_gather_flat(out, inp), async_op, operation, group,
                                  link), operation, group, link)
 
@@ -260,7 +249,8 @@ def start_all_gather(out: torch.Tensor, shard: torch.Tensor, group: CommGroup, s
     """Start ``out = cat(every member's shard)`` (flat, by group rank) over ``group``
     (resolved). Returns the work."""
     stats.record(level, (size - 1) * shard.numel() * shard.element_size(), size - 1)
-    return _all_gather_flat(out, shard, group, True, level, f"{level}-node all-gather")
+    return all_gather_flat(out, shard, group, async_op=True, link=level,
+                           operation=f"{level}-node all-gather")
 
 
 def quantize_or_poison(ef: ErrorFeedback, key: str, x: torch.Tensor, spec: QuantSpec, seed: int,

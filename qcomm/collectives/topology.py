@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from qcomm.collectives.group import World
+from qcomm.collectives.group import CommGroup, World
 from qcomm.collectives.primitives import all_gather_flat
-from qcomm.collectives.torch_group import TorchWorld
+from qcomm.collectives.torch_group import TorchWorld, resolve_group
 from qcomm.validation import check_instance, check_int, env_int
 
 __all__ = ["Topology"]
@@ -99,6 +99,8 @@ class Topology:
         self._world = world
         # (intra_group, rail_group) once created; None until the first access.
         self._groups: tuple[object, object] | None = None
+        # The same as CommGroups (:attr:`intra`, :attr:`rail`), resolved once for every caller.
+        self._resolved: tuple[CommGroup | None, CommGroup | None] | None = None
 
     @staticmethod
     def _procs_per_node_from_env(rank: int) -> int:
@@ -180,6 +182,33 @@ class Topology:
         The first access to this or :attr:`intra_group` creates every group (collective)."""
         return self._ensure_groups()[1]
 
+    @property
+    def whole(self) -> CommGroup:
+        """The group of every rank as a :class:`~qcomm.collectives.group.CommGroup`, what the
+        primitives (:mod:`.primitives`) take."""
+        return resolve_group(self.world_group)
+
+    @property
+    def intra(self) -> CommGroup | None:
+        """:attr:`intra_group` as a :class:`~qcomm.collectives.group.CommGroup` (resolved once,
+        here, for every caller); None when ``procs_per_node == 1``. Creates every group on
+        first access, as :attr:`intra_group` does."""
+        return self._ensure_resolved()[0]
+
+    @property
+    def rail(self) -> CommGroup | None:
+        """:attr:`rail_group` as a :class:`~qcomm.collectives.group.CommGroup` (resolved once);
+        None when ``num_nodes == 1``. Creates every group on first access."""
+        return self._ensure_resolved()[1]
+
+    def _ensure_resolved(self) -> tuple[CommGroup | None, CommGroup | None]:
+        if self._resolved is None:
+            # None here means "no such group" (one rank per node, one node), not torch's
+            # default group: it must not be resolved.
+            self._resolved = tuple(None if g is None else resolve_group(g)
+                                   for g in self._ensure_groups())  # type: ignore[assignment]
+        return self._resolved  # type: ignore[return-value]
+
     def _ensure_groups(self) -> tuple:
         if self._groups is not None:
             return self._groups
@@ -210,7 +239,7 @@ class Topology:
         mine = torch.tensor([self.procs_per_node, self.rank, self.world_size], dtype=torch.int64,
                             device=device)
         everyone = torch.empty(self.world_size * 3, dtype=torch.int64, device=device)
-        all_gather_flat(everyone, mine, self.world_group)
+        all_gather_flat(everyone, mine, self.whole)
         rows = everyone.view(self.world_size, 3).tolist()
         ppn = [r[0] for r in rows]
         if len(set(ppn)) != 1 or any(r[2] != self.world_size for r in rows):
@@ -226,6 +255,7 @@ class Topology:
         # Process groups do not pickle; a copy recreates them (collectively) on first access.
         state = dict(self.__dict__)
         state["_groups"] = None
+        state["_resolved"] = None
         state["_world"] = None  # a copy runs under torch.distributed (threads do not travel)
         return state
 

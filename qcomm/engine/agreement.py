@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from qcomm.collectives.group import CommGroup
 from qcomm.collectives.primitives import all_gather_flat, wait_works
 from qcomm.engine.options import (
     GRAPHS,
@@ -115,14 +116,20 @@ def _describe(field: int, value: int) -> str:
     return repr(value)
 
 
-def check_agreement(row: list[int], group: Any, world_size: int, device: torch.device,
-                    timeout_s: float | None = None) -> None:
-    """All-gather every rank's :func:`fingerprint` over ``group`` (the whole job) and raise the
-    same ValueError on every rank when any field differs.
+def check_agreement(row: list[int], group: CommGroup | None, world_size: int,
+                    device: torch.device, timeout_s: float | None = None) -> None:
+    """All-gather every rank's :func:`fingerprint` over ``group`` (the whole job, or a linked
+    node's ranks) and raise the same ValueError on every rank when any field differs. None:
+    the rank is alone (``world_size`` 1), and one row agrees with itself.
 
     Raises:
         ValueError: naming the first field that differs and the ranks holding each value.
     """
+    if group is None:
+        if world_size != 1:
+            raise ValueError(f"check_agreement without a group holds one rank, not "
+                             f"world_size={world_size}")
+        return
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     table = torch.empty(world_size * len(row), dtype=torch.int64, device=device)
     work = all_gather_flat(table, mine, group, async_op=True, operation="agreement check")

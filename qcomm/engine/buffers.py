@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from qcomm.collectives.group import CommGroup
 from qcomm.collectives.primitives import all_reduce
 from qcomm.engine.gradients import real_view
 from qcomm.validation import check_instance
@@ -113,7 +114,7 @@ class ModelBuffers:
             at += n
 
     @torch.no_grad()
-    def node_mean(self, group: object, procs_per_node: int, timeout_s: float) -> None:
+    def node_mean(self, group: CommGroup | None, procs_per_node: int, timeout_s: float) -> None:
         """Floating buffers <- their mean over the node's ranks, integer ones <- their maximum
         (collective over the node; nothing when alone on it or when DDP keeps them)."""
         if procs_per_node == 1 or self.kept_by_ddp or not len(self):
@@ -121,7 +122,7 @@ class ModelBuffers:
         self._reduce(group, procs_per_node, timeout_s, nodes=None)
 
     @torch.no_grad()
-    def average(self, group: object, procs_per_node: int, timeout_s: float,
+    def average(self, group: CommGroup | None, procs_per_node: int, timeout_s: float,
                 nodes: NodesReduce | None) -> None:
         """Floating buffers <- their exact mean over every rank of the live nodes, integer
         ones <- their maximum; the same bits everywhere (collective over the job). ``nodes``
@@ -129,7 +130,7 @@ class ModelBuffers:
         if len(self):
             self._reduce(group, procs_per_node, timeout_s, nodes=nodes)
 
-    def _reduce(self, group: object, procs_per_node: int, timeout_s: float,
+    def _reduce(self, group: CommGroup | None, procs_per_node: int, timeout_s: float,
                 nodes: NodesReduce | None) -> None:
         for buffers, op, dtype in ((self.floating, "sum", torch.float64),
                                    (self.integer, "max", torch.int64)):

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from qcomm.collectives.group import CommGroup
 from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.topology import Topology
@@ -104,7 +105,7 @@ def _flag(finite: bool, grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([0.0 if finite else 1.0], device=device)
 
 
-def _vote(finite: bool, grads: Sequence[torch.Tensor], group: object, link: str,
+def _vote(finite: bool, grads: Sequence[torch.Tensor], group: CommGroup | None, link: str,
           timeout_s: float | None, mask: int = 0) -> tuple[bool, int]:
     """``(every member of group saw finite gradients, OR of the members' masks)``: one
     2-element all-reduce (sum: the masks are distinct powers of two)."""
@@ -165,13 +166,13 @@ def node_mean_and_vote(grads: Sequence[torch.Tensor], topology: Topology,
     finite = all_finite(grads)
     node_votes = quantized or grads_are_shards
     if not alone and (node_votes or (grads_are_node_means and round_mask is not None)):
-        voted_finite, failed = _vote(finite, grads, topology.intra_group, "intra", timeout_s,
+        voted_finite, failed = _vote(finite, grads, topology.intra, "intra", timeout_s,
                                      mask)
         # DDP's mean propagates NaN like ours: the finite verdict is the node's already.
         finite = voted_finite if node_votes else finite
     node_finite = finite
     if skip_across_nodes:
-        finite, _ = _vote(finite, grads, topology.rail_group, "inter", timeout_s)
+        finite, _ = _vote(finite, grads, topology.rail, "inter", timeout_s)
     if finite and not failed and not alone and quantized and not grads_are_node_means:
         intra.mean_(grads)
     return finite, node_finite, failed  # 0 when alone: only node-mates set it

@@ -80,7 +80,7 @@ def agree_and_join(seat: LinkedSeat, row: list[int], topology: Topology, node: A
     Returns:
         The rank's :class:`NodeJoins`, watching; None without gossip.
     """
-    check_agreement(row, topology.intra_group, topology.procs_per_node,
+    check_agreement(row, topology.intra, topology.procs_per_node,
                     topology.control_device(), options.timeout_s)
     check_job_agreement(row, seat.store(), "qcomm/linked/agreement")
     if node is None:
@@ -184,7 +184,7 @@ class NodeJoins:
         if topo.procs_per_node == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=topo.control_device())
-        all_reduce(t, topo.intra_group, "max", timeout_s=self.seat.timeout_s, link="intra",
+        all_reduce(t, topo.intra, "max", timeout_s=self.seat.timeout_s, link="intra",
                    operation="join")
         return int(t.item())
 
@@ -220,7 +220,7 @@ class NodeJoins:
                         t = torch.tensor([float(value) if first else 0.0], dtype=torch.float64)
                     else:
                         continue
-                    all_reduce(t, topo.intra_group, "sum", timeout_s=self.seat.timeout_s,
+                    all_reduce(t, topo.intra, "sum", timeout_s=self.seat.timeout_s,
                                link="intra", operation="join")
                     if isinstance(value, torch.Tensor):
                         if not first:

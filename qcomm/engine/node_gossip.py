@@ -72,7 +72,7 @@ class NodeGossip:
             self.flat = FlatParams(self.params, topology.procs_per_node, align)
             self._index, self._node_share = topology.local_rank, intra
         self.gossip = build_gossip(
-            options.gossip_config(), topology.rail_ranks, topology.rail_group,
+            options.gossip_config(), topology.rail_ranks, topology.rail,
             self.flat.shard_numel, stats=stats, clock=clock,
             # One random stream per rail (rails quantize different shards).
             seed=rail_seed(options.seed, topology.local_rank))
@@ -138,7 +138,7 @@ class NodeGossip:
         F = self.options.fragments
         mask = torch.zeros(F, dtype=torch.int64, device=self.topology.control_device())
         mask[list(changed)] = 1
-        all_reduce(mask, self.topology.intra_group, "max", timeout_s=self.options.timeout_s,
+        all_reduce(mask, self.topology.intra, "max", timeout_s=self.options.timeout_s,
                    link="intra", operation="the round's changed fragments")
         union = mask.nonzero().flatten().tolist()   # one host read, whatever F
         if by_range:   # only the fragments the round read were copied in: load the others
@@ -259,7 +259,7 @@ class NodeGossip:
         on without lost nodes), and how many members were reduced."""
         if self.survivable:
             return self.gossip.survivors_sum(shard, op)
-        all_reduce(shard, self.topology.rail_group, op, timeout_s=self.options.timeout_s,
+        all_reduce(shard, self.topology.rail, op, timeout_s=self.options.timeout_s,
                    link="inter", operation="average_parameters")
         return shard, self.topology.num_nodes
 
@@ -285,13 +285,13 @@ class NodeGossip:
             self.gossip.drain()  # a new neighbour's hello is taken before the sums
             d = distance_from_sums(x, self.gossip.survivors_sum)
         else:
-            d = float(consensus_distance(x, self.topology.rail_group,
+            d = float(consensus_distance(x, self.topology.rail,
                                          timeout_s=self.options.timeout_s))
         if not self.sharded or self.intra is None:
             return d
         # Each rank measured its own parts: squared distances add up over the node's parts.
         sq = torch.tensor([d * d], dtype=torch.float64, device=self.topology.control_device())
-        all_reduce(sq, self.topology.intra_group, "sum", timeout_s=self.options.timeout_s,
+        all_reduce(sq, self.topology.intra, "sum", timeout_s=self.options.timeout_s,
                    link="intra", operation="consensus distance")
         return float(sq.item()) ** 0.5
 

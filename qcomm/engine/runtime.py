@@ -70,14 +70,14 @@ class Runtime:
                 nodes = self.node.reduce_over_nodes
             elif self.topology.num_nodes > 1:   # nothing gossiped (every parameter frozen)
                 nodes = lambda flat, op: self._rail_reduce(flat, op, timeout_s)
-            buffers.average(self.topology.intra_group, self.topology.procs_per_node, timeout_s,
+            buffers.average(self.topology.intra, self.topology.procs_per_node, timeout_s,
                             nodes)
 
     def _rail_reduce(self, flat: torch.Tensor, op: str,
                      timeout_s: float) -> tuple[torch.Tensor, int]:
         """``flat`` reduced over this rank's rail (every node, no gossip to ask for the live
         ones)."""
-        all_reduce(flat, self.topology.rail_group, op, timeout_s=timeout_s, link="inter",
+        all_reduce(flat, self.topology.rail, op, timeout_s=timeout_s, link="inter",
                    operation="average_parameters")
         return flat, self.topology.num_nodes
 
@@ -119,8 +119,8 @@ def build_runtime(options: CommOptions, placement: Placement, attachment: Attach
     topo = placement.topology()
     sharded = placement.sharding(groups, topo)
     # Group creation is collective: every rank touches both properties here, in this order.
-    _ = topo.intra_group
-    _ = topo.rail_group
+    _ = topo.intra
+    _ = topo.rail
     intra = None
     if topo.procs_per_node > 1:
         intra = IntraNodeAllreduce(topo, bucket_mb=options.bucket_mb, spec=options.intra_spec,
@@ -134,7 +134,7 @@ def build_runtime(options: CommOptions, placement: Placement, attachment: Attach
     row = fingerprint(options, communicated, attachment.ddp_intra, buffers, sharded)
     joins = None
     if placement.linked is None:
-        check_agreement(row, topo.world_group, topo.world_size, topo.control_device(),
+        check_agreement(row, topo.whole, topo.world_size, topo.control_device(),
                         options.timeout_s)
     else:
         joins = agree_and_join(placement.linked, row, topo, node, options, attachment.buffers,

@@ -174,7 +174,7 @@ class StepCycle:
         from each rank's own batch)."""
         buffers = self.attachment.buffers
         if buffers is not None and runtime is not None:
-            buffers.node_mean(runtime.topology.intra_group, runtime.topology.procs_per_node,
+            buffers.node_mean(runtime.topology.intra, runtime.topology.procs_per_node,
                               self.options.timeout_s)
 
 
@@ -184,7 +184,7 @@ def node_any(flag: bool, topology: Topology, timeout_s: float) -> bool:
     if topology.procs_per_node == 1:
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=topology.control_device())
-    all_reduce(t, topology.intra_group, "max", timeout_s=timeout_s, link="intra",
+    all_reduce(t, topology.intra, "max", timeout_s=timeout_s, link="intra",
                operation="node_any")
     return bool(t.item())
 

@@ -21,7 +21,6 @@ from qcomm.collectives.primitives import (
     all_reduce,
     all_reduce_mean_future,
     all_to_all_single,
-    other_ranks,
     start_all_gather,
     start_reduce_scatter,
     wait_works,
@@ -43,29 +42,29 @@ def _values(rank: int, size: int, salt: int) -> torch.Tensor:
 
 
 def _primitives(rank: int, group: object, salt: int) -> dict:
-    """Every primitive once on ``group``; what each produced, and the bytes counted. Those
-    that take any handle are given ``group`` as it comes, the others its resolved ``g``."""
+    """Every primitive once on ``group`` (resolved once, as its callers do); what each
+    produced, and the bytes counted."""
     g = resolve_group(group)
     n, out = g.size, {}
-    out["members"] = (g.ranks, g.rank, other_ranks(group))
+    out["members"] = (g.ranks, g.rank, g.other_ranks())
     for op in ("sum", "max", "min"):
         t = _values(rank, n, salt)
-        all_reduce(t, group, op, timeout_s=TIMEOUT_S, link="intra")
+        all_reduce(t, g, op, timeout_s=TIMEOUT_S, link="intra")
         out[op] = t
     x = _values(rank, n, salt + 1)
     gathered = torch.empty(n * x.numel())
-    all_gather_flat(gathered, x, group)
+    all_gather_flat(gathered, x, g)
     out["all_gather"] = gathered
     swapped = torch.empty_like(x)
     all_to_all_single(swapped, x, g)
     out["all_to_all"] = swapped
     stats = CommStats()
     work, chunk_sum = start_reduce_scatter(x.clone(), g, n, stats, "intra")
-    wait_works([work], TIMEOUT_S, "reduce-scatter", group, "intra")
+    wait_works([work], TIMEOUT_S, "reduce-scatter", g, "intra")
     out["reduce_scatter"] = chunk_sum()
     whole = torch.empty(n * CHUNK)
     work = start_all_gather(whole, out["reduce_scatter"], g, n, stats, "intra")
-    wait_works([work], TIMEOUT_S, "all-gather", group, "intra")
+    wait_works([work], TIMEOUT_S, "all-gather", g, "intra")
     out["all_gather_pipeline"] = whole
     out["bytes"] = stats.snapshot()
     out["mean_future"] = all_reduce_mean_future(_values(rank, n, salt + 2), g).wait()
@@ -74,10 +73,13 @@ def _primitives(rank: int, group: object, salt: int) -> dict:
 
 
 def _every_group(rank: int, topo: Topology) -> dict:
-    """The primitives on the world's group, my node's group and my rail (2 nodes x 2)."""
-    return {"world": _primitives(rank, topo.world_group, 1),
-            "intra": _primitives(rank, topo.intra_group, 2),
-            "rail": _primitives(rank, topo.rail_group, 3)}
+    """The primitives on the world's group, my node's group and my rail (2 nodes x 2), as the
+    topology holds them resolved (the same group as its handle, made a CommGroup once)."""
+    assert topo.intra is topo.intra and topo.rail is topo.rail  # resolved once, then kept
+    assert topo.intra.ranks == topo.node_ranks and topo.rail.ranks == topo.rail_ranks
+    return {"world": _primitives(rank, topo.whole, 1),
+            "intra": _primitives(rank, topo.intra, 2),
+            "rail": _primitives(rank, topo.rail, 3)}
 
 
 def _gloo_body(rank: int, world_size: int) -> dict:
@@ -161,6 +163,30 @@ def test_abort_breaks_a_waiting_member_at_once() -> None:
     thread.join(10)
     assert not thread.is_alive() and time.monotonic() - start < 10
     assert len(caught) == 1 and isinstance(caught[0], PeerTimeoutError)
+
+
+@pytest.mark.parametrize("handle", [None, "group", 3])
+def test_a_primitive_refuses_a_handle_it_would_resolve_again(handle: object) -> None:
+    # The owner resolves a handle once (Topology.intra / .rail / .whole); a bare one here is a
+    # caller that would pay the resolution on every step: named, before anything is posted.
+    t = torch.ones(2)
+    for call in (lambda: all_reduce(t, handle),
+                 lambda: all_gather_flat(torch.empty(2), t, handle),
+                 lambda: wait_works([], 1.0, "op", handle, None)):
+        with pytest.raises(TypeError, match=r"group must be a qcomm.collectives.group.CommGroup "
+                                            r"\(resolve a torch.distributed process group once"):
+            call()
+    assert torch.equal(t, torch.ones(2))
+
+
+def test_a_primitive_names_a_group_class_passed_for_an_instance() -> None:
+    with pytest.raises(TypeError, match=r"did you mean MemoryGroup\(\.\.\.\)\?"):
+        all_reduce(torch.ones(2), MemoryGroup)
+
+
+def test_a_topology_without_a_node_group_or_rail_holds_none() -> None:
+    alone = Topology(1, rank=0, world_size=1, world=MemoryWorld(1))
+    assert alone.intra is None and alone.rail is None  # "no group", never torch's default
 
 
 def test_a_stepped_world_refuses_collectives_at_once() -> None:

@@ -36,6 +36,7 @@ from qcomm.collectives.hierarchical import HierarchicalAllreduce, shard_numel
 from qcomm.collectives.primitives import all_gather_flat
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
+from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import QuantSpec, packed_nbytes
 from qcomm.testing.multiprocess import run_world
 from tests.collectives.test_intra import (
@@ -340,7 +341,7 @@ def _node_residuals(ar: HierarchicalAllreduce, plan, topo: Topology) -> list[lis
     for i, b in enumerate(plan):
         mine = state[f"ef/{i}"]
         rows = torch.empty(W * mine.numel())
-        all_gather_flat(rows, mine, None)
+        all_gather_flat(rows, mine, resolve_group(None))
         rows = rows.view(N, L * mine.numel())
         for k in range(N):
             unpack(b, rows[k], out[k])
@@ -356,7 +357,7 @@ def _owner_residuals(ar: HierarchicalAllreduce, plan, topo: Topology) -> list[to
     for i, b in enumerate(plan):
         mine = state[f"ef/{i}/owner"]
         rows = torch.empty(W * mine.numel())
-        all_gather_flat(rows, mine, None)
+        all_gather_flat(rows, mine, resolve_group(None))
         rows = rows.view(N, L, mine.numel())  # global rank k * L + l: node k, local rank l
         unpack(b, rows.transpose(0, 1).reshape(-1), out)
     return out

@@ -30,6 +30,7 @@ from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.primitives import all_gather_flat
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
+from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import QuantSpec, packed_nbytes
 from qcomm.testing.multiprocess import run_world
 from tests.worlds import topology
@@ -148,7 +149,7 @@ def gather_lists(ts: list[torch.Tensor], group, size: int) -> list[list[torch.Te
     """Every group member's copy of ``ts`` (float32 flat all-gather), by group rank."""
     flat = torch.cat([t.reshape(-1).float() for t in ts]) if ts else torch.empty(0)
     out = torch.empty(size * flat.numel())
-    all_gather_flat(out, flat, group)
+    all_gather_flat(out, flat, resolve_group(group))
     rows = out.view(size, -1)
     res = []
     for r in range(size):

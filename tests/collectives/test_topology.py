@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from qcomm.collectives.primitives import all_gather_flat
 from qcomm.collectives.topology import Topology
+from qcomm.collectives.torch_group import resolve_group
 
 # (world_size, procs_per_node): 2 nodes x 2, 3 x 1, 4 x 1, 1 node x 2, and bigger pure shapes.
 SHAPES = [(4, 2), (3, 1), (4, 1), (2, 2), (1, 1), (6, 3), (6, 2), (8, 4), (12, 3)]
@@ -128,7 +129,7 @@ def _members(group, rank: int) -> list[int]:
     """Global ranks of ``group`` in group-rank order, found by an all-gather over it."""
     size = dist.get_world_size(group)
     out = torch.empty(size, dtype=torch.int64)
-    all_gather_flat(out, torch.tensor([rank]), group)
+    all_gather_flat(out, torch.tensor([rank]), resolve_group(group))
     return out.tolist()
 
 
