@@ -1,7 +1,7 @@
 """The groups of a job of nodes linked through the rendezvous
 (:func:`qcomm.rendezvous.init_node`): the node's group is torch.distributed's default group, each
-rail a :class:`~qcomm.collectives.pair_group.PairGroup` whose links are made as they open, and no
-group spans the job."""
+rail a :class:`~qcomm.collectives.gloo.pair_group.PairGroup` whose links are made as they open,
+and no group spans the job."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from qcomm.rendezvous.node import LinkedSeat
 
-from .pair_group import PairGroup
+from .gloo.pair_group import PairGroup
 from .torch_group import TorchWorld
 
 __all__ = ["LinkedWorld"]
@@ -20,7 +20,7 @@ __all__ = ["LinkedWorld"]
 class LinkedWorld(TorchWorld):
     """The groups of a job of linked nodes, seen from ``seat``: the node's group is
     torch.distributed's default group (the node's torchrun world); a rail is a
-    :class:`~qcomm.collectives.pair_group.PairGroup` of the nodes' same local ranks (its links
+    :class:`~qcomm.collectives.gloo.pair_group.PairGroup` of the nodes' same local ranks (its links
     made through the rendezvous when they open). No group spans the job."""
 
     spans_job = False

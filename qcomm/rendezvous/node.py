@@ -5,7 +5,7 @@ come back while the job runs.
 dies is restarted on its own (by its torchrun's ``--max-restarts``, or by hand) and rejoins the
 running job. torch.distributed's default group is *the node*: its torchrun's world. Between
 nodes nothing is a process group fixed at the start: each link of the wait-free gossip is a
-group of two made when the link opens (:class:`~qcomm.collectives.pair_group.PairGroup`), so a
+group of two made when the link opens (:class:`~qcomm.collectives.gloo.pair_group.PairGroup`), so a
 restarted node links to the running ones with new groups. The node's seat:
 
 1. ``node_id`` when given;

@@ -1,6 +1,6 @@
 """One process of a wait-free gossip whose members come and go, for the join tests
 (``tests/collectives/test_join_processes.py``) and the join benchmark (``bench/join_rate.py``): a
-member over a :class:`~qcomm.collectives.pair_group.PairGroup` of the rendezvous at ``--port``,
+member over a :class:`~qcomm.collectives.gloo.pair_group.PairGroup` of the rendezvous at ``--port``,
 mixing a random vector (no local update; ``--step-s`` of sleep stands for the compute).
 
 ``--mode member``: ``--steps`` steps, then drain, settle and sum along the ring; with ``--join``
@@ -24,9 +24,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives.gloo.pair_group import PairGroup
 from qcomm.collectives.gossip import WaitFreeGossip
 from qcomm.collectives.gossip.joining import admit, join_state, start_joined
-from qcomm.collectives.pair_group import PairGroup
 from qcomm.compress import QuantSpec
 from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
 from qcomm.rendezvous.seat import claim_incarnation

@@ -1,5 +1,5 @@
 """A gossip group whose links are groups of two over the rendezvous
-(:class:`~qcomm.collectives.pair_group.PairGroup`): bad arguments are named, it contacts
+(:class:`~qcomm.collectives.gloo.pair_group.PairGroup`): bad arguments are named, it contacts
 nothing until a link opens, and every collective is refused with a named error (its members
 change while the job runs). Links over it are tested as processes in
 ``test_join_processes.py``."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qcomm.collectives.pair_group import PairGroup, gloo_devices
+from qcomm.collectives.gloo.pair_group import PairGroup, gloo_devices
 
 
 @pytest.mark.parametrize(("args", "kwargs", "match"), [

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch.distributed as dist
 
+from qcomm.collectives.gloo.pair_group import PairGroup
 from qcomm.collectives.linked_world import LinkedWorld
-from qcomm.collectives.pair_group import PairGroup
 from qcomm.rendezvous import init_node, linked_seat
 from qcomm.rendezvous.node import LinkedSeat, _take
 from qcomm.testing.multiprocess import free_port

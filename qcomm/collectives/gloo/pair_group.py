@@ -27,9 +27,9 @@ import torch.distributed as dist
 from qcomm.rendezvous.seat import INCARNATION_KEY, claim_incarnation
 from qcomm.validation import check_int, check_timeout
 
-from .gloo.streams import GlooStreams
-from .group import CommGroup, Work
-from .links import MessageStreams
+from ..group import CommGroup, Work
+from ..links import MessageStreams
+from .streams import GlooStreams
 
 __all__ = ["INCARNATION_KEY", "PairChannel", "PairGroup", "claim_incarnation"]
 

@@ -11,7 +11,7 @@ Gloo's C++ code with the GIL released: they cost no CPU while they wait.
 
 A link's messages move on a *channel*: by default point-to-point with the neighbour on the one
 process group of all members (:class:`GroupChannel`); a group whose links change while the job
-runs gives each link a group of its own (``connect=``, :mod:`qcomm.collectives.pair_group`),
+runs gives each link a group of its own (``connect=``, :mod:`qcomm.collectives.gloo.pair_group`),
 made by the link's receiver thread (so opening a link never blocks the caller) and aborted when
 the link is dropped or the streams close.
 """
