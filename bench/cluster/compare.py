@@ -39,7 +39,6 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +64,7 @@ from bench.cluster.run_summary import (
     summarize_run,
     time_to_target,
 )
+from bench.cluster.sweep_plan import Cell, Sweep
 from bench.cluster.sweep_plots import plot
 from bench.cluster.sweep_summary import environment, problems, write_summary
 from bench.cluster.sweep_tables import equal_steps_table, kill_table, print_tables, table
@@ -295,30 +295,6 @@ def check_kill(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 # the sweep
 
 
-@dataclass
-class Sweep:
-    """What one invocation sweeps over, where its files go, and each workload's data file and
-    target (filled in by :func:`make_data`)."""
-
-    workloads: list[str]
-    layouts: list[T.Layout]
-    rates: list[str]
-    names: list[str]
-    outdir: Path
-    data: dict[str, Path] = field(default_factory=dict)
-    data_info: dict[str, Any] = field(default_factory=dict)
-    targets: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def combos(self) -> list[tuple[T.Layout, str]]:
-        """The (layout, rate) pairs, one cluster each."""
-        return [(lay, rate) for lay in self.layouts for rate in self.rates]
-
-
-# One cell of the table: (workload, layout tag, rate, method).
-Cell = tuple[str, str, str, str]
-
-
 def plan(args: argparse.Namespace) -> Sweep:
     """The command line's lists, checked (ValueError names a bad one), and the output
     directory, made."""
@@ -419,6 +395,10 @@ def run_cell(sweep: Sweep, args: argparse.Namespace, cluster: str,
         note(f"{stem}: FAILED (exit {rc}); log {sweep.outdir}/runs/{stem}.log\n{tail}")
         return {**base, "status": f"failed (exit {rc})"}
     row = summarize_run(json.loads(out_json.read_text()), sweep.targets[w])
+    if row["capped_nodes"]:
+        note(f"{stem}: WARNING node(s) {row['capped_nodes']} stopped at --max-steps "
+             f"({args.max_steps or 100 * settings(w, args)['steps']} steps) before their time "
+             f"budget ended: the budget did not decide this run's end; raise --max-steps")
     return {**row, "rate": rate}
 
 

@@ -29,9 +29,9 @@ from bench.cluster import training as T
 from bench.cluster.link_counters import Readings, read_iface_bytes, read_tcp_retransmits
 from bench.cluster.node_loss import cut_connections, stop_record
 from bench.cluster.rank_place import Place
-from bench.cluster.run_record import run_result, timed_record, write_json
+from bench.cluster.run_record import run_result, write_json
 from bench.cluster.snapshot_eval import average_states, evaluate_curve
-from bench.cluster.timed_window import Timed
+from bench.cluster.timed_window import Timed, timed_record
 
 
 def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, timed: Timed,

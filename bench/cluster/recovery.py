@@ -60,13 +60,7 @@ RECORD_EVERY_S = 0.25
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--method", required=True,
-                   help="ddp or localsgd (elastic restart), torchft-diloco or "
-                        "torchft-streaming-diloco (heal); with settings, e.g. localsgd-p32.")
-    p.add_argument("--workload", default="mnist1d", choices=list(W.WORKLOADS),
-                   help="What to train (workload.py's workloads).")
-    p.add_argument("--data", required=True, help="The workload's data file (compare.py's npz).")
-    p.add_argument("--out", required=True, help="The JSON file the last life's rank 0 writes.")
+    F.add_run_files(p)
     F.add_flags(p, F.TRAINING)
     p.add_argument("--time-budget", type=float, required=True,
                    help="Seconds of the timed window, wall-clock from its opening in the first "

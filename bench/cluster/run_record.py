@@ -15,9 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:   # types only: the modules that import this one hold them
-    from bench.cluster.link_counters import Readings
-    from bench.cluster.rank_place import Place
-    from bench.cluster.timed_window import Timed
     from bench.cluster.training import Layout
 
 
@@ -66,20 +63,6 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items()
             if k != "out" and not (k in ("kill_node", "kill_at", "join_at") and v is None)}
 
-
-
-def timed_record(here: Place, timed: Timed, base_times: list[float], t_window: float,
-                 start: Readings, end: Readings) -> dict[str, Any]:
-    """:func:`rank_record` of a rank's timed window, with the counters read when it opened
-    (``start``) and when it closed (``end``); the method's counters only where both readings
-    have them."""
-    counters0, retrans0, stats0 = start
-    counters1, retrans1, stats1 = end
-    return rank_record(here.rank, here.node, here.local_rank, timed.steps, timed.step_times,
-                       timed.fwd_bwd, timed.opt_times, base_times, timed.t_loop, t_window,
-                       None if counters0 is None else (counters0, counters1),
-                       None if retrans0 is None else (retrans0, retrans1),
-                       None if stats0 is None or stats1 is None else (stats0, stats1))
 
 
 def run_result(args: argparse.Namespace, work: Any, layout: Layout, model: tuple[int, list], *,

@@ -136,6 +136,19 @@ def kill_summary(result: dict[str, Any], target: float) -> dict[str, Any]:
     }
 
 
+def capped_nodes(result: dict[str, Any]) -> list[int]:
+    """The nodes of a run under a per-node time budget (seconds) that stopped at ``--max-steps``
+    instead: their budget did not decide where they ended, and a machine fast enough to reach
+    the cap would end a run that the budget was to keep going (e.g. before a lost node is back).
+    Empty for a run without a budget in seconds, or a method whose nodes take ``--steps``."""
+    cfg = result["config"]
+    if cfg.get("time_budget") is None or not M.per_node_budget(result["method"]):
+        return []
+    cap = cfg.get("max_steps") or 100 * cfg["steps"]
+    return sorted({r["node"] for r in result["ranks"]
+                   if r.get("local_rank", 0) == 0 and r.get("steps", 0) >= cap})
+
+
 def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
     """One run's JSON (workload.py) -> one repetition's row of the table.
 
@@ -206,6 +219,7 @@ def summarize_run(result: dict[str, Any], target: float) -> dict[str, Any]:
         # Samples of every rank over the slowest rank's loop (the job ends with it).
         "samples_per_s": sum(cfg["batch"] * r["steps"] for r in ranks) / loop,
         "node_steps": node_steps,
+        "capped_nodes": capped_nodes(result),
         "node_steps_per_s": node_rates,
         "node_compute_step_s": node_compute,
         **reached(result["curve"], target, metric, goal),

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bench.cluster.compare import Sweep
+    from bench.cluster.sweep_plan import Sweep
 
 
 def environment() -> dict[str, Any]:

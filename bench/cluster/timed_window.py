@@ -1,9 +1,9 @@
 """Step 4 of a cluster run, the timed window: the steps (``--steps``, a per-node time budget,
 or until the fastest node's ``--steps``), the snapshots of the parameters at evenly spaced
-steps or times, the progress lines, the lost node's death on its step or time, and the
-profile of the timed steps.
+steps or times, the progress lines, the lost node's death on its step or time, the profile of
+the timed steps, and the rank's record of its window (:func:`timed_record`).
 
-Imported by workload.py.
+Imported by workload.py and lost_node_end.py.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ if __package__ in (None, ""):
 
 from bench.cluster import sharding as S
 from bench.cluster import training as T
+from bench.cluster.link_counters import Readings
 from bench.cluster.node_loss import kill_this_node, stop_record
 from bench.cluster.rank_place import Place
+from bench.cluster.run_record import rank_record
 from bench.cluster.snapshot_eval import Snapshot
 
 # Steps between the votes of a node's ranks on stopping a per-node run (timed_steps).
@@ -204,6 +206,20 @@ def timed_steps(args: argparse.Namespace, here: Place, built: T.Built,
         _write_profile(profiler, Path(f"{args.out}.prof{rank}.txt"))
     return Timed(steps_done, step_times, fwd_bwd, opt_times, snapshots, t_open, t_loop, stop,
                  step_ends)
+
+
+def timed_record(here: Place, timed: Timed, base_times: list[float], t_window: float,
+                 start: Readings, end: Readings) -> dict[str, Any]:
+    """:func:`rank_record` of a rank's timed window, with the counters read when it opened
+    (``start``) and when it closed (``end``); the method's counters only where both readings
+    have them."""
+    counters0, retrans0, stats0 = start
+    counters1, retrans1, stats1 = end
+    return rank_record(here.rank, here.node, here.local_rank, timed.steps, timed.step_times,
+                       timed.fwd_bwd, timed.opt_times, base_times, timed.t_loop, t_window,
+                       None if counters0 is None else (counters0, counters1),
+                       None if retrans0 is None else (retrans0, retrans1),
+                       None if stats0 is None or stats1 is None else (stats0, stats1))
 
 
 def fastest_marks(spacing: float, snapshots: int, *, doublings: int = 6) -> list[float]:

@@ -6,8 +6,9 @@ script adds the flags it takes with :func:`add_flags` (same name, type, default 
 everywhere), and compare.py builds workload.py's command line from the same table with
 :func:`command_line`. The lists two scripts share have names here (:data:`TRAINING`,
 :data:`RUN_END`, :data:`METHOD_SETTINGS`). Flags whose meaning differs between the scripts
-(``--workload``: one or a list; ``--time-budget``: seconds, or seconds per layout) stay with
-each script.
+(compare.py's ``--workload``: a list; ``--time-budget``: seconds, or seconds per layout) stay
+with each script; what one run reads and writes (:data:`RUN_FILES`: the method, the workload,
+its data, the JSON) is declared here for both workers.
 
 Pure Python, like the registries it reads its help texts from (workloads.py).
 """
@@ -29,8 +30,8 @@ if __package__ in (None, ""):
 from bench.cluster import workloads as W
 from bench.cluster.training import LR_SCHEDULES
 
-__all__ = ["FLAGS", "METHOD_SETTINGS", "PASSED_ON", "RUN_END", "TRAINING", "Flag",
-           "add_flags", "command_line", "default_snapshots"]
+__all__ = ["FLAGS", "METHOD_SETTINGS", "PASSED_ON", "RUN_END", "RUN_FILES", "TRAINING", "Flag",
+           "add_flags", "add_run_files", "command_line", "default_snapshots"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Flag:
         default (Any): its value when left out.
         help (str): what ``--help`` says.
         choices (tuple[str, ...] | None): the values it takes, when only some are allowed.
+        required (bool): the script refuses to run without it (no default).
     """
 
     flag: str
@@ -51,6 +53,7 @@ class Flag:
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
+    required: bool = False
 
     @property
     def dest(self) -> str:
@@ -71,6 +74,10 @@ class Flag:
         default, help_ = self.default, self.help
         if unset:
             default, help_ = None, f"{help_} Left out: workload.py's ({_word(self.default)})."
+        if self.required:
+            parser.add_argument(self.flag, type=self.type, required=True, help=help_,
+                                choices=self.choices)
+            return
         parser.add_argument(self.flag, type=self.type, default=default, help=help_,
                             choices=self.choices)
 
@@ -169,6 +176,21 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          "to OUT.prof<rank>.txt (compare.py: runs/<run>.json.prof<rank>.txt)."),
 )}
 
+RUN_FILES: dict[str, Flag] = {f.dest: f for f in (
+    Flag("--method", str, None, "The method to train with (methods.py explains the names: e.g. "
+         "ddp, localsgd-p32, torchft-diloco-h32-o7-m5, slow-link, assgd-4-h8f4); each worker "
+         "says which it runs.", required=True),
+    Flag("--workload", str, "mnist1d", "What to train: MNIST-1D with an MLP and SGD, or the "
+         "character transformer with AdamW (workloads.py).", tuple(W.WORKLOADS)),
+    Flag("--data", str, None, "The workload's data file, an npz written by compare.py.",
+         required=True),
+    Flag("--out", str, None, "The JSON file rank 0 writes (a run whose workers restart: its "
+         "last life's rank 0).", required=True),
+)}
+"""What one run of workload.py or recovery.py reads and writes: the method, the workload, its
+data file and the JSON of its results (:func:`add_run_files`). Kept apart from :data:`FLAGS`:
+compare.py spells ``--workload`` and ``--out`` too, for a list and a directory."""
+
 METHOD_SETTINGS = ("powersgd_rank", "localsgd_period", "diloco_sync_every",
                    "streaming_fragments", "streaming_delay")
 """The methods' own settings, in the order every script's ``--help`` lists them."""
@@ -205,6 +227,12 @@ def add_flags(parser: argparse.ArgumentParser, names: Iterable[str], *,
     unset = set(unset)
     for name in names:
         FLAGS[name].add_to(parser, unset=name in unset)
+
+
+def add_run_files(parser: argparse.ArgumentParser) -> None:
+    """Declare :data:`RUN_FILES` on a worker's ``parser`` (workload.py, recovery.py)."""
+    for flag in RUN_FILES.values():
+        flag.add_to(parser)
 
 
 def command_line(values: Mapping[str, Any], names: Iterable[str]) -> list[str]:

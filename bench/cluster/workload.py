@@ -48,9 +48,15 @@ from bench.cluster.link_counters import Readings, read_counters
 from bench.cluster.lost_node_end import end_after_kill
 from bench.cluster.node_loss import cut_connections, kill_plan, node_processes, stop_record
 from bench.cluster.rank_place import Place, find_place
-from bench.cluster.run_record import rank_record, run_config, run_result, timed_record, write_json
+from bench.cluster.run_record import rank_record, run_config, run_result, write_json
 from bench.cluster.snapshot_eval import evaluate_curve
-from bench.cluster.timed_window import Timed, fastest_marks, snapshot_spacing, timed_steps
+from bench.cluster.timed_window import (
+    Timed,
+    fastest_marks,
+    snapshot_spacing,
+    timed_record,
+    timed_steps,
+)
 
 # The names the tests import from here, wherever they now live: the timed window, the lost
 # node, the record and the evaluation are modules of their own beside this one.
@@ -59,24 +65,11 @@ __all__ = ["Place", "Timed", "cut_connections", "evaluate_curve", "fastest_marks
            "timed_steps"]
 
 
-def _method_name(name: str) -> str:
-    if name not in M.METHODS:
-        raise argparse.ArgumentTypeError(f"unknown method {name!r}{M.near_miss(name)}")
-    return name
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--method", required=True, type=_method_name,
-                   help=f"The method to train with: one of {list(M.METHODS)}, or a qcomm "
-                        "variant such as assgd-4-h8f4 (methods.py explains the names).")
-    p.add_argument("--workload", default="mnist1d", choices=list(W.WORKLOADS),
-                   help="What to train: MNIST-1D with an MLP and SGD, or the character "
-                        "transformer with AdamW.")
-    p.add_argument("--data", required=True,
-                   help="The workload's data file, an npz written by compare.py.")
-    p.add_argument("--out", required=True, help="The JSON file rank 0 writes.")
-    # the flags compare.py and ddp_reference.py take too: declared once, in worker_flags.py
+    # the flags compare.py, recovery.py and ddp_reference.py take too: declared once, in
+    # worker_flags.py
+    F.add_run_files(p)
     F.add_flags(p, F.TRAINING)
     p.add_argument("--time-budget", type=float, default=None,
                    help="Seconds of training per node for methods whose nodes may take "
@@ -90,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--steps steps (the same work as a lockstep run, for the fastest node).")
     F.add_flags(p, F.RUN_END)
     args = p.parse_args(argv)
+    if args.method not in M.METHODS:
+        p.error(f"argument --method: unknown method {args.method!r}{M.near_miss(args.method)}")
     if (args.kill_node is None) != (args.kill_at is None):
         p.error("--kill-node and --kill-at go together")
     if args.kill_node is not None and args.kill_node < 1:

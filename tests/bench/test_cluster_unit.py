@@ -76,18 +76,17 @@ def test_parse_methods_rejects_unknown_names_and_lists_the_known():
 @pytest.mark.parametrize(("name", "near"), [
     ("dpp", "ddp"), ("torchft-diloc", "torchft-diloco"), ("qcom", "qcomm"), ("al", "all"),
 ])
-def test_a_misspelled_method_names_the_nearest(name, near):
+def test_a_misspelled_method_names_the_nearest(name, near, capsys):
     with pytest.raises(ValueError, match=rf"unknown \['{name}'\].*; did you mean '{near}'\?$"):
         M.parse_methods(f"ddp,{name}")
     with pytest.raises(ValueError, match=rf"got '{name}'; did you mean '{near}'\?$"):
         M.build(name, None, None)
-    import argparse
-
     from bench.cluster import workload as WL
 
-    with pytest.raises(argparse.ArgumentTypeError,
-                       match=rf"unknown method '{name}'; did you mean '{near}'\?$"):
-        WL._method_name(name)
+    with pytest.raises(SystemExit):
+        WL.parse_args(["--method", name, "--data", "d.npz", "--out", "o.json"])
+    err = capsys.readouterr().err
+    assert f"argument --method: unknown method '{name}'; did you mean '{near}'?" in err
 
 
 def test_availability_torch_always_qcomm_by_module(monkeypatch):
@@ -774,3 +773,24 @@ def test_equal_cpu_caps_every_node_and_goes_with_slow_nodes(tmp_path):
     cmd = C.launch_command("abc", T.Layout(4, 1), ["w.py"], 60, tmp_path / "r.log",
                            (args.slow_nodes, args.slowdown), equal_cpu=args.equal_cpu)
     assert "--equal-cpu" in cmd and cmd[cmd.index("--slow-nodes") + 1] == "1"
+
+
+def _budget_run(method: str, steps_by_node: list[int], *, budget: float | None = 8.0,
+                max_steps: int | None = 500) -> dict:
+    ranks = [{"node": n, "local_rank": lr, "steps": s}
+             for n, s in enumerate(steps_by_node) for lr in range(2)]
+    return {"method": method, "ranks": ranks,
+            "config": {"steps": 100, "time_budget": budget, "max_steps": max_steps}}
+
+
+def test_a_node_stopped_by_max_steps_under_a_time_budget_is_named():
+    from bench.cluster.run_summary import capped_nodes
+
+    # node 1 reached the cap: its budget did not decide where it ended; node 0 did not
+    assert capped_nodes(_budget_run("slow-link", [420, 500])) == [1]
+    assert capped_nodes(_budget_run("slow-link", [420, 499])) == []
+    # without --max-steps the cap is 100 x --steps
+    assert capped_nodes(_budget_run("slow-link", [10_000, 9_000], max_steps=None)) == [0]
+    # no budget in seconds, or a method whose nodes take --steps: nothing to name
+    assert capped_nodes(_budget_run("slow-link", [500, 500], budget=None)) == []
+    assert capped_nodes(_budget_run("ddp", [500, 500])) == []

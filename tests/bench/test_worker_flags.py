@@ -11,6 +11,7 @@ import pytest
 
 from bench.cluster import compare as C
 from bench.cluster import ddp_reference as D
+from bench.cluster import recovery as R
 from bench.cluster import worker_flags as F
 from bench.cluster import workload as WL
 
@@ -43,6 +44,33 @@ PARSERS = {
     "compare.py": lambda: _parser(C.parse_args, []),
     "ddp_reference.py": lambda: _parser(D.parse_args, []),
 }
+
+RECOVERY_ARGS = ["--method", "localsgd-p32", "--data", "d.npz", "--out", "o.json",
+                 "--time-budget", "8", "--kill-node", "1", "--kill-at", "0.3", "--join-at", "0.6"]
+
+
+@pytest.mark.parametrize("parse_args, argv", [(WL.parse_args, WORKER_ARGS),
+                                              (R.parse_args, RECOVERY_ARGS)],
+                         ids=["workload.py", "recovery.py"])
+def test_both_workers_take_the_run_files_as_declared(parse_args, argv) -> None:
+    actions = _actions(_parser(parse_args, argv))
+    for f in F.RUN_FILES.values():
+        a = actions[f.flag]
+        assert (a.dest, a.help, a.type, a.required) == (f.dest, f.help, f.type, f.required)
+        assert a.choices == (None if f.choices is None else f.choices), f.flag
+    # the order of the table is the order of --help: the run's files first, then the training
+    assert list(actions)[1:5] == [f.flag for f in F.RUN_FILES.values()]
+
+
+@pytest.mark.parametrize("parse_args", [WL.parse_args, R.parse_args],
+                         ids=["workload.py", "recovery.py"])
+@pytest.mark.parametrize("missing", ["--method", "--data", "--out"])
+def test_a_worker_without_a_run_file_names_it(parse_args, missing, capsys) -> None:
+    argv = RECOVERY_ARGS if parse_args is R.parse_args else WORKER_ARGS
+    i = argv.index(missing)
+    with pytest.raises(SystemExit):
+        parse_args(argv[:i] + argv[i + 2:])
+    assert f"the following arguments are required: {missing}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("script", list(PARSERS))
