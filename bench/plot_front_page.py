@@ -3,6 +3,7 @@ recorded emulated-cluster cell (by default MNIST-1D, 4 nodes x 1 process, 100 Mb
 
     python bench/plot_front_page.py                      # -> docs/img/time_to_accuracy.png
     python bench/plot_front_page.py --out /tmp/f.png --results bench/results/2026-12-02-who-wins
+    python bench/plot_front_page.py --finish none         # the first panel alone
 
 It reads what ``bench/cluster/compare.py`` (or ``decisive.py``, which runs it) recorded: a sweep
 JSON file with ``rows``, one row per (workload, layout, rate, method) with the curve of the
@@ -14,14 +15,16 @@ run; only matplotlib is needed (the ``bench`` extra).
 One curve per method: bold, the median repetition; faint, every repetition. A dotted line at
 the sweep's target (65% test accuracy for MNIST-1D); the legend names each method as a user
 knows it, ordered by time to the target, with that time. The time axis is logarithmic: on
-the default cell DDP takes 25 times as long as the fastest method. The script prints the
-figure's caption.
+the default cell DDP takes 25 times as long as the fastest method. ``--finish`` (a second
+sweep of the same cell run to the end) adds a panel of the whole run, on a linear axis, whose
+legend holds each method's final quality. The script prints the figure's caption.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -30,6 +33,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS = REPO / "bench/results/2026-12-03-front"
+DEFAULT_FINISH = REPO / "bench/results/2026-12-04-finish-line/cluster-4x1-constant-summary.json"
 DEFAULT_OUT = REPO / "docs/img/time_to_accuracy.png"
 
 # The names a user knows, with a fixed colour each. A key is a method id of
@@ -42,6 +46,8 @@ KNOWN: tuple[tuple[str, str, str], ...] = (
     ("torchft-diloco", "DiLoCo (torchft)", "#2ca02c"),
     ("assgd-2-h16f4-g80-m9-o5-n-ddp-cont", "qcomm SLOW_LINK", "#d62728"),
     ("assgd-2-h16f4-g80-m9-o5-n-ddp", "qcomm SLOW_LINK, lockstep", "#ff9896"),
+    ("slow-link", "qcomm SLOW_LINK", "#d62728"),
+    ("adamw-slow-link", "qcomm ADAMW_SLOW_LINK", "#d62728"),
     ("qcomm-hier-4-h2f2-g100-n-ddp", "qcomm ADAMW_SLOW_LINK", "#d62728"),
     ("qcomm-hook", "qcomm DDP hook", "#ff7f0e"),
 )
@@ -64,6 +70,8 @@ class Series:
     median: list[tuple[float, float]]  # (seconds, quality) of the median repetition
     runs: list[list[tuple[float, float]]] = field(default_factory=list)  # every repetition
     time_to_target: float | None = None  # median over the repetitions; None: never
+    final: float | None = None  # the final quality, median over the repetitions
+    final_span: tuple[float, float] | None = None  # its [min, max]
     higher_is_better: bool = True  # accuracy; a loss: False
 
 
@@ -158,6 +166,11 @@ def series(sweep: dict[str, Any], workload: str, layout: str, rate: str) -> list
         line.median = _points(r.get("curve"), metric, scale)
         line.runs = [_points(p.get("curve"), metric, scale) for p in r.get("per_repeat") or []
                      if p.get("status", "ok") == "ok"]
+        if r.get("final") is not None:
+            line.final = scale * float(r["final"])
+            final_span = (r.get("spread") or {}).get("final")
+            if final_span:
+                line.final_span = (scale * final_span[0], scale * final_span[1])
         t = line.time_to_target = r.get("time_to_target_s")
         span = (r.get("spread") or {}).get("time_to_target_s")
         if t is None:
@@ -191,27 +204,17 @@ def target_of(sweep: dict[str, Any], workload: str) -> float | None:
     return None if target is None else float(target)
 
 
-def figure(lines: list[Series], title: str, target: float | None, metric: str = "test_acc"):
-    """The matplotlib Figure (Agg) of ``lines``; its legend holds one entry per Series."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _sprint_panel(ax: Any, lines: list[Series], title: str, target: float | None,
+                  metric: str) -> None:
+    """Quality against seconds on a log axis, the target dotted, the legend by time to it."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
-    ylabel, scale = QUALITY.get(metric, (metric, 1.0))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    scale = QUALITY.get(metric, (metric, 1.0))[1]
     ends = [pts[-1][0] for s in lines for pts in [s.median, *s.runs] if pts]
     xmax = max(ends, default=10.0) * 1.1
     xmin = 0.5
+    _curves(ax, lines)
     for s in lines:
-        for pts in s.runs:
-            pts = [p for p in pts if p[0] > 0]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=s.colour, lw=0.8,
-                    alpha=0.3, zorder=2)
-        pts = [p for p in s.median if p[0] > 0]  # none: a legend entry alone
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=s.colour,
-                lw=2.6 if s.qcomm else 1.8, label=s.label, zorder=4 if s.qcomm else 3)
         if s.time_to_target is not None and target is not None:
             ax.plot([s.time_to_target], [scale * target], "o", color=s.colour, ms=5, zorder=5)
     if target is not None:
@@ -225,19 +228,95 @@ def figure(lines: list[Series], title: str, target: float | None, metric: str = 
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
-    if metric == "test_acc":
-        ys = [p[1] for s in lines for pts in [s.median, *s.runs] for p in pts if p[0] >= xmin]
-        ax.set_ylim(max(0.0, 5 * (min(ys, default=0.0) // 5)), 5 * (max(ys, default=100) // 5 + 1))
+    _y_range(ax, lines, metric, xmin)
     ax.set_xlabel("wall-clock seconds (log scale)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="major", color="#dddddd", lw=0.6)
     n = max((len(s.runs) for s in lines), default=1)
     goal = (f"{scale * target:g}%" if metric == "test_acc" else f"{target:g}") if target else "?"
     heading = f"seconds to {goal}, median of {n} runs [min-max]" if n > 1 else f"seconds to {goal}"
-    legend = ax.legend(title=heading, fontsize=8,
-                       title_fontsize=8, loc="lower right", framealpha=0.95)
+    _finish_axes(ax, title, metric, heading)
+
+
+def _finish_panel(ax: Any, lines: list[Series], title: str, metric: str) -> None:
+    """The whole run on a linear axis (its end is where the verdict on the final model is
+    taken), the legend by final quality, the best first."""
+    _curves(ax, lines, label=lambda s: _final_label(s, metric))
+    ends = [pts[-1][0] for s in lines for pts in [s.median, *s.runs] if pts]
+    ax.set_xlim(0, max(ends, default=10.0) * 1.02)
+    # The finish is decided in the last points: the axis starts where the slowest curve is
+    # past half of the best final, so that the top of the climb fills the panel.
+    _y_range(ax, lines, metric, 0.0, floor=0.5 * max((s.final or 0.0 for s in lines),
+                                                    default=0.0))
+    ax.set_xlabel("wall-clock seconds")
+    n = max((len(s.runs) for s in lines), default=1)
+    heading = f"final, median of {n} runs [min-max]" if n > 1 else "final"
+    _finish_axes(ax, title, metric, heading)
+
+
+def _final_label(s: Series, metric: str) -> str:
+    name = name_of(s.method)[0]
+    if s.final is None:
+        return f"{name}: no final"
+    unit = "%" if metric == "test_acc" else ""
+    span = f" [{s.final_span[0]:.1f}-{s.final_span[1]:.1f}]" if s.final_span and \
+        len(s.runs) > 1 else ""
+    return f"{name}: {s.final:.1f}{unit}{span}" if metric == "test_acc" else \
+        f"{name}: {s.final:.4f}{span}"
+
+
+def _curves(ax: Any, lines: list[Series], label: Any = None) -> None:
+    """Every repetition faint, the median one bold (qcomm's bolder and on top)."""
+    for s in lines:
+        for pts in s.runs:
+            pts = [p for p in pts if p[0] > 0]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=s.colour, lw=0.8,
+                    alpha=0.3, zorder=2)
+        pts = [p for p in s.median if p[0] > 0]  # none: a legend entry alone
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=s.colour,
+                lw=2.6 if s.qcomm else 1.8, label=s.label if label is None else label(s),
+                zorder=4 if s.qcomm else 3)
+
+
+def _y_range(ax: Any, lines: list[Series], metric: str, xmin: float,
+             floor: float | None = None) -> None:
+    """Accuracy's axis from the lowest point shown (or ``floor``) to above the highest: in
+    steps of 5 points, or, for a panel that starts at ``floor``, one point over the top (the
+    finish is read in the last points)."""
+    if metric != "test_acc":
+        return
+    ys = [p[1] for s in lines for pts in [s.median, *s.runs] for p in pts if p[0] >= xmin]
+    if floor is None:
+        ax.set_ylim(max(0.0, 5 * (min(ys, default=0.0) // 5)),
+                    5 * (max(ys, default=100) // 5 + 1))
+        return
+    low = max(floor, min(ys, default=0.0))
+    ax.set_ylim(max(0.0, 5 * (low // 5)), min(100.0, math.ceil(max(ys, default=99.0)) + 1))
+
+
+def _finish_axes(ax: Any, title: str, metric: str, heading: str) -> None:
+    ax.set_ylabel(QUALITY.get(metric, (metric, 1.0))[0])
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="major", color="#dddddd", lw=0.6)
+    legend = ax.legend(title=heading, fontsize=8, title_fontsize=8, loc="lower right",
+                       framealpha=0.95)
     legend.set_zorder(6)
+
+
+def figure(lines: list[Series], title: str, target: float | None, metric: str = "test_acc",
+           finish: tuple[list[Series], str] | None = None):
+    """The matplotlib Figure (Agg) of ``lines``; its legend holds one entry per Series.
+    ``finish``: (the series of a run to the end, its title), drawn in a second panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if finish is None:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        _sprint_panel(ax, lines, title, target, metric)
+    else:
+        fig, (ax, ax_end) = plt.subplots(1, 2, figsize=(14, 4.8))
+        _sprint_panel(ax, lines, title, target, metric)
+        _finish_panel(ax_end, finish[0], finish[1], metric)
     fig.tight_layout()
     return fig
 
@@ -257,6 +336,14 @@ def caption(sweep_path: Path, target: float | None, repeats: int,
             f"{sweep_path}.")
 
 
+def finish_caption(sweep_path: Path, steps: int | None) -> str:
+    """What the second panel shows, in words."""
+    length = f"{steps} steps of the fastest node" if steps else "its end"
+    return (f"Right: the same cell run to {length} (linear axis), the methods that lead it; "
+            f"the legend holds each one's final quality, median of its repetitions [min-max]. "
+            f"Data: {sweep_path}.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
@@ -266,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help=f"The PNG to write (default {DEFAULT_OUT.relative_to(REPO)}; its folder "
                         "is created).")
+    p.add_argument("--finish", default=str(DEFAULT_FINISH.relative_to(REPO)),
+                   help="A sweep of the same cell run to the end (its JSON file, or a folder "
+                        "as --results), drawn as a second panel; 'none': the first panel alone "
+                        f"(default {DEFAULT_FINISH.relative_to(REPO)}).")
     p.add_argument("--workload", default="mnist1d", help="The cell's workload (mnist1d).")
     p.add_argument("--layout", default="4x1",
                    help="The cell's layout, NODESxPROCS (default 4x1).")
@@ -297,11 +388,26 @@ def main(argv: list[str] | None = None) -> int:
         path, sweep = find_sweep(args.results, args.workload, args.layout, args.rate)
     except ValueError as e:
         parser.error(str(e))
+    finish = None
+    if args.finish != "none":
+        finish_path = Path(args.finish)
+        if not finish_path.is_absolute() and not finish_path.exists():
+            finish_path = REPO / finish_path
+        try:
+            finish_path, finish_sweep = find_sweep(finish_path, args.workload, args.layout,
+                                                   args.rate)
+        except ValueError as e:
+            parser.error(str(e).replace("--results", "--finish"))
+        steps = (finish_sweep.get("args") or {}).get("steps")
+        finish = (series(finish_sweep, args.workload, args.layout, args.rate),
+                  f"the same cell run to the end ({steps} steps of the fastest node)"
+                  if steps else "the same cell run to the end")
     lines = series(sweep, args.workload, args.layout, args.rate)
     rows = _cell_rows(sweep, args.workload, args.layout, args.rate)
     metric = rows[0].get("metric", "test_acc")
     target = target_of(sweep, args.workload)
-    fig = figure(lines, title_of(sweep, args.workload, args.layout, args.rate), target, metric)
+    fig = figure(lines, title_of(sweep, args.workload, args.layout, args.rate), target, metric,
+                 finish)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_png(fig, args.out, args.dpi)
     import matplotlib.pyplot as plt
@@ -313,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         shown = path
     print(caption(shown, target, repeats, metric))
+    if finish is not None:
+        try:
+            finish_shown = finish_path.resolve().relative_to(REPO)
+        except ValueError:
+            finish_shown = finish_path
+        print(finish_caption(finish_shown, steps))
     print(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB)")
     return 0
 

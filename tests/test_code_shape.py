@@ -1,6 +1,7 @@
 """The shape of the source, checked on every ``.py`` file under ``qcomm/`` with :mod:`ast`:
-module docstrings stay short (the long explanations live in ``docs/``), functions stay short,
-and every ``docs/...md`` page a module docstring names exists."""
+module docstrings stay short (the long explanations live in ``docs/``; under ``bench/`` too,
+where they live in its READMEs), functions stay short, and every ``docs/...md`` page a module
+docstring names exists."""
 
 from __future__ import annotations
 
@@ -38,13 +39,20 @@ def _lines(node: ast.AST) -> int:
     return node.end_lineno - node.lineno + 1  # type: ignore[attr-defined, operator]
 
 
+@cache
+def _bench_modules() -> tuple[tuple[str, ast.Module], ...]:
+    """Every module of the benchmarks (scripts and the cluster's package), parsed once."""
+    return tuple((path.relative_to(REPO).as_posix(), ast.parse(path.read_text(), str(path)))
+                 for path in sorted((REPO / "bench").rglob("*.py")))
+
+
 def test_the_package_has_modules() -> None:
     assert len(_modules()) > 10, f"no modules found under {PACKAGE}"
 
 
 def test_no_module_docstring_is_longer_than_30_lines() -> None:
     too_long = [f"{path}: module docstring of {_lines(doc)} lines"
-                for path, tree in _modules()
+                for path, tree in (*_modules(), *_bench_modules())
                 if (doc := _module_docstring(tree)) and _lines(doc) > MAX_MODULE_DOCSTRING_LINES]
     assert not too_long, (f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (move the "
                           "long explanations to docs/):\n" + "\n".join(too_long))

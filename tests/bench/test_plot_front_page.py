@@ -38,11 +38,21 @@ def test_recorded_sweep_gives_a_small_png(tmp_path: Path) -> None:
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = out.read_bytes()
-    assert _png_size(data) == (800, 450)
+    assert _png_size(data) == (1400, 480)  # two panels: the sprint, and the whole run
     assert 20_000 < len(data) < 150_000
     # the caption says what the bold and the faint curves are, and where the data come from
     assert "Bold: the repetition with the median time to 65% test accuracy (of 3)" in proc.stdout
     assert "bench/results/2026-12-03-front/mnist1d-healthy.json" in proc.stdout
+    assert "Right: the same cell run to 2400 steps of the fastest node" in proc.stdout
+    assert "bench/results/2026-12-04-finish-line/cluster-4x1-constant-summary.json" in proc.stdout
+
+
+def test_the_recorded_finish_names_each_final() -> None:
+    _, sweep = fp.find_sweep(fp.DEFAULT_FINISH, "mnist1d", "4x1", "100mbit")
+    lines = fp.series(sweep, "mnist1d", "4x1", "100mbit")
+    assert [fp._final_label(s, "test_acc") for s in lines] == [
+        "qcomm SLOW_LINK: 84.6% [84.4-84.7]", "DiLoCo (torchft): 83.7% [83.6-83.7]",
+        "local SGD, every 32 steps: 83.2% [83.2-83.7]"]
 
 
 def test_recorded_cell_names_every_method_as_users_know_it() -> None:
@@ -122,9 +132,41 @@ def test_every_method_of_the_data_is_in_the_legend(synthetic: Path) -> None:
 
 def test_synthetic_folder_through_the_command_line(synthetic: Path, capsys) -> None:
     out = synthetic / "img" / "f.png"
-    assert fp.main(["--results", str(synthetic), "--out", str(out), "--dpi", "50"]) == 0
+    assert fp.main(["--results", str(synthetic), "--out", str(out), "--dpi", "50",
+                    "--finish", "none"]) == 0
     assert _png_size(out.read_bytes()) == (400, 225)
-    assert "(of 2)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "(of 2)" in said and "Right:" not in said
+
+
+def test_the_finish_panel_holds_every_method_by_its_final(synthetic: Path) -> None:
+    _, sweep = fp.find_sweep(synthetic, "mnist1d", "4x1", "100mbit")
+    for row in sweep["rows"]:
+        row["final"], row["spread"]["final"] = 0.79, [0.785, 0.795]
+    lines = fp.series(sweep, "mnist1d", "4x1", "100mbit")
+    fig = fp.figure(lines, "sprint", 0.65, finish=(lines, "the whole run"))
+    try:
+        assert len(fig.axes) == 2 and fig.axes[1].get_title() == "the whole run"
+        legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+        heading = fig.axes[1].get_legend().get_title().get_text()
+        assert fig.axes[1].get_xscale() == "linear"
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    assert heading == "final, median of 2 runs [min-max]"
+    assert legend[0] == "qcomm SLOW_LINK, lockstep: 79.0% [78.5-79.5]"
+    assert len(legend) == len(lines)
+
+
+def test_a_finish_without_the_cell_is_an_error_naming_the_argument(synthetic: Path,
+                                                                    capsys) -> None:
+    (synthetic / "other").mkdir()
+    with pytest.raises(SystemExit):
+        fp.main(["--results", str(synthetic), "--finish", str(synthetic / "other"),
+                 "--out", str(synthetic / "x.png")])
+    assert f"--finish {synthetic / 'other'}: no rows of the cell" in capsys.readouterr().err
+    assert not (synthetic / "x.png").exists()
 
 
 @pytest.mark.parametrize(("where", "says"), [
@@ -166,6 +208,8 @@ def test_two_healthy_sweeps_of_the_cell_ask_for_one_file(synthetic: Path, capsys
     ("assgd-2-h16f4-g80-m9-o5-n-ddp", "qcomm SLOW_LINK, lockstep"),
     ("assgd-2-h16f4-g80-m9-o5-n-ddp-wf", "assgd-2-h16f4-g80-m9-o5-n-ddp-wf"),
     ("assgd-4", "assgd-4"),
+    ("slow-link", "qcomm SLOW_LINK"),
+    ("adamw-slow-link", "qcomm ADAMW_SLOW_LINK"),
 ])
 def test_names(method: str, name: str) -> None:
     assert fp.name_of(method)[0] == name
