@@ -41,6 +41,7 @@ from qcomm.engine.agreement import check_agreement, check_job_agreement
 from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
 from qcomm.rendezvous.node import LinkedSeat
 from qcomm.rendezvous.seat import parse_address
+from qcomm.rendezvous.threads import fit_threads
 
 __all__ = ["NodeJoins", "agree_and_join", "check_linked_options"]
 
@@ -82,7 +83,10 @@ def agree_and_join(seat: LinkedSeat, row: list[int], topology: Topology, node: A
     """
     check_agreement(row, topology.intra_group, topology.procs_per_node,
                     topology.control_device(), options.timeout_s)
-    check_job_agreement(row, seat.store(), "qcomm/linked/agreement")
+    store = seat.store()
+    check_job_agreement(row, store, "qcomm/linked/agreement")
+    # Nodes on this machine seated after this one took its seat: share the cores with them too.
+    fit_threads(store, seat.nodes, seat.node)
     if node is None:
         return None
     copies = options.join_optimizer_state == "copy" and not node.sharded

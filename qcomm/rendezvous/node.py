@@ -41,6 +41,7 @@ from .seat import (
     run_base,
 )
 from .server import MAX_NODES_KEY, NODES_KEY
+from .threads import fit_threads, register_host
 
 __all__ = ["LinkedSeat", "init_node", "linked_seat"]
 
@@ -151,10 +152,12 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
     if local_rank == 0:
         node = _take(store, nodes, token, node_id)
         incarnation = claim_incarnation(store, node)
+        register_host(store, node, ppn)
         store.set(key, f"{node}:{incarnation}")
     else:
         node, incarnation = (int(v) for v in _wait_get(
             store, key, timeout, "local rank 0 of this node to take its seat").decode().split(":"))
+    fit_threads(store, nodes, node)   # other nodes of the job on this machine: share its cores
     if ppn == 1 and "MASTER_ADDR" not in os.environ:
         # A lone process (no torchrun): its node group is itself, over a store of its own.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from qcomm.validation import check_int, check_timeout, env_int
 
 from .server import NODES_KEY
+from .threads import fit_threads, register_host
 
 __all__ = ["ENV_VAR", "INCARNATION_KEY", "Seat", "claim_incarnation", "connect",
            "init_process_group", "init_torchrun_group", "parse_address"]
@@ -189,6 +190,7 @@ def init_process_group(rendezvous: str | None = None, *, backend: str = "gloo",
     token = _node_token(ppn)
     if local_rank == 0:
         node = _claim(store, nodes, token, node_id)
+        register_host(store, node, ppn)
         store.set(f"qcomm/node_of/{token}", str(node))
         store.set(f"qcomm/ppn/{node}", str(ppn))
     else:
@@ -199,6 +201,7 @@ def init_process_group(rendezvous: str | None = None, *, backend: str = "gloo",
     if len(set(others.values())) != 1:
         raise ValueError(f"every node must run the same number of processes, but "
                          f"procs_per_node by node = {others}")
+    fit_threads(store, nodes, node)   # every node has arrived: all those on this machine
     rank = node * ppn + local_rank
     dist.init_process_group(backend, store=dist.PrefixStore("qcomm/world/", store), rank=rank,
                             world_size=nodes * ppn, timeout=timeout)
