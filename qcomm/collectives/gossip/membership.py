@@ -64,6 +64,12 @@ def edge_weight(graph: str, mixing: str, member: int, size: int) -> float:
     return float(w[member, first[0]]) if first else 0.0
 
 
+def _returned(rank: int, member: int, steps: int) -> dict:
+    """The record of a dropped member that joined again (a report of the losses alone would
+    still name it lost)."""
+    return {"rank": rank, "member": member, "step": steps, "time": time.time()}
+
+
 class Membership:
     """The members and links of one wait-free gossip member, and its membership protocol
     (module docstring). The steps of the protocol return the :class:`LinkChanges` they made.
@@ -93,9 +99,7 @@ class Membership:
         self.drains = 0                          # drain markers sent
         self.lost: set[int] = set()              # members known to be lost
         self.losses: list[dict] = []             # what was dropped, when, why
-        # Members dropped here that joined again, and when: a report of the losses alone
-        # would still name a node that is back and live.
-        self.returns: list[dict] = []
+        self.returns: list[dict] = []            # dropped here, joined again: back, not lost
         self._weights: tuple | None = None       # cached (links, weights, their sum)
         # Called when a neighbour retires a link for a joiner this member was not told of yet
         # (it learns of joins from elsewhere: the engine's watcher of the rendezvous).
@@ -387,8 +391,7 @@ class Membership:
                 f"member {member} started again: the link to its old process is lost",
                 "join", [self.group_ranks[member]], "inter"), own)
         if any(e["member"] == member for e in self.losses):
-            self.returns.append({"rank": self.group_ranks[member], "member": member,
-                                 "step": own.steps, "time": time.time()})
+            self.returns.append(_returned(self.group_ranks[member], member, own.steps))
         self.lost.discard(member)
         near = {self.nearest_live(side) for side in (1, -1)} - {None}
         if member not in near:
