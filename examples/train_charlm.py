@@ -68,6 +68,7 @@ from qcomm import rendezvous
 from qcomm.collectives import PeerError
 from qcomm.engine import CommOptions
 from qcomm.engine.report import lost_and_back
+from qcomm.rendezvous.refusals import REFUSED_EXIT_CODE, RefusedError
 from qcomm.rendezvous.seat import init_torchrun_group
 from qcomm.sgd import (
     HierarchicalOptimizer,
@@ -636,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
         # Another rank died, hung past --timeout-s or sent corrupt data: say which, and stop.
         log.error("rank %s: stopping, a peer failed: %s", rank, e)
         return 1
+    except RefusedError as e:
+        # The running job refused this node's options: a restart would be refused alike, so
+        # the exit status says so (torchrun's summary shows it; its restarts end at once).
+        log.error("rank %s: refused by the running job: %s", rank, e)
+        return REFUSED_EXIT_CODE
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -40,6 +40,7 @@ from qcomm.collectives.topology import Topology
 from qcomm.engine.agreement import check_agreement, check_job_agreement
 from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
 from qcomm.rendezvous.node import LinkedSeat
+from qcomm.rendezvous.refusals import RefusedError, record_refusal
 from qcomm.rendezvous.seat import parse_address
 from qcomm.rendezvous.threads import fit_threads
 
@@ -84,7 +85,13 @@ def agree_and_join(seat: LinkedSeat, row: list[int], topology: Topology, node: A
     check_agreement(row, topology.intra_group, topology.procs_per_node,
                     topology.control_device(), options.timeout_s)
     store = seat.store()
-    check_job_agreement(row, store, "qcomm/linked/agreement")
+    try:
+        check_job_agreement(row, store, "qcomm/linked/agreement")
+    except ValueError as e:
+        # Kept at the rendezvous: this node's torchrun restarts are refused before they take
+        # a seat, and the nodes waiting to link to it stop waiting.
+        record_refusal(store, seat.node, seat.incarnation, str(e))
+        raise RefusedError(str(e)) from e
     # Nodes on this machine seated after this one took its seat: share the cores with them too.
     fit_threads(store, seat.nodes, seat.node)
     if node is None:
