@@ -10,6 +10,8 @@ Launch it with torchrun; one line per machine (README.md, "Run on several machin
     python -m qcomm.rendezvous --port 29400 --nodes 2                  # on a machine that stays
     QCOMM_RENDEZVOUS=HOST:29400 torchrun --standalone --nproc-per-node 1 \
         examples/train_charlm.py --wait-free --on-peer-loss continue   # on each machine
+    # (several such nodes on one machine: OMP_NUM_THREADS=1 in front of each; a node whose
+    # options differ from the running job's exits with status 78, its restarts at once)
 
     # one machine, 4 processes emulating 2 nodes of 2 (gossip between the two halves)
     torchrun --nproc-per-node 4 examples/train_charlm.py --procs-per-node 2
