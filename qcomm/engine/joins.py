@@ -180,7 +180,7 @@ class NodeJoins:
     def _received(self, seq: int) -> dict:
         """The state a running neighbour offered to join ``seq``, checked against this rank's
         model."""
-        payload = await_state(self.store, seq, self.seat.timeout_s)
+        payload = await_state(self.store, seq, self.seat.timeout_s, self.seat.rendezvous)
         state = torch.load(io.BytesIO(payload), weights_only=True)
         x, flat = state["x"], self.node.flat
         if x.shape != flat.flat.shape:
