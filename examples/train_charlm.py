@@ -10,6 +10,8 @@ Launch it with torchrun; one line per machine (README.md, "Run on several machin
     python -m qcomm.rendezvous --port 29400 --nodes 2                  # on a machine that stays
     QCOMM_RENDEZVOUS=HOST:29400 torchrun --standalone --nproc-per-node 1 \
         examples/train_charlm.py --wait-free --on-peer-loss continue   # on each machine
+    # (several such nodes on one machine: OMP_NUM_THREADS=1 in front of each; a node whose
+    # options differ from the running job's exits with status 78, its restarts at once)
 
     # one machine, 4 processes emulating 2 nodes of 2 (gossip between the two halves)
     torchrun --nproc-per-node 4 examples/train_charlm.py --procs-per-node 2
@@ -34,8 +36,10 @@ NCCL for CUDA tensors with Gloo for the few CPU tensors (``--backend``).
 
 Rank 0 (with the rendezvous, each node's first rank) prints the mean training loss of its own
 batches and the bytes this rank sent between nodes every ``--log-every`` steps, and the
-validation loss before and after training; at the end every rank averages the parameters
-exactly (``average_parameters()``) and prints their sha256, the same on every rank.
+validation loss before and after training (a node that joins a running job: once it holds
+the parameters a running neighbour handed it, at its first step); at the end every rank
+averages the parameters exactly (``average_parameters()``) and prints their sha256, the same
+on every rank.
 ``--ckpt-dir DIR`` writes ``DIR/step0000100/rank00000.pt`` and its record ``rank00000.json``
 (one pair per rank, every rank at the same step);
 ``--resume DIR/step0000100`` goes on from there (on CPU, tests/examples/test_train_charlm.py
@@ -65,6 +69,8 @@ from torch import nn
 from qcomm import rendezvous
 from qcomm.collectives import PeerError
 from qcomm.engine import CommOptions
+from qcomm.engine.report import lost_and_back
+from qcomm.rendezvous.refusals import REFUSED_EXIT_CODE, RefusedError
 from qcomm.rendezvous.seat import init_torchrun_group
 from qcomm.sgd import (
     HierarchicalOptimizer,
@@ -289,6 +295,14 @@ def say(place: Place, text: str) -> None:
         print(text, flush=True)
 
 
+def losses_words(dropped: list[int], rejoined: list[int]) -> str:
+    """The neighbours this rank dropped, in words: those still lost, and apart those that
+    came back (a node restarted into the running job is live, not dropped)."""
+    still, back = lost_and_back(dropped, rejoined)
+    return "; ".join([*([f"ranks dropped: {still}"] if still else []),
+                      *([f"ranks lost and back: {back}"] if back else [])])
+
+
 def step_dir(root: str, step: int) -> Path:
     """The checkpoint directory of ``step`` under ``--ckpt-dir``."""
     return Path(root) / f"step{step:07d}"
@@ -404,8 +418,16 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
         say(place, f"{n_params:,} parameters; {place.world} processes on {place.device.type}; "
                    f"text: {len(train_tokens):,} training / {len(val_tokens):,} validation "
                    f"bytes; comm options {options}")
-        say(place, f"validation loss at step {start}: {evaluate(model, val_windows):.4f} "
-                   "(rank 0's parameters)")
+        # A node that joins the running job holds its own fresh parameters until its first
+        # step has taken a running neighbour's: their loss would read as the job's.
+        seat = rendezvous.linked_seat()
+        joining = seat is not None and seat.joining
+        if joining:
+            say(place, f"node {seat.node} joins the running job: its validation loss follows "
+                       "once it holds a running neighbour's parameters")
+        else:
+            say(place, f"validation loss at step {start}: {evaluate(model, val_windows):.4f} "
+                       "(rank 0's parameters)")
 
         running, count, t0 = 0.0, 0, time.perf_counter()
         step = start
@@ -421,6 +443,11 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
             opt.step()
             # A node that came back to the running job takes its neighbour's step count.
             step = max(step + 1, opt.stats()["steps"])
+            if joining:
+                joining = False
+                say(place, f"validation loss at step {step}: "
+                           f"{evaluate(model, val_windows):.4f} (node {seat.node} joined: the "
+                           "parameters a running neighbour handed it)")
             running, count = running + loss.item(), count + 1
             if not math.isfinite(running):
                 raise FloatingPointError(f"rank {place.rank}: training loss {loss.item()} at "
@@ -448,8 +475,8 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
         sent = stats["bytes_sent"]
         totals = torch.tensor([sent["inter"], sent["intra"]], dtype=torch.int64)
         if stats.get("dropped_ranks"):  # the whole world's sum would wait for the lost
-            say(place, f"nodes live at the end: {stats['live_nodes']} (ranks dropped: "
-                       f"{stats['dropped_ranks']})")
+            say(place, f"nodes live at the end: {stats['live_nodes']} "
+                       f"({losses_words(stats['dropped_ranks'], stats['rejoined_ranks'])})")
         elif rendezvous.linked_seat() is not None:  # no group spans the job
             say(place, f"nodes live at the end: {stats['live_nodes']}")
         elif place.distributed:
@@ -612,6 +639,11 @@ def main(argv: list[str] | None = None) -> int:
         # Another rank died, hung past --timeout-s or sent corrupt data: say which, and stop.
         log.error("rank %s: stopping, a peer failed: %s", rank, e)
         return 1
+    except RefusedError as e:
+        # The running job refused this node's options: a restart would be refused alike, so
+        # the exit status says so (torchrun's summary shows it; its restarts end at once).
+        log.error("rank %s: refused by the running job: %s", rank, e)
+        return REFUSED_EXIT_CODE
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

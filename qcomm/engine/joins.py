@@ -40,7 +40,9 @@ from qcomm.collectives.topology import Topology
 from qcomm.engine.agreement import check_agreement, check_job_agreement
 from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
 from qcomm.rendezvous.node import LinkedSeat
+from qcomm.rendezvous.refusals import RefusedError, record_refusal
 from qcomm.rendezvous.seat import parse_address
+from qcomm.rendezvous.threads import fit_threads
 
 __all__ = ["NodeJoins", "agree_and_join", "check_linked_options"]
 
@@ -82,7 +84,16 @@ def agree_and_join(seat: LinkedSeat, row: list[int], topology: Topology, node: A
     """
     check_agreement(row, topology.intra, topology.procs_per_node,
                     topology.control_device(), options.timeout_s)
-    check_job_agreement(row, seat.store(), "qcomm/linked/agreement")
+    store = seat.store()
+    try:
+        check_job_agreement(row, store, "qcomm/linked/agreement")
+    except ValueError as e:
+        # Kept at the rendezvous: this node's torchrun restarts are refused before they take
+        # a seat, and the nodes waiting to link to it stop waiting.
+        record_refusal(store, seat.node, seat.incarnation, str(e))
+        raise RefusedError(str(e)) from e
+    # Nodes on this machine seated after this one took its seat: share the cores with them too.
+    fit_threads(store, seat.nodes, seat.node)
     if node is None:
         return None
     copies = options.join_optimizer_state == "copy" and not node.sharded
@@ -169,7 +180,7 @@ class NodeJoins:
     def _received(self, seq: int) -> dict:
         """The state a running neighbour offered to join ``seq``, checked against this rank's
         model."""
-        payload = await_state(self.store, seq, self.seat.timeout_s)
+        payload = await_state(self.store, seq, self.seat.timeout_s, self.seat.rendezvous)
         state = torch.load(io.BytesIO(payload), weights_only=True)
         x, flat = state["x"], self.node.flat
         if x.shape != flat.flat.shape:

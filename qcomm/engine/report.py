@@ -12,9 +12,19 @@ from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.engine.options import CommOptions
 
-__all__ = ["engine_stats", "log_topology"]
+__all__ = ["engine_stats", "log_topology", "lost_and_back"]
 
 log = logging.getLogger("qcomm")
+
+
+def lost_and_back(dropped: list[int], rejoined: list[int]) -> tuple[list[int], list[int]]:
+    """The ranks still lost and those lost that came back, from ``stats()``'s
+    ``dropped_ranks`` and ``rejoined_ranks`` (one entry per loss, per return): a rank is back
+    when it returned as often as it was dropped, so one lost again after its return is lost."""
+    still, back = [], []
+    for rank in sorted(set(dropped)):
+        (back if rejoined.count(rank) >= dropped.count(rank) else still).append(rank)
+    return still, back
 
 
 def _count(n: int, noun: str) -> str:
@@ -104,7 +114,9 @@ def engine_stats(steps: int, skipped_steps: int, comm_stats: CommStats, gossip: 
         nodes, float, or None when not asked for or with one node). With ``wait_free`` also
         ``rounds_received`` and ``lag_rounds``: per neighbour on this rank's rail (its global
         rank), the rounds of it applied here and how many rounds this rank has started beyond
-        them; ``live_nodes``, ``dropped_ranks``; ``terms_paired``: ``{"paired": n,
+        them; ``live_nodes``, ``dropped_ranks`` (one entry per neighbour dropped here),
+        ``rejoined_ranks`` (one per dropped neighbour that joined again: nodes linked through
+        the rendezvous, :func:`lost_and_back`); ``terms_paired``: ``{"paired": n,
         "possible": m}``, the neighbour terms this rank's rounds added, against one per live
         neighbour per round (docs/engine.md, "Wait-free gossip"); ``mix_lag_rounds``: ``{s:
         rounds}``, how many of this rank's rounds mixed the fragment of the round s before

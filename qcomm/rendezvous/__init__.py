@@ -10,8 +10,10 @@ node. docs/guide.md, "One torchrun per node", has the launch in full.
 """
 
 from .node import LinkedSeat, init_node, linked_seat
+from .refusals import REFUSED_EXIT_CODE, RefusedError
 from .seat import ENV_VAR, Seat, init_process_group, parse_address
 from .server import serve
 
-__all__ = ["ENV_VAR", "LinkedSeat", "Seat", "init_node", "init_process_group", "linked_seat",
+__all__ = ["ENV_VAR", "REFUSED_EXIT_CODE", "LinkedSeat", "RefusedError", "Seat", "init_node",
+           "init_process_group", "linked_seat",
            "parse_address", "serve"]

@@ -24,6 +24,8 @@ import threading
 
 import torch.distributed as dist
 
+from .waiting import wait_keys
+
 __all__ = ["JoinWatcher", "announce", "await_state", "offer_state"]
 
 log = logging.getLogger("qcomm")
@@ -69,8 +71,9 @@ def offer_state(store: dist.Store, seq: int, payload: bytes) -> bool:
     return taken
 
 
-def await_state(store: dist.Store, seq: int, timeout_s: float) -> bytes:
-    """The state offered to join ``seq``.
+def await_state(store: dist.Store, seq: int, timeout_s: float, where: str = "") -> bytes:
+    """The state offered to join ``seq`` (the wait says every few seconds what it waits for,
+    naming the rendezvous ``where``).
 
     Raises:
         TimeoutError: no running member offered it within ``timeout_s``;
@@ -78,8 +81,9 @@ def await_state(store: dist.Store, seq: int, timeout_s: float) -> bytes:
     """
     key = _state_key(seq)
     try:
-        store.wait([key], datetime.timedelta(seconds=timeout_s))
-    except (RuntimeError, dist.DistStoreError) as e:
+        wait_keys(store, {key: f"a running node to hand it its state (join {seq})"}, timeout_s,
+                  where or "of this job", who="this joining node")
+    except TimeoutError as e:
         raise TimeoutError(f"no running member handed this joiner its state within "
                            f"{timeout_s:g} s (join {seq})") from e
     offer, parts, nbytes = store.get(key).decode().split(":")

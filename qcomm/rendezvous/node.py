@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from qcomm.validation import check_int
 
+from .refusals import RefusedError, refusal_of_this_run
 from .seat import (
     _node_token,
     _wait_get,
@@ -41,6 +42,7 @@ from .seat import (
     run_base,
 )
 from .server import MAX_NODES_KEY, NODES_KEY
+from .threads import fit_threads, register_host
 
 __all__ = ["LinkedSeat", "init_node", "linked_seat"]
 
@@ -135,12 +137,19 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
         this process's :class:`LinkedSeat`.
 
     Raises:
+        RefusedError: this torchrun run was refused by the job before (its options or model
+        differ; a restart runs the same), raised before taking a seat;
         ValueError: a bad argument or environment variable (named), no seat free;
         TimeoutError: the rendezvous or this node's first rank did not answer within
         ``timeout_s``; RuntimeError: torch.distributed initialized already.
     """
     global _seat, _seat_group
     address, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_node")
+    refused = refusal_of_this_run(store)
+    if refused is not None:   # before the seat: a restart that cannot be admitted takes none
+        raise RefusedError(f"{refused} (this torchrun run was refused by the job before, and "
+                           "its restarts run the same options: start a new torchrun with the "
+                           "job's)")
     timeout = datetime.timedelta(seconds=timeout_s)
     starting = int(store.get(NODES_KEY))
     nodes = int(store.get(MAX_NODES_KEY)) if store.check([MAX_NODES_KEY]) else starting
@@ -151,10 +160,13 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
     if local_rank == 0:
         node = _take(store, nodes, token, node_id)
         incarnation = claim_incarnation(store, node)
+        register_host(store, node, ppn)
         store.set(key, f"{node}:{incarnation}")
     else:
         node, incarnation = (int(v) for v in _wait_get(
-            store, key, timeout, "local rank 0 of this node to take its seat").decode().split(":"))
+            store, key, timeout, "local rank 0 of this node to take its seat",
+            address).decode().split(":"))
+    fit_threads(store, nodes, node)   # other nodes of the job on this machine: share its cores
     if ppn == 1 and "MASTER_ADDR" not in os.environ:
         # A lone process (no torchrun): its node group is itself, over a store of its own.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,

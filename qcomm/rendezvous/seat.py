@@ -27,6 +27,8 @@ import torch.distributed as dist
 from qcomm.validation import check_int, check_timeout, env_int
 
 from .server import NODES_KEY
+from .threads import fit_threads, register_host
+from .waiting import wait_keys
 
 __all__ = ["ENV_VAR", "INCARNATION_KEY", "Seat", "claim_incarnation", "connect",
            "init_process_group", "init_torchrun_group", "parse_address"]
@@ -181,7 +183,7 @@ def init_process_group(rendezvous: str | None = None, *, backend: str = "gloo",
             ``procs_per_node`` differ; TimeoutError: the rendezvous or a node did not come
             within ``timeout_s``; RuntimeError: torch.distributed already initialized.
     """
-    _, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_process_group")
+    address, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_process_group")
     timeout = datetime.timedelta(seconds=timeout_s)
     nodes = int(store.get(NODES_KEY))
     if node_id is not None:
@@ -189,25 +191,28 @@ def init_process_group(rendezvous: str | None = None, *, backend: str = "gloo",
     token = _node_token(ppn)
     if local_rank == 0:
         node = _claim(store, nodes, token, node_id)
+        register_host(store, node, ppn)
         store.set(f"qcomm/node_of/{token}", str(node))
         store.set(f"qcomm/ppn/{node}", str(ppn))
     else:
         node = int(_wait_get(store, f"qcomm/node_of/{token}", timeout, "local rank 0 of "
-                             "this node to take its seat"))
-    others = {n: int(_wait_get(store, f"qcomm/ppn/{n}", timeout,
-                               f"node {n} of {nodes} to arrive")) for n in range(nodes)}
+                             "this node to take its seat", address))
+    # every node's seat: the wait says every few seconds which are still missing
+    seats = {f"qcomm/ppn/{n}": f"node {n} of {nodes} to take its seat" for n in range(nodes)}
+    wait_keys(store, seats, timeout_s, address, who=f"node {node}")
+    others = {n: int(store.get(f"qcomm/ppn/{n}")) for n in range(nodes)}
     if len(set(others.values())) != 1:
         raise ValueError(f"every node must run the same number of processes, but "
                          f"procs_per_node by node = {others}")
+    fit_threads(store, nodes, node)   # every node has arrived: all those on this machine
     rank = node * ppn + local_rank
     dist.init_process_group(backend, store=dist.PrefixStore("qcomm/world/", store), rank=rank,
                             world_size=nodes * ppn, timeout=timeout)
     return Seat(node, nodes, rank, nodes * ppn, ppn)
 
 
-def _wait_get(store: dist.Store, key: str, timeout: datetime.timedelta, what: str) -> bytes:
-    try:
-        store.wait([key], timeout)
-    except (RuntimeError, dist.DistStoreError) as e:
-        raise TimeoutError(f"waited {timeout.total_seconds():g} s for {what}") from e
+def _wait_get(store: dist.Store, key: str, timeout: datetime.timedelta, what: str,
+              address: str) -> bytes:
+    """``key``'s value once set (what it stands for, ``what``, is logged while it is not)."""
+    wait_keys(store, {key: what}, timeout.total_seconds(), address)
     return store.get(key)

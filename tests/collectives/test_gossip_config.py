@@ -99,7 +99,8 @@ def test_the_member_advances_the_clock_it_was_given(wait_free: bool) -> None:
 def test_the_mode_answers_before_any_member_exists() -> None:
     assert CompressedGossip.idle_stats() == {}
     assert set(WaitFreeGossip.idle_stats()) == {"rounds_received", "lag_rounds", "live_nodes",
-                                                 "dropped_ranks", "terms_paired",
+                                                 "dropped_ranks", "rejoined_ranks",
+                                                 "terms_paired",
                                                  "mix_lag_rounds"}
     assert CompressedGossip.mode_words(GossipConfig(staleness=2)) == "staleness 2"
     assert WaitFreeGossip.mode_words(GossipConfig(on_peer_loss="continue")) == (

@@ -37,6 +37,10 @@ class _Streams:
     def send_vector(self, k: int, vector: torch.Tensor) -> None:
         self.calls.append(("send_vector", k, vector.clone()))
 
+    def finish(self, k: int, message: torch.Tensor) -> PeerError | None:
+        self.calls.append(("finish", k))
+        return None
+
 
 def _member(streams: _Streams) -> Membership:
     return Membership("ring", "uniform", RANKS, 0, NUMEL, MessageLayout(16, len(RANKS), 0),
@@ -84,3 +88,24 @@ def test_a_hello_that_fails_drops_the_link_it_opened() -> None:
     sent = [c for c in streams.calls if c[0] == "send_vector" and c[1] == 3]
     # before the first round there is no public copy yet: the hello sends zeros
     assert sent[0][2].tolist() == [1, 0] and torch.equal(sent[1][2], torch.zeros(NUMEL))
+
+
+def test_a_dropped_member_that_joins_again_is_recorded_as_back_and_saved() -> None:
+    """A report of the losses alone would still name a node that came back and is live: its
+    return is recorded (rank, step) beside its loss, and a member never dropped here that
+    joins is no return."""
+    m = _member(_Streams(2))
+    hat_own = torch.arange(NUMEL, dtype=torch.float32)
+    m.lose(m.link_to(1), PeerLostError("gossip", [RANKS[1]], "inter"),
+           OwnState(steps=7, rounds_started=5, hat_own=hat_own))
+    assert m.returns == []
+    m.admit(1, OwnState(steps=40, rounds_started=38, hat_own=hat_own))
+    assert 1 in m.live_peers() and m.lost == set()
+    assert [(e["rank"], e["member"], e["step"]) for e in m.returns] == [(RANKS[1], 1, 40)]
+    m.admit(3, OwnState(steps=41, rounds_started=39, hat_own=hat_own))   # never dropped here
+    assert [e["member"] for e in m.returns] == [1]
+    saved = m.state()
+    again = _member(_Streams(2))
+    again.restore(saved["peers"], saved["lost"], saved["losses"], None,
+                  MessageLayout(16, len(RANKS), 0), saved["returns"])
+    assert again.returns == m.returns and again.losses == m.losses

@@ -91,6 +91,17 @@ def test_a_joiner_that_gets_no_state_fails_in_its_bound(rendezvous) -> None:
     assert time.monotonic() - t0 < 5
 
 
+def test_a_joiner_waiting_for_its_state_says_so(rendezvous,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    _, store = rendezvous
+    seq = announce(store, 1, 2)
+    with caplog.at_level(logging.WARNING, "qcomm"), pytest.raises(TimeoutError):
+        await_state(store, seq, 5.5, "10.0.0.9:29400")
+    assert any(r.getMessage().startswith(
+        f"qcomm: this joining node waits for a running node to hand it its state (join {seq}) "
+        "at the rendezvous 10.0.0.9:29400; ") for r in caplog.records), caplog.text
+
+
 def test_a_rendezvous_that_is_down_stops_nothing_and_joins_wait_for_it(caplog) -> None:
     port = free_port()
     caplog.set_level(logging.WARNING, logger="qcomm")

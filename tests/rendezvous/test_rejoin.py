@@ -27,12 +27,22 @@ def _assert_rejoined(job: Job, codes: list[int | None]) -> None:
     assert "node 1 (incarnation 2) joins the running job" in back, back[-3000:]
     at = re.search(r"node 1 joined at step (\d+) from a running neighbour's state", back)
     assert at is not None and int(at.group(1)) > 500, back[-3000:]   # where the others were
+    # its first validation loss is of the parameters it joined with, not of its fresh ones
+    joined = back.split("node 1 joins the running job: its validation loss follows")
+    assert len(joined) == 2, back[-3000:]
+    losses = re.findall(r"^validation loss at step (\d+): \S+ \((.*)\)$", joined[1], re.M)
+    assert losses[0][1] == "node 1 joined: the parameters a running neighbour handed it", \
+        back[-3000:]
+    assert int(losses[0][0]) >= int(at.group(1)), back[-3000:]
     for n in (0, 2):
         out = job.output(n)
         assert re.search(rf"rank {n} dropped its gossip neighbour rank 1 at step", out), \
             out[-3000:]
         assert re.search(rf"rank {n} linked to member 1, which joins; 3 of 3 nodes live", out), \
             out[-3000:]
+        # the node that came back is reported so, not as dropped
+        assert re.search(r"^nodes live at the end: 3 \(ranks lost and back: \[1\]\)$", out,
+                         re.M), out[-3000:]
     for n in range(3):
         assert re.search(r"^nodes live at the end: 3\b", job.output(n), re.M), \
             job.output(n)[-3000:]

@@ -24,7 +24,9 @@ import threading
 import torch
 import torch.distributed as dist
 
+from qcomm.rendezvous.refusals import refusal_of_member
 from qcomm.rendezvous.seat import INCARNATION_KEY, claim_incarnation
+from qcomm.rendezvous.waiting import wait_keys
 from qcomm.validation import check_int, check_timeout
 
 from ..group import CommGroup, Work
@@ -113,15 +115,27 @@ class PairGroup(CommGroup):
         self._lock = threading.Lock()
 
     def _incarnation(self, store: dist.Store, member: int) -> int:
-        """``member``'s current incarnation (waits for its first start, up to the timeout)."""
+        """``member``'s current incarnation (waits for its first start, up to the timeout,
+        saying so every few seconds)."""
         key = INCARNATION_KEY.format(member=member)
-        store.wait([key], self.timeout)
+        wait_keys(store, {key: f"member {member} (rank {self.ranks[member]}) to start"},
+                  self.timeout.total_seconds(), f"{self.host}:{self.port}", who=self._who())
         return int(store.add(key, 0))
+
+    def _who(self) -> str:
+        return f"rank {self.ranks[self.rank]} ({self.name})"
 
     def connect(self, peer: int, peer_rank: int) -> PairChannel:
         """Make the link to member ``peer``: a Gloo group of two over the rendezvous, made by
-        both ends (blocks until the other end comes, up to the timeout; RuntimeError then, as
-        when the rendezvous does not answer)."""
+        both ends (blocks until the other end comes, up to the timeout, saying every few
+        seconds what it waits for; RuntimeError then, as when the rendezvous does not answer,
+        and at once when the job refused the peer)."""
+        try:
+            return self._connect(peer)
+        except TimeoutError as e:   # the link's callers take a RuntimeError as its failure
+            raise RuntimeError(str(e)) from e
+
+    def _connect(self, peer: int) -> PairChannel:
         store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
         me = (self.rank, self._incarnation(store, self.rank))
         other = (peer, self._incarnation(store, peer))
@@ -129,6 +143,20 @@ class PairGroup(CommGroup):
             n = self._opened[other] = self._opened.get(other, 0) + 1
         lo, hi = sorted([me, other])
         prefix = f"qcomm/link/{self.name}/{lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}/{n}/"
+        # Each end says it is here before the Gloo group, which waits mute and cannot be told
+        # that the other end will never come: the job refused it (its options differ).
+        store.set(f"{prefix}here/{self.rank}", "1")
+
+        def refused() -> None:
+            why = refusal_of_member(store, *other)
+            if why is not None:
+                raise RuntimeError(f"member {peer} (rank {self.ranks[peer]}, incarnation "
+                                   f"{other[1]}) was refused by the job: {why}")
+
+        wait_keys(store, {f"{prefix}here/{peer}": f"member {peer} (rank {self.ranks[peer]}, "
+                                                  f"incarnation {other[1]}) to open its link"},
+                  self.timeout.total_seconds(), f"{self.host}:{self.port}", who=self._who(),
+                  check=refused)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = self.timeout
         opts._devices = gloo_devices()

@@ -64,6 +64,12 @@ def edge_weight(graph: str, mixing: str, member: int, size: int) -> float:
     return float(w[member, first[0]]) if first else 0.0
 
 
+def _returned(rank: int, member: int, steps: int) -> dict:
+    """The record of a dropped member that joined again (a report of the losses alone would
+    still name it lost)."""
+    return {"rank": rank, "member": member, "step": steps, "time": time.time()}
+
+
 class Membership:
     """The members and links of one wait-free gossip member, and its membership protocol
     (module docstring). The steps of the protocol return the :class:`LinkChanges` they made.
@@ -93,6 +99,7 @@ class Membership:
         self.drains = 0                          # drain markers sent
         self.lost: set[int] = set()              # members known to be lost
         self.losses: list[dict] = []             # what was dropped, when, why
+        self.returns: list[dict] = []            # dropped here, joined again: back, not lost
         self._weights: tuple | None = None       # cached (links, weights, their sum)
         # Called when a neighbour retires a link for a joiner this member was not told of yet
         # (it learns of joins from elsewhere: the engine's watcher of the rendezvous).
@@ -383,6 +390,8 @@ class Membership:
             changes += self.lose(self.link_to(member), PeerError(
                 f"member {member} started again: the link to its old process is lost",
                 "join", [self.group_ranks[member]], "inter"), own)
+        if any(e["member"] == member for e in self.losses):
+            self.returns.append(_returned(self.group_ranks[member], member, own.steps))
         self.lost.discard(member)
         near = {self.nearest_live(side) for side in (1, -1)} - {None}
         if member not in near:
@@ -435,12 +444,13 @@ class Membership:
     # checkpoints
 
     def state(self) -> dict:
-        """The live links' neighbours, the members known lost and the losses."""
+        """The live links' neighbours, the members known lost, the losses and the returns."""
         return {"peers": self.live_peers(), "lost": sorted(self.lost),
-                "losses": list(self.losses)}
+                "losses": list(self.losses), "returns": list(self.returns)}
 
     def restore(self, peers: list[int], lost: list[int], losses: list[dict],
-                slots: list[int] | None, layout: MessageLayout) -> None:
+                slots: list[int] | None, layout: MessageLayout,
+                returns: list[dict] | None = None) -> None:
         """Restore a saved :meth:`state` (``slots``: the saved members' indices in this run's
         group when this group holds the survivors of a larger run, see
         :func:`survivors_slots`; then the saved run's size and member number, ``layout``'s,
@@ -457,6 +467,7 @@ class Membership:
         self.retired_in = []
         self.lost = {int(m) for m in lost}
         self.losses = [dict(e) for e in losses]
+        self.returns = [dict(e) for e in returns or ()]   # none in a state saved before them
         self.drains = 0
 
 

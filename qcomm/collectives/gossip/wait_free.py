@@ -394,12 +394,14 @@ class WaitFreeGossip(GossipMember):
         return {"rounds_received": self.rounds_received(), "lag_rounds": self.lag(),
                 "live_nodes": self.live_members(),
                 "dropped_ranks": [e["rank"] for e in self.losses],
+                "rejoined_ranks": [e["rank"] for e in self.membership.returns],
                 "terms_paired": dict(self.terms),
                 "mix_lag_rounds": dict(sorted(self.mix_lags.items()))}
 
     @classmethod
     def idle_stats(cls) -> dict[str, Any]:
         return {"rounds_received": {}, "lag_rounds": {}, "live_nodes": 1, "dropped_ranks": [],
+                "rejoined_ranks": [],
                 "terms_paired": {"paired": 0, "possible": 0}, "mix_lag_rounds": {}}
 
     @classmethod
@@ -450,7 +452,7 @@ class WaitFreeGossip(GossipMember):
         saved = check_saved_state(state, self.numel, self.nbytes, self.fragments)
         copy = lambda t: None if t is None else t.detach().clone()
         self.membership.restore(state["peers"], state["lost"], state["losses"], slots,
-                                saved.layout)
+                                saved.layout, state.get("returns"))
         self.gamma = float(state["gamma"])
         self.seed = check_seed(state["seed"])
         self.steps = int(state["steps"])
