@@ -46,6 +46,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cluster import workloads as W
+from bench.cluster.training import LR_SCHEDULES, scheduled
 
 BETAS = (0.9, 0.95)  # the cluster's AdamW (bench/cluster/training.py, inner_optimizer)
 EPS = 1e-8  # torch's default, which the cluster uses
@@ -149,6 +150,9 @@ class Trainer:
             self.models.append(m)
         scale = math.sqrt(self.n) if variant.vscaled else 1.0
         self.opts = [adamw(m.parameters(), args, scale) for m in self.models]
+        # The cluster's schedule, by the step's index (warm-up steps included), every node alike.
+        self.lr_at = [scheduled(opt, args.lr_schedule, args.warmup + args.steps, args.lr * scale)
+                      for opt in self.opts]
         self.params = [list(m.parameters()) for m in self.models]
         self.evaluator = nodes[0].make_model()
         self.step = 0
@@ -156,6 +160,8 @@ class Trainer:
     def train_step(self, i: int) -> None:
         """Training step on batch ``i`` (every node's ``i``-th batch)."""
         self.step += 1
+        for at in self.lr_at:
+            at(i)
         if self.v.what == "ddp":
             model, opt = self.models[0], self.opts[0]
             opt.zero_grad(set_to_none=True)
@@ -262,6 +268,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Comma list of variants, run one after another (the module docstring "
                         "explains the names).")
     p.add_argument("--lr", type=float, default=info.lr, help="AdamW's learning rate.")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                   help="The learning rate over --warmup + --steps, the cluster bench's: "
+                        "constant, or cosine (a linear warm-up over the first 5%%, then a "
+                        "cosine to 0 at the end).")
     p.add_argument("--weight-decay", type=float, default=info.weight_decay,
                    help="AdamW's decoupled weight decay.")
     p.add_argument("--batch", type=int, default=info.batch,

@@ -80,3 +80,36 @@ def test_variant_names() -> None:
     for bad in ("params-every-0", "params+m+vddp-every-2", "moments-every-1"):
         with pytest.raises(ValueError):
             aa.parse_variant(bad)
+
+
+def test_a_cosine_schedule_changes_the_run_and_keeps_the_exact_cases(data) -> None:
+    # One node under the cosine schedule: still every variant DDP's bits (the schedule is the
+    # same for every optimizer), and not the constant run's bits (the schedule acted).
+    cosine = _by_name(_run(data, 1, ALL, "--lr-schedule", "cosine"))
+    assert len({r["final_params_sha256"] for r in cosine.values()}) == 1
+    constant = _by_name(_run(data, 1, "ddp"))
+    assert cosine["ddp"]["final_params_sha256"] != constant["ddp"]["final_params_sha256"]
+
+
+def test_the_schedule_sets_each_step_s_learning_rate(data) -> None:
+    args = aa.parse_args(["--data", str(data), "--nodes", "2", "--steps", "3", "--warmup", "1",
+                          "--width", "16", "--layers", "1", "--eval-windows", "16",
+                          "--lr-schedule", "cosine"])
+    nodes = aa.load_nodes(args, data)
+    init = nodes[0].make_model().state_dict()
+    tr = aa.Trainer(aa.parse_variant("params-every-1"), nodes, args, init)
+    seen = []
+    for i in range(4):
+        tr.train_step(i)
+        seen.append([g["lr"] for opt in tr.opts for g in opt.param_groups])
+    # 4 steps: one of warm-up (5% of 4, at least 1), then a cosine from the top towards 0:
+    # 1, cos of 0, of pi/3, of 2 pi/3 (halved and lifted)
+    factors = [1.0, 1.0, 0.75, 0.25]
+    for lrs, f in zip(seen, factors, strict=True):
+        assert lrs == pytest.approx([args.lr * f] * len(lrs))
+
+
+def test_an_unknown_schedule_is_refused_by_name(data, capsys) -> None:
+    with pytest.raises(SystemExit):
+        _run(data, 1, "ddp", "--lr-schedule", "linear")
+    assert "--lr-schedule: invalid choice: 'linear'" in capsys.readouterr().err
