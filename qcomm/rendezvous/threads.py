@@ -3,10 +3,11 @@
 torch starts as many intra-op threads as the machine has cores. torchrun of several processes
 sets ``OMP_NUM_THREADS=1`` for them, but a torchrun of one process leaves it unset, so nodes
 emulated on one machine, each its own ``torchrun --nproc-per-node 1``, run a core count of
-threads each and oversubscribe the cores. Each node tells the rendezvous its host when it takes its seat;
-a process that finds other nodes' processes on its host, with ``OMP_NUM_THREADS`` unset, takes
-its share of the cores (cores // processes on the host) and says so once, with the way to choose
-otherwise. ``OMP_NUM_THREADS`` set by the user is left alone, as torchrun leaves it.
+threads each and oversubscribe the cores. Each node tells the rendezvous its host when it
+takes its seat; a process that finds other nodes' processes on its host, with
+``OMP_NUM_THREADS`` unset, takes its share of the cores (cores // processes on the host) and
+says so once, with the way to choose otherwise. ``OMP_NUM_THREADS`` set by the user is left
+alone, as torchrun leaves it.
 """
 
 from __future__ import annotations
