@@ -56,7 +56,7 @@ from .clock import StepClock
 from .codec import check_state_buffers
 from .config import GossipConfig
 from .gamma import default_gamma
-from .graphs import neighbours
+from .graphs import TIME_VARYING_GRAPHS, neighbours
 from .integrity import SEAL_NBYTES, bad_messages, seal_
 from .member import GossipMember
 from .mixing import mixing_matrix
@@ -126,7 +126,8 @@ class CompressedGossip(GossipMember):
             torch.distributed process group, or None = the default group (then
             ``group_ranks`` must be all ranks, in order).
         numel: number of floats each member gossips (its shard), >= 1.
-        config: the settings (:class:`~.config.GossipConfig`: graph, mixing, spec, gamma,
+        config: the settings (:class:`~.config.GossipConfig`: graph (``"one-peer-exp"``
+            makes a :class:`~.one_peer_choco.OnePeerGossip`), mixing, spec, gamma,
             staleness, timeout_s, fragments, round_period, the outer step); None: the
             defaults. ``settings``: keywords that replace its fields.
         stats: counts the bytes this member sends, level ``"inter"``; None = a private one
@@ -148,6 +149,17 @@ class CompressedGossip(GossipMember):
     """
 
     lockstep = True
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> CompressedGossip:
+        # A time-varying graph needs per-link public copies: its own subclass, picked here so
+        # that every caller that builds a CompressedGossip (the factory too) gets it.
+        if cls is CompressedGossip:
+            config = kwargs.get("config", args[3] if len(args) > 3 else None)
+            graph = kwargs.get("graph", getattr(config, "graph", None))
+            if isinstance(graph, str) and graph in TIME_VARYING_GRAPHS:
+                from .one_peer_choco import OnePeerGossip  # subclasses this class
+                return super().__new__(OnePeerGossip)
+        return super().__new__(cls)
 
     def __init__(self, group_ranks: list[int], group: CommGroup | dist.ProcessGroup | None,
                  numel: int, config: GossipConfig | None = None, *,

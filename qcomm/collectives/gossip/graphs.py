@@ -19,8 +19,8 @@ diameter is about log2(n) for about twice the ring's messages per round.
 
 Time-varying graphs (a different pairing every round: :mod:`.schedules`) are named in
 :data:`TIME_VARYING_GRAPHS` but are not graphs of this module: :func:`check_graph`, which the
-members over a transport and the engine's options use, refuses them with that reason, since
-those members keep one public copy per static neighbour.
+static members (one public copy per static neighbour) and the engine's options use, refuses
+them with that reason; the lockstep :class:`~.one_peer_choco.OnePeerGossip` takes them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 from qcomm.validation import check_choice, check_int
 
 GRAPHS = ("ring", "exponential", "complete")
-# Only the in-memory GossipSimulator takes these yet (:mod:`.schedules`).
+# Only the lockstep OnePeerGossip and the GossipSimulator take these yet (:mod:`.schedules`).
 TIME_VARYING_GRAPHS = ("one-peer-exp",)
 
 
@@ -37,8 +37,8 @@ def check_graph(graph: object) -> str:
     naming the argument and the allowed values; a time-varying graph gets its own reason."""
     if isinstance(graph, str) and graph in TIME_VARYING_GRAPHS:
         raise ValueError(f"graph must be one of {GRAPHS} here, got {graph!r}: a time-varying "
-                         f"graph changes its peers every round, which only the in-memory "
-                         f"GossipSimulator takes yet")
+                         f"graph changes its peers every round, which only the lockstep "
+                         f"CompressedGossip (OnePeerGossip) takes yet")
     return check_choice("graph", graph, GRAPHS)  # type: ignore[return-value]
 
 

@@ -1,6 +1,6 @@
 """CHOCO gossip on a time-varying one-peer graph, simulated in memory: :class:`OnePeerMember`.
 
-The members over a transport (:class:`~qcomm.collectives.gossip.CompressedGossip`,
+The static members (:class:`~qcomm.collectives.gossip.CompressedGossip`,
 :class:`~qcomm.collectives.gossip.WaitFreeGossip`) keep one public copy ``x_hat_i`` that every
 static neighbour mirrors. On ``"one-peer-exp"`` (:mod:`qcomm.collectives.gossip.schedules`) a
 node talks to one peer per round, a different one each round, so a peer's mirror of one shared
@@ -10,8 +10,9 @@ its own copies, changed only by the messages on that link, so both ends always h
 bits.
 
 The members exchange through a shared dict (the :class:`OnePeerBoard`): no transport, no
-seal check, in one process, driven by :class:`~.simulate.GossipSimulator` (every member's
-:meth:`OnePeerMember.begin`, then every member's :meth:`OnePeerMember.finish`).
+seal check, in one process, driven by :class:`~.simulate.GossipSimulator`. The reference for
+the lockstep :class:`~qcomm.collectives.gossip.one_peer_choco.OnePeerGossip` (the same bits,
+tested), which it predates; it also gossips uncompressed (``spec=None``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ import torch
 from qcomm.collectives.gossip.codec import GossipCodec
 from qcomm.collectives.gossip.integrity import SEAL_NBYTES, seal_
 from qcomm.collectives.gossip.options import check_gamma, check_staleness
-from qcomm.collectives.gossip.schedules import one_peer_partner, one_peer_peers
+from qcomm.collectives.gossip.schedules import (
+    ONE_PEER_GAMMA,
+    one_peer_gamma,
+    one_peer_partner,
+    one_peer_peers,
+)
 from qcomm.collectives.stats import CommStats
 from qcomm.compress import QuantSpec
 from qcomm.seeds import gossip_message_seed
@@ -31,15 +37,6 @@ from qcomm.validation import check_int, check_seed
 
 __all__ = ["ONE_PEER_GAMMA", "OnePeerBoard", "OnePeerMember"]
 
-# Default consensus step by staleness with a codec, from rounds to 1e-3 at 4 bits from
-# independent starts (seed 0, gamma 0.3 .. 1.0 by 0.1 at n = 16 and 64, then the best
-# neighbours at n = 64 and 256): staleness 0: 0.8 (1.0 still converges); staleness 1: 0.55
-# and 0.6 tie (47 / 48 rounds at n = 64, 56 / 57 at 256), 0.8 still converges, 0.9 does not.
-# Larger than the static graphs' default (:func:`~qcomm.collectives.gossip.default_gamma`): a
-# pair's weight is 1/2 and a link is used again only K rounds later, so a small step leaves
-# most of a pair's difference waiting that long. Staleness > 1, not measured: shrunk like
-# 1 / staleness. spec=None at staleness 0 uses 1.0: the exact pairwise average.
-ONE_PEER_GAMMA = {0: 0.8, 1: 0.55}
 
 OnePeerBoard = dict[tuple[int, int], torch.Tensor]
 """The messages posted and not yet taken: ``(round, sender) -> message`` (each has one
@@ -56,8 +53,8 @@ class OnePeerMember:
         spec: the codec of every message, or None: no compression (the message is ``x`` in
             fp32 and the copies are set to it, so each copy equals the x it was sent from:
             CHOCO with the identity operator).
-        gamma: consensus step in (0, 1]; None: :data:`ONE_PEER_GAMMA` (1.0 when ``spec`` is
-            None and ``staleness`` is 0).
+        gamma: consensus step in (0, 1]; None:
+            :func:`~qcomm.collectives.gossip.schedules.one_peer_gamma`.
         staleness: tau >= 0: round t is applied at round t + tau.
         seed: base seed of stochastic rounding.
         stats: counts the bytes sent (level ``"inter"``): one message of
@@ -100,11 +97,7 @@ class OnePeerMember:
         self.spec = spec
         self._codec = None if spec is None else GossipCodec(spec, self.numel)
         gamma = check_gamma(gamma)
-        if gamma is None:
-            tau = self.staleness
-            gamma = (1.0 if spec is None and tau == 0 else
-                     ONE_PEER_GAMMA[tau] if tau in ONE_PEER_GAMMA else 0.55 / tau)
-        self.gamma = gamma
+        self.gamma = one_peer_gamma(self.staleness, spec is not None) if gamma is None else gamma
         self.board = board
         self.stats = stats if stats is not None else CommStats()
         self.peers = one_peer_peers(self.member, self.size)

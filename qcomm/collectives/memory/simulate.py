@@ -39,9 +39,10 @@ class GossipSimulator:
     ``self.stats[i]``).
 
     A time-varying ``graph`` (``"one-peer-exp"``, :mod:`qcomm.collectives.gossip.schedules`)
-    makes the members :class:`~.one_peer.OnePeerMember` s instead, exchanging through a shared
-    dict rather than the world's transport (no CompressedGossip takes such a graph yet); they
-    take ``spec`` (None: no compression), ``gamma``, ``staleness`` and ``seed``.
+    makes the members :class:`~.one_peer.OnePeerMember` s instead (the reference that the
+    lockstep OnePeerGossip matches bit for bit), exchanging through a shared dict rather than
+    the world's transport; they take ``spec`` (None: no compression), ``gamma``,
+    ``staleness`` and ``seed``.
     """
 
     def __init__(self, n: int, numel: int, *, graph: str = "ring", **kwargs) -> None:
