@@ -150,12 +150,15 @@ class CompressedGossip(GossipMember):
 
     lockstep = True
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> CompressedGossip:
+    def __new__(cls, group_ranks: list[int], group: CommGroup | dist.ProcessGroup | None,
+                numel: int, config: GossipConfig | None = None, *,
+                stats: CommStats | None = None, seed: int = 0, first_step: int = 0,
+                clock: StepClock | None = None, **settings: Any) -> CompressedGossip:
         # A time-varying graph needs per-link public copies: its own subclass, picked here so
-        # that every caller that builds a CompressedGossip (the factory too) gets it.
+        # that every caller that builds a CompressedGossip (the factory too) gets it. The same
+        # parameters as __init__ (inspect.signature reads this one).
         if cls is CompressedGossip:
-            config = kwargs.get("config", args[3] if len(args) > 3 else None)
-            graph = kwargs.get("graph", getattr(config, "graph", None))
+            graph = settings.get("graph", getattr(config, "graph", None))
             if isinstance(graph, str) and graph in TIME_VARYING_GRAPHS:
                 from .one_peer_choco import OnePeerGossip  # subclasses this class
                 return super().__new__(OnePeerGossip)
