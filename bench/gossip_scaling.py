@@ -13,6 +13,11 @@ all-gather hook sends). No network and no clock: rounds and bytes, not seconds.
     python bench/gossip_scaling.py                         # N = 8, 16, 32, 64; ring, exponential
     python bench/gossip_scaling.py --nodes 8,16 --graphs ring --json bench/out/scaling.json
     python bench/gossip_scaling.py --wait-free-nodes 8,16  # add the wait-free gossip rows
+    python bench/gossip_scaling.py --nodes 16,64 --graphs ring,exponential,one-peer-exp
+
+``one-peer-exp`` is the time-varying one-peer exponential graph (one message per node per
+round, :mod:`qcomm.collectives.gossip.schedules`); its degree column is 1 (peers per round) and
+its spectral gap the per-round equivalent over one period (:func:`graph_shape`).
 
 A run whose recent rate projects it still above the target after 1.2 x ``--max-rounds`` is
 stopped early and reported as not reached (``--no-stop-early`` runs every case to
@@ -37,8 +42,9 @@ if __package__ in (None, ""):
 
 import torch
 
-from qcomm.collectives.gossip.graphs import GRAPHS, check_graph, neighbours
+from qcomm.collectives.gossip.graphs import TIME_VARYING_GRAPHS, neighbours
 from qcomm.collectives.gossip.mixing import mixing_matrix, spectral_gap
+from qcomm.collectives.gossip.schedules import ALL_GRAPHS, check_any_graph, hops, one_peer_matrix
 from qcomm.collectives.memory import GossipSimulator, WaitFreeSimulator
 from qcomm.compress import NonFiniteError, QuantSpec, packed_nbytes
 
@@ -69,14 +75,35 @@ def random_starts(n: int, numel: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(numel, generator=gen) for _ in range(n)]
 
 
-def make_simulator(kind: str, n: int, numel: int, graph: str,
-                   seed: int) -> GossipSimulator | WaitFreeSimulator:
-    """A simulator of n members: 4-bit stochastic codes, staleness 1, the default gamma (none
-    passed). ``wait-free``: every member at one pace, messages visible one tick later."""
+def make_simulator(kind: str, n: int, numel: int, graph: str, seed: int,
+                   staleness: int = STALENESS) -> GossipSimulator | WaitFreeSimulator:
+    """A simulator of n members: 4-bit stochastic codes, ``staleness`` (default 1), the
+    default gamma (none passed; the one-peer graph has its own). ``wait-free``: every member
+    at one pace, messages visible one tick later."""
     if kind == "lock-step":
-        return GossipSimulator(n, numel, graph=graph, spec=SPEC, staleness=STALENESS, seed=seed)
-    return WaitFreeSimulator(n, numel, graph=graph, delay=1, spec=SPEC, staleness=STALENESS,
+        return GossipSimulator(n, numel, graph=graph, spec=SPEC, staleness=staleness, seed=seed)
+    return WaitFreeSimulator(n, numel, graph=graph, delay=1, spec=SPEC, staleness=staleness,
                              seed=seed)
+
+
+def graph_shape(graph: str, n: int) -> tuple[int, float]:
+    """(degree, spectral gap) of ``graph`` on n nodes. A static graph: its degree and
+    :func:`~qcomm.collectives.gossip.mixing.spectral_gap`. The one-peer graph: 1 peer per
+    round, and ``1 - s2 ** (1 / K)`` with ``s2`` the second largest singular value of the
+    product of one period's K round matrices (float64): the gap a static graph would need to
+    shrink the disagreement as much per round (1.0 for n a power of two: exact in K rounds)."""
+    if graph not in TIME_VARYING_GRAPHS:
+        return len(neighbours(graph, 0, n)), spectral_gap(mixing_matrix(graph, n))
+    k = hops(n)
+    if k == 0:
+        return 0, 1.0
+    period = torch.eye(n, dtype=torch.float64)
+    for t in range(k):
+        period = one_peer_matrix(t, n) @ period
+    s2 = float(torch.linalg.svdvals(period)[1])
+    # n a power of two: the period's product is exactly J / n, so s2 is float64 rounding
+    # (~1e-16, whose K-th root would read as a gap below 1).
+    return 1, 1.0 - (s2 if s2 > 1e-12 else 0.0) ** (1 / k)
 
 
 def one_round(sim: GossipSimulator | WaitFreeSimulator, xs: list[torch.Tensor]) -> None:
@@ -106,14 +133,14 @@ def bytes_per_round(sim: GossipSimulator | WaitFreeSimulator, rounds: int) -> fl
 
 
 def run_to_tol(kind: str, n: int, graph: str, numel: int, tol: float, max_rounds: int,
-               seed: int = 0, stop_early: bool = True) -> dict:
+               seed: int = 0, stop_early: bool = True, staleness: int = STALENESS) -> dict:
     """One case: rounds until ``distance <= tol x distance at the start``. Returns the JSON row
     without the all-reduce columns: ``rounds`` (int, None if not reached), ``outcome``
     ("reached", "max-rounds", "stopped early" or "diverged"), ``rounds_run``,
     ``projected_rounds`` (when stopped early), ``final_rel_distance``,
     ``gossip_bytes_per_round`` (mean per member), ``gamma``."""
     xs = random_starts(n, numel, seed)
-    sim = make_simulator(kind, n, numel, graph, seed)
+    sim = make_simulator(kind, n, numel, graph, seed, staleness)
     d0 = sim.consensus_distance(xs)
     target = math.log(tol * d0)
     log_d, outcome, projection = [math.log(d0)], "max-rounds", None
@@ -150,12 +177,13 @@ def case_row(kind: str, n: int, graph: str, args: argparse.Namespace) -> dict:
     """The full JSON row of one case: the graph's shape, the gossip run, the all-reduce costs."""
     t0 = time.perf_counter()
     run = run_to_tol(kind, n, graph, args.numel, args.tol, args.max_rounds, args.seed,
-                     args.stop_early)
+                     args.stop_early, args.staleness)
     per_round = run["gossip_bytes_per_round"]
+    degree, gap = graph_shape(graph, n)
     return {
-        "gossip": kind, "n": n, "graph": graph, "degree": len(neighbours(graph, 0, n)),
-        "spectral_gap": spectral_gap(mixing_matrix(graph, n)), "numel": args.numel,
-        "bits": SPEC.bits, "staleness": STALENESS, "tol": args.tol, **run,
+        "gossip": kind, "n": n, "graph": graph, "degree": degree,
+        "spectral_gap": gap, "numel": args.numel,
+        "bits": SPEC.bits, "staleness": args.staleness, "tol": args.tol, **run,
         "gossip_bytes_to_tol": None if run["rounds"] is None else run["rounds"] * per_round,
         "allreduce_fp32_bytes": allreduce_bytes(n, args.numel),
         "allgather_4bit_bytes": allgather_bytes(n, args.numel),
@@ -195,7 +223,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _graphs(text: str) -> list[str]:
-    return [check_graph(t.strip()) for t in text.split(",") if t.strip()]
+    return [check_any_graph(t.strip()) for t in text.split(",") if t.strip()]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -203,8 +231,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nodes", type=_ints, default=[8, 16, 32, 64],
                    help="Node counts, comma-separated (default 8,16,32,64).")
     p.add_argument("--graphs", type=_graphs, default=["ring", "exponential"],
-                   help=f"Graphs, comma-separated, of {', '.join(GRAPHS)} "
-                        "(default ring,exponential).")
+                   help=f"Graphs, comma-separated, of {', '.join(ALL_GRAPHS)} "
+                        "(default ring,exponential; the wait-free rows skip one-peer-exp).")
     p.add_argument("--numel", type=int, default=4096, help="Floats per member (default 4096).")
     p.add_argument("--tol", type=float, default=1e-3,
                    help="Target consensus distance, relative to the start (default 1e-3).")
@@ -217,6 +245,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--wait-free-nodes", type=_ints, default=[],
                    help="Node counts for wait-free gossip rows, e.g. 8,16 (default: none; "
                         "they cost about 8 s).")
+    p.add_argument("--staleness", type=int, default=STALENESS,
+                   help=f"Rounds a round is applied late, every case (default {STALENESS}).")
     p.add_argument("--json", default="", help="Also write the rows to this JSON file.")
     return p.parse_args(argv)
 
@@ -225,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # many tiny ops: threads only add overhead
     cases = [("lock-step", n, g) for n in args.nodes for g in args.graphs]
-    cases += [("wait-free", n, g) for n in args.wait_free_nodes for g in args.graphs]
+    # The wait-free members keep static links: no time-varying graph there yet.
+    cases += [("wait-free", n, g) for n in args.wait_free_nodes for g in args.graphs
+              if g not in TIME_VARYING_GRAPHS]
     rows = []
     for kind, n, graph in cases:
         rows.append(case_row(kind, n, graph, args))

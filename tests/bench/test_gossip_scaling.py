@@ -58,6 +58,18 @@ def test_exponential_needs_no_more_rounds_than_ring_at_16() -> None:
     assert expo["rounds"] <= ring["rounds"]
 
 
+def test_one_peer_graph_sends_half_the_ring_and_beats_it_at_16() -> None:
+    ring = gs.run_to_tol("lock-step", 16, "ring", 512, tol=0.1, max_rounds=400)
+    one = gs.run_to_tol("lock-step", 16, "one-peer-exp", 512, tol=0.1, max_rounds=400)
+    assert one["outcome"] == "reached" and one["rounds"] < ring["rounds"]
+    # one message per round against the ring's two, the same message size
+    assert one["gossip_bytes_per_round"] * 2 == ring["gossip_bytes_per_round"]
+    assert gs.graph_shape("one-peer-exp", 16) == (1, pytest.approx(1.0))  # exact in 4 rounds
+    degree, gap = gs.graph_shape("one-peer-exp", 12)  # not exact: a gap between 0 and 1
+    assert degree == 1 and 0 < gap < 1
+    assert gs.graph_shape("ring", 8)[0] == 2
+
+
 def test_projection_of_a_geometric_decay_is_exact() -> None:
     rate = 0.01
     log_d = [-rate * r for r in range(gs.WINDOW + 10)]

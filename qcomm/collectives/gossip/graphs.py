@@ -16,6 +16,11 @@ complete       every other node                           n - 1
 The exponential graph is the static exponential graph of Assran et al. 2019 (SGP) and Ying et al.
 2021 made undirected (both directions of every hop) so that the weights can be symmetric: its
 diameter is about log2(n) for about twice the ring's messages per round.
+
+Time-varying graphs (a different pairing every round: :mod:`.schedules`) are named in
+:data:`TIME_VARYING_GRAPHS` but are not graphs of this module: :func:`check_graph`, which the
+static members (one public copy per static neighbour) and the engine's options use, refuses
+them with that reason; the lockstep :class:`~.one_peer_choco.OnePeerGossip` takes them.
 """
 
 from __future__ import annotations
@@ -23,10 +28,17 @@ from __future__ import annotations
 from qcomm.validation import check_choice, check_int
 
 GRAPHS = ("ring", "exponential", "complete")
+# Only the lockstep OnePeerGossip and the GossipSimulator take these yet (:mod:`.schedules`).
+TIME_VARYING_GRAPHS = ("one-peer-exp",)
 
 
 def check_graph(graph: object) -> str:
-    """Return ``graph`` if it names a known graph, else raise ValueError naming the argument."""
+    """Return ``graph`` if it names a static graph (:data:`GRAPHS`), else raise ValueError
+    naming the argument and the allowed values; a time-varying graph gets its own reason."""
+    if isinstance(graph, str) and graph in TIME_VARYING_GRAPHS:
+        raise ValueError(f"graph must be one of {GRAPHS} here, got {graph!r}: a time-varying "
+                         f"graph changes its peers every round, which only the lockstep "
+                         f"CompressedGossip (OnePeerGossip) takes yet")
     return check_choice("graph", graph, GRAPHS)  # type: ignore[return-value]
 
 

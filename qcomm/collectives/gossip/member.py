@@ -34,6 +34,7 @@ from .options import (
     check_total_steps,
 )
 from .outer_anneal import annealed_outer_lr
+from .schedules import check_time_varying_graph
 
 __all__ = ["GossipMember", "fragment_slice"]
 
@@ -60,6 +61,9 @@ class GossipMember:
     #: steps, so a step skipped anywhere is skipped everywhere).
     lockstep: ClassVar[bool]
 
+    #: Whether the member takes a time-varying graph (:mod:`.schedules`) instead of a static one.
+    time_varying: ClassVar[bool] = False
+
     def _set_hyperparameters(self, numel: int, config: GossipConfig, *,
                              stats: CommStats | None, seed: int, first_step: int = 0,
                              clock: StepClock | None = None) -> None:
@@ -68,7 +72,7 @@ class GossipMember:
         advance (shared with whoever built this member); None: a new one from
         ``first_step``."""
         self.config = config
-        self.graph = check_graph(config.graph)
+        self.graph = (check_time_varying_graph if self.time_varying else check_graph)(config.graph)
         self.mixing = check_mixing(config.mixing)
         self.spec = spec = check_spec(config.spec)
         self.numel = check_int("numel", numel, low=1)

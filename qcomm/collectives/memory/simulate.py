@@ -20,11 +20,13 @@ from collections.abc import Callable
 import torch
 
 from qcomm.collectives.gossip.choco import CompressedGossip
-from qcomm.collectives.gossip.graphs import check_graph
+from qcomm.collectives.gossip.graphs import TIME_VARYING_GRAPHS, check_graph
 from qcomm.collectives.gossip.joining import admit, join_state, start_joined
+from qcomm.collectives.gossip.schedules import check_any_graph
 from qcomm.collectives.gossip.wait_free import WaitFreeGossip
 from qcomm.collectives.stats import CommStats
 
+from .one_peer import OnePeerBoard, OnePeerMember
 from .world import MemoryWorld
 
 __all__ = ["GossipSimulator", "WaitFreeSimulator"]
@@ -34,15 +36,28 @@ class GossipSimulator:
     """``n`` gossip members (:class:`~qcomm.collectives.gossip.CompressedGossip`) on a stepped
     in-memory world of ``n`` ranks (``self.world``, its clock the steps taken); keyword
     arguments go to CompressedGossip (all but ``stats``: each member gets its own CommStats,
-    ``self.stats[i]``)."""
+    ``self.stats[i]``).
+
+    A time-varying ``graph`` (``"one-peer-exp"``, :mod:`qcomm.collectives.gossip.schedules`)
+    makes the members :class:`~.one_peer.OnePeerMember` s instead (the reference that the
+    lockstep OnePeerGossip matches bit for bit), exchanging through a shared dict rather than
+    the world's transport; they take ``spec`` (None: no compression), ``gamma``,
+    ``staleness`` and ``seed``.
+    """
 
     def __init__(self, n: int, numel: int, *, graph: str = "ring", **kwargs) -> None:
-        check_graph(graph)
+        check_any_graph(graph)
         self.n = n
         self.steps = 0
         self.world = MemoryWorld(n, clock=lambda: float(self.steps))
         ranks = list(range(n))
         self.stats = [CommStats() for _ in range(n)]
+        self.members: list[CompressedGossip] | list[OnePeerMember]
+        if graph in TIME_VARYING_GRAPHS:
+            self.board: OnePeerBoard = {}
+            self.members = [OnePeerMember(i, n, numel, self.board, stats=self.stats[i],
+                                          **kwargs) for i in range(n)]
+            return
         self.members = [
             CompressedGossip(ranks, self.world.group(ranks, i), numel, graph=graph,
                              stats=self.stats[i], **kwargs)
