@@ -1,6 +1,7 @@
-"""The lockstep CompressedGossip on graph="one-peer-exp" (OnePeerGossip) over the in-memory
-world: the same bits as the simulator's reference members, one message per round, fragments,
-and what it does not take yet."""
+"""The lockstep gossip on graph="one-peer-exp" (OnePeerGossip, which the factory picks) over the
+in-memory world: the same bits as the simulator's reference members, one message per round,
+fragments, its checkpoint (resumed, the same bits as never stopping), and what it does not take
+yet."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ def _xs(n: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(NUMEL, generator=g) for _ in range(n)]
 
 
-def _members(n: int, **kw) -> list[CompressedGossip]:
+def _members(n: int, **kw) -> list[OnePeerGossip]:
     world = MemoryWorld(n, clock=lambda: 0.0)
     ranks = list(range(n))
-    return [CompressedGossip(ranks, world.group(ranks, i), NUMEL, graph="one-peer-exp", **kw)
+    seed = kw.pop("seed", 0)
+    config = GossipConfig.of(GossipConfig(graph="one-peer-exp"), kw)
+    return [build_gossip(config, ranks, world.group(ranks, i), NUMEL, seed=seed)
             for i in range(n)]
 
 
@@ -109,12 +112,58 @@ def test_factory_and_what_is_not_taken_yet() -> None:
     group = world.group([0, 1, 2, 3], 0)
     m = build_gossip(GossipConfig(graph="one-peer-exp"), [0, 1, 2, 3], group, NUMEL)
     assert isinstance(m, OnePeerGossip) and m.peers == [1, 2]
-    with pytest.raises(NotImplementedError, match="checkpoint"):
-        m.state_dict()
     with pytest.raises(ValueError, match=r"graph must be one of \('one-peer-exp',\)"):
         OnePeerGossip([0, 1, 2, 3], group, NUMEL, graph="ring")
+    # the static member names the one that takes it, rather than mixing as if it were static
+    with pytest.raises(ValueError, match="only the lockstep OnePeerGossip takes yet"):
+        CompressedGossip([0, 1, 2, 3], group, NUMEL, graph="one-peer-exp")
     with pytest.raises(ValueError, match="graph must be one of"):
         WaitFreeGossip([0, 1, 2, 3], group, NUMEL, graph="one-peer-exp")
     with pytest.raises(ValueError, match="graph must be one of"):
         build_gossip(GossipConfig(graph="one-peer-exp", wait_free=True), [0, 1, 2, 3], group,
                      NUMEL)
+
+
+@pytest.mark.parametrize(("n", "tau", "outer"), [(8, 1, False), (6, 2, False), (8, 1, True)])
+def test_a_checkpoint_resumes_with_the_bits_of_a_run_never_stopped(n: int, tau: int,
+                                                                    outer: bool) -> None:
+    kw = dict(spec=SPEC4, staleness=tau, seed=7)
+    if outer:
+        kw.update(outer_momentum=0.9, outer_lr=0.5)
+    whole, stopped = _members(n, **kw), _members(n, **kw)
+    xs, ys = _xs(n), _xs(n)
+    for _ in range(5):   # rounds in flight at the save (staleness >= 1), sat-out rounds too
+        _round(whole, xs)
+        _round(stopped, ys)
+    saved = [m.state_dict() for m in stopped]
+    assert any(len(s["in_flight"]) for s in saved) and all(s["links"] for s in saved)
+    resumed = _members(n, **kw)   # a new world: new links, nothing shared with the old one
+    for m, s in zip(resumed, saved, strict=True):
+        m.load_state_dict(s)
+    for _ in range(7):
+        _round(whole, xs)
+        _round(resumed, ys)
+    for a, b in zip(xs, ys, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_state_of_other_links_is_refused_and_nothing_loaded() -> None:
+    members = _members(8, spec=SPEC4, staleness=1, seed=1)
+    xs = _xs(8)
+    for _ in range(3):
+        _round(members, xs)
+    state = members[0].state_dict()
+    other = _members(8, spec=SPEC4, staleness=1, seed=1)[3]
+    before = other.state_dict()
+    with pytest.raises(ValueError, match="state was saved with config"):
+        other.load_state_dict(state)   # another member's
+    assert other.state_dict() == before   # nothing loaded (no round yet: no links)
+    fresh = _members(8, spec=SPEC4, staleness=1, seed=1)[0]
+    short = dict(state, links={p: v for p, v in state["links"].items() if p != 4})
+    with pytest.raises(ValueError, match=r"state\['links'\] must hold this member's peers "
+                                         r"\[1, 2, 4\]"):
+        fresh.load_state_dict(short)
+    bad = dict(state, links={p: dict(v, mine=v["mine"][:-1]) for p, v in state["links"].items()})
+    with pytest.raises(ValueError, match="mine/1"):
+        fresh.load_state_dict(bad)
+    assert fresh.state_dict()["links"] == {} and fresh.rounds_started == 0

@@ -56,7 +56,7 @@ from .clock import StepClock
 from .codec import check_state_buffers
 from .config import GossipConfig
 from .gamma import default_gamma
-from .graphs import TIME_VARYING_GRAPHS, neighbours
+from .graphs import neighbours
 from .integrity import SEAL_NBYTES, bad_messages, seal_
 from .member import GossipMember
 from .mixing import mixing_matrix
@@ -126,8 +126,9 @@ class CompressedGossip(GossipMember):
             torch.distributed process group, or None = the default group (then
             ``group_ranks`` must be all ranks, in order).
         numel: number of floats each member gossips (its shard), >= 1.
-        config: the settings (:class:`~.config.GossipConfig`: graph (``"one-peer-exp"``
-            makes a :class:`~.one_peer_choco.OnePeerGossip`), mixing, spec, gamma,
+        config: the settings (:class:`~.config.GossipConfig`: graph (a static one; the
+            time-varying ``"one-peer-exp"`` is :class:`~.one_peer_choco.OnePeerGossip`'s, which
+            :func:`~.factory.build_gossip` picks), mixing, spec, gamma,
             staleness, timeout_s, fragments, round_period, the outer step); None: the
             defaults. ``settings``: keywords that replace its fields.
         stats: counts the bytes this member sends, level ``"inter"``; None = a private one
@@ -149,20 +150,6 @@ class CompressedGossip(GossipMember):
     """
 
     lockstep = True
-
-    def __new__(cls, group_ranks: list[int], group: CommGroup | dist.ProcessGroup | None,
-                numel: int, config: GossipConfig | None = None, *,
-                stats: CommStats | None = None, seed: int = 0, first_step: int = 0,
-                clock: StepClock | None = None, **settings: Any) -> CompressedGossip:
-        # A time-varying graph needs per-link public copies: its own subclass, picked here so
-        # that every caller that builds a CompressedGossip (the factory too) gets it. The same
-        # parameters as __init__ (inspect.signature reads this one).
-        if cls is CompressedGossip:
-            graph = settings.get("graph", getattr(config, "graph", None))
-            if isinstance(graph, str) and graph in TIME_VARYING_GRAPHS:
-                from .one_peer_choco import OnePeerGossip  # subclasses this class
-                return super().__new__(OnePeerGossip)
-        return super().__new__(cls)
 
     def __init__(self, group_ranks: list[int], group: CommGroup | dist.ProcessGroup | None,
                  numel: int, config: GossipConfig | None = None, *,

@@ -24,7 +24,7 @@ class GossipConfig:
     Attributes:
         spec: the codec's QuantSpec for every message.
         graph: ``"ring"``, ``"exponential"`` or ``"complete"`` (:mod:`.graphs`), or
-            ``"one-peer-exp"`` (:mod:`.schedules`; the lockstep member only, no checkpoint).
+            ``"one-peer-exp"`` (:mod:`.schedules`; the lockstep OnePeerGossip only).
         mixing: ``"uniform"`` or ``"metropolis"`` (:mod:`.mixing`; equal on these graphs).
         gamma: consensus step in (0, 1]; None: :func:`~.gamma.default_gamma` (bits,
             staleness).

@@ -1,6 +1,6 @@
 """The gossip member for a mode: the one place that picks :class:`~.choco.CompressedGossip`
-(bounded staleness, lockstep) or :class:`~.wait_free.WaitFreeGossip` from a
-:class:`~.config.GossipConfig`.
+(bounded staleness, lockstep; :class:`~.one_peer_choco.OnePeerGossip` on a time-varying
+graph) or :class:`~.wait_free.WaitFreeGossip` from a :class:`~.config.GossipConfig`.
 
 Whoever holds a member asks it, never its mode: both classes answer the same calls
 (:class:`~.member.GossipMember`: ``lockstep``, ``leave``, ``before_state_dict``,
@@ -15,7 +15,9 @@ from typing import Any
 from .choco import CompressedGossip
 from .clock import StepClock
 from .config import GossipConfig
+from .graphs import TIME_VARYING_GRAPHS
 from .member import GossipMember
+from .one_peer_choco import OnePeerGossip
 from .wait_free import WaitFreeGossip
 
 __all__ = ["build_gossip", "gossip_class"]
@@ -24,7 +26,9 @@ __all__ = ["build_gossip", "gossip_class"]
 def gossip_class(config: GossipConfig) -> type[GossipMember]:
     """The member class of ``config``'s mode (also before any member exists: its class-level
     answers, ``lockstep``, ``idle_stats`` and ``mode_words``, need none)."""
-    return WaitFreeGossip if config.wait_free else CompressedGossip
+    if config.wait_free:
+        return WaitFreeGossip   # refuses a time-varying graph by name
+    return OnePeerGossip if config.graph in TIME_VARYING_GRAPHS else CompressedGossip
 
 
 def build_gossip(config: GossipConfig, group_ranks: list[int], group: Any, numel: int, *,

@@ -38,7 +38,7 @@ def check_graph(graph: object) -> str:
     if isinstance(graph, str) and graph in TIME_VARYING_GRAPHS:
         raise ValueError(f"graph must be one of {GRAPHS} here, got {graph!r}: a time-varying "
                          f"graph changes its peers every round, which only the lockstep "
-                         f"CompressedGossip (OnePeerGossip) takes yet")
+                         f"OnePeerGossip takes yet (build_gossip picks it)")
     return check_choice("graph", graph, GRAPHS)  # type: ignore[return-value]
 
 

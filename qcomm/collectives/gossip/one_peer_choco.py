@@ -11,8 +11,9 @@ sent to it), so each link (i, p) keeps its own, changed only by that link's mess
 ``3 K`` copies per member. Round t - staleness then mixes ``x += gamma / 2 (theirs[p] -
 mine[p])`` on its fragment; p adds the exact negation, so the average is kept.
 
-Every link has its own transport (peers ``[p]``). Not yet: checkpoints (:meth:`state_dict`
-raises), the engine (``CommOptions`` refuses the graph) and the wait-free mode.
+Every link has its own transport (peers ``[p]``); a checkpoint holds every link's copies and
+the rounds in flight. Not yet: the engine (``CommOptions`` refuses the graph) and the
+wait-free mode.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from qcomm.collectives.errors import CorruptPayloadError
 from qcomm.collectives.group import CommGroup
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.torch_group import resolve_group
-from qcomm.compress import packed_nbytes
+from qcomm.compress import WIRE_FORMAT_VERSION, packed_nbytes
 from qcomm.seeds import gossip_message_seed
+from qcomm.validation import check_seed
 
-from .choco import CompressedGossip, _check_group, _Round
+from .choco import CompressedGossip, _check_group, _Round, _saved_round
 from .clock import StepClock
+from .codec import check_state_buffers
 from .config import GossipConfig
 from .integrity import SEAL_NBYTES, bad_messages, seal_
 from .schedules import one_peer_gamma, one_peer_partner, one_peer_peers
@@ -168,10 +171,73 @@ class OnePeerGossip(CompressedGossip):
         return [f]
 
     def state_dict(self) -> dict:
-        raise NotImplementedError("OnePeerGossip has no checkpoint yet (graph='one-peer-exp')")
+        """Internal state, rounds in flight included (waits until their payloads have arrived,
+        without applying them). Tensors are references, like torch's state_dicts.
+
+        Returns:
+            ``{"config", "wire_format", "gamma", "seed", "rounds_started", "rounds_applied",
+            "links": {peer: {"fresh", "mine", "theirs": float32 [numel]}} (empty before the
+            first round with a partner), "momentum" | "anchor": float32 [numel] or None,
+            "in_flight": [(round, uint8 [2, nbytes + 8], or [0, 0] for a round sat out)]}``.
+        """
+        for r in self._in_flight:
+            if r.handle is not None:
+                r.handle.wait(self.timeout_s)
+                r.handle = None
+        links = {p: {"fresh": self.fresh[p], "mine": self.mine[p], "theirs": self.theirs[p]}
+                 for p in self.fresh}
+        return {"config": self._config(), "wire_format": WIRE_FORMAT_VERSION,
+                "gamma": self.gamma, "seed": self.seed,
+                "rounds_started": self.rounds_started, "rounds_applied": self.rounds_applied,
+                "links": links, "momentum": self._momentum, "anchor": self._anchor,
+                "in_flight": [(r.round, r.payloads) for r in self._in_flight]}
 
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError("OnePeerGossip has no checkpoint yet (graph='one-peer-exp')")
+        """Load :meth:`state_dict` output (tensors copied). The configuration must match, the
+        links be this member's peers; everything is checked before anything is loaded. Call
+        before :meth:`step` with no round in flight."""
+        if not isinstance(state, dict) or "config" not in state or "links" not in state:
+            raise ValueError("state must be a dict from OnePeerGossip.state_dict()")
+        if state["config"] != self._config():
+            raise ValueError(f"state was saved with config {state['config']}, this gossip has "
+                             f"{self._config()}")
+        if state.get("wire_format") != WIRE_FORMAT_VERSION:
+            raise ValueError(f"state holds messages in wire format {state.get('wire_format')}; "
+                             f"this version decodes format {WIRE_FORMAT_VERSION}")
+        if any(r.handle is not None for r in self._in_flight):
+            raise RuntimeError("load_state_dict with rounds of this instance in flight")
+        links = state["links"]
+        if not isinstance(links, dict) or (links and sorted(links) != self.peers):
+            raise ValueError(f"state['links'] must hold this member's peers {self.peers} (or "
+                             f"none before its first round), got {sorted(links)}")
+        # One flat view, so that the codec's checks name each buffer and keep them together.
+        flat = {f"{k}/{p}": t for p, per in links.items() for k, t in per.items()}
+        flat.update(momentum=state.get("momentum"), anchor=state.get("anchor"))
+        names = [f"{k}/{p}" for p in self.peers for k in ("fresh", "mine", "theirs")]
+        saved = check_state_buffers(
+            flat, dict.fromkeys((*names, "momentum", "anchor"), self.numel),
+            together=[tuple(names), ("momentum", "anchor")])
+        device = saved[names[0]].device if links else None
+        in_flight = []
+        for r, p in state["in_flight"]:
+            rows = 2 if self.partner(int(r)) is not None and self.size > 1 else 0
+            if rows and device is None:
+                raise ValueError("state['in_flight'] holds a round with a partner but "
+                                 "state['links'] is empty (no such round was started)")
+            in_flight.append((int(r), _saved_round(p, rows, self.message_nbytes if rows else 0,
+                                                   device if rows else None)))
+        copy = lambda t: None if t is None else t.detach().clone()
+        self.gamma = float(state["gamma"])
+        self.seed = check_seed(state["seed"])
+        self.rounds_started = int(state["rounds_started"])
+        self.rounds_applied = int(state["rounds_applied"])
+        self.fresh = {p: copy(saved[f"fresh/{p}"]) for p in links}
+        self.mine = {p: copy(saved[f"mine/{p}"]) for p in links}
+        self.theirs = {p: copy(saved[f"theirs/{p}"]) for p in links}
+        self._momentum, self._anchor = copy(saved["momentum"]), copy(saved["anchor"])
+        self._scratch = None if not links else torch.empty(
+            self.fragment_numel, dtype=torch.float32, device=device)
+        self._in_flight = deque(_Round(r, copy(p), None) for r, p in in_flight)
 
     def close(self) -> None:
         """Forget rounds in flight and release every link's transport. Never blocks."""
