@@ -390,16 +390,7 @@ class CompressedGossip(GossipMember):
         """Load :meth:`state_dict` output (tensors copied, onto the device they were saved on).
         The configuration (numel, members, graph, mixing, staleness, spec) must match; gamma and
         seed are taken from ``state``. Call before :meth:`step` with no round in flight."""
-        if not isinstance(state, dict) or "config" not in state:
-            raise ValueError("state must be a dict from CompressedGossip.state_dict()")
-        if state["config"] != self._config():
-            raise ValueError(f"state was saved with config {state['config']}, this gossip has "
-                             f"{self._config()}")
-        if state.get("wire_format") != WIRE_FORMAT_VERSION:
-            raise ValueError(f"state holds messages in wire format {state.get('wire_format')}; "
-                             f"this version decodes format {WIRE_FORMAT_VERSION}")
-        if self._in_flight and any(r.handle is not None for r in self._in_flight):
-            raise RuntimeError("load_state_dict with rounds of this instance in flight")
+        self._check_saved(state, ("config",))
         # Rounds decode into these buffers and from these messages without checking them
         # again: checked here, all before anything is loaded.
         saved = check_state_buffers(
@@ -424,6 +415,21 @@ class CompressedGossip(GossipMember):
         self._scratch = None
         self._weights_here = None
         self._in_flight = deque(_Round(r, copy(p), None) for r, p in in_flight)
+
+    def _check_saved(self, state: object, keys: tuple[str, ...]) -> None:
+        """What every saved state of this class and its subclasses must be before anything of
+        it is read: a dict of :meth:`state_dict` (``keys`` present), of this configuration and
+        wire format, loaded with no round of this instance in flight."""
+        if not isinstance(state, dict) or any(k not in state for k in keys):
+            raise ValueError(f"state must be a dict from {type(self).__name__}.state_dict()")
+        if state["config"] != self._config():
+            raise ValueError(f"state was saved with config {state['config']}, this gossip has "
+                             f"{self._config()}")
+        if state.get("wire_format") != WIRE_FORMAT_VERSION:
+            raise ValueError(f"state holds messages in wire format {state.get('wire_format')}; "
+                             f"this version decodes format {WIRE_FORMAT_VERSION}")
+        if any(r.handle is not None for r in self._in_flight):
+            raise RuntimeError("load_state_dict with rounds of this instance in flight")
 
     def leave(self) -> None:
         """Apply the rounds in flight when the peers still answer (a peer's failure is

@@ -196,16 +196,7 @@ class OnePeerGossip(CompressedGossip):
         """Load :meth:`state_dict` output (tensors copied). The configuration must match, the
         links be this member's peers; everything is checked before anything is loaded. Call
         before :meth:`step` with no round in flight."""
-        if not isinstance(state, dict) or "config" not in state or "links" not in state:
-            raise ValueError("state must be a dict from OnePeerGossip.state_dict()")
-        if state["config"] != self._config():
-            raise ValueError(f"state was saved with config {state['config']}, this gossip has "
-                             f"{self._config()}")
-        if state.get("wire_format") != WIRE_FORMAT_VERSION:
-            raise ValueError(f"state holds messages in wire format {state.get('wire_format')}; "
-                             f"this version decodes format {WIRE_FORMAT_VERSION}")
-        if any(r.handle is not None for r in self._in_flight):
-            raise RuntimeError("load_state_dict with rounds of this instance in flight")
+        self._check_saved(state, ("config", "links"))
         links = state["links"]
         if not isinstance(links, dict) or (links and sorted(links) != self.peers):
             raise ValueError(f"state['links'] must hold this member's peers {self.peers} (or "
