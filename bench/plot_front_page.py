@@ -33,7 +33,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS = REPO / "bench/results/2026-12-03-front"
-DEFAULT_FINISH = REPO / "bench/results/2026-12-04-finish-line/cluster-4x1-constant-summary.json"
+DEFAULT_FINISH = REPO / "bench/results/2026-12-05-finish-cells/4x1-quiet-summary.json"
 DEFAULT_OUT = REPO / "docs/img/time_to_accuracy.png"
 
 # The names a user knows, with a fixed colour each. A key is a method id of

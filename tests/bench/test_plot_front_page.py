@@ -44,14 +44,14 @@ def test_recorded_sweep_gives_a_small_png(tmp_path: Path) -> None:
     assert "Bold: the repetition with the median time to 65% test accuracy (of 3)" in proc.stdout
     assert "bench/results/2026-12-03-front/mnist1d-healthy.json" in proc.stdout
     assert "Right: the same cell run to 2400 steps of the fastest node" in proc.stdout
-    assert "bench/results/2026-12-04-finish-line/cluster-4x1-constant-summary.json" in proc.stdout
+    assert "bench/results/2026-12-05-finish-cells/4x1-quiet-summary.json" in proc.stdout
 
 
 def test_the_recorded_finish_names_each_final() -> None:
     _, sweep = fp.find_sweep(fp.DEFAULT_FINISH, "mnist1d", "4x1", "100mbit")
     lines = fp.series(sweep, "mnist1d", "4x1", "100mbit")
     assert [fp._final_label(s, "test_acc") for s in lines] == [
-        "qcomm SLOW_LINK: 84.6% [84.4-84.7]", "DiLoCo (torchft): 83.7% [83.6-83.7]",
+        "qcomm SLOW_LINK: 84.2% [83.7-84.5]", "DiLoCo (torchft): 83.7% [83.6-83.7]",
         "local SGD, every 32 steps: 83.2% [83.2-83.7]"]
 
 
