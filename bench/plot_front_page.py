@@ -381,6 +381,14 @@ def save_png(fig: Any, out: Path, dpi: int) -> None:
         image.convert("RGB").quantize(256).save(out, optimize=True)
 
 
+def _shown(path: Path) -> Path:
+    """``path`` as a caption names it: relative to the repository when inside it."""
+    try:
+        return path.resolve().relative_to(REPO)
+    except ValueError:
+        return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -414,17 +422,9 @@ def main(argv: list[str] | None = None) -> int:
 
     plt.close(fig)
     repeats = round(statistics.median([r.get("repeats_ok") or 1 for r in rows]))
-    try:
-        shown = path.resolve().relative_to(REPO)
-    except ValueError:
-        shown = path
-    print(caption(shown, target, repeats, metric))
+    print(caption(_shown(path), target, repeats, metric))
     if finish is not None:
-        try:
-            finish_shown = finish_path.resolve().relative_to(REPO)
-        except ValueError:
-            finish_shown = finish_path
-        print(finish_caption(finish_shown, steps))
+        print(finish_caption(_shown(finish_path), steps))
     print(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB)")
     return 0
 
