@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import tempfile
@@ -49,6 +50,7 @@ class Variant:
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     knobs: tuple[tuple[str, Callable[[float], float]], ...] = ()
+    own_progress: bool = False
     about: str = ""
 
 
@@ -88,6 +90,10 @@ VARIANTS: dict[str, Variant] = {
     "slow-link-total": Variant("gossip", {"total_steps": True},
                                about="SLOW_LINK given the run's length (total_steps): its "
                                      "outer step anneals late"),
+    "slow-link-total-own": Variant("gossip", {"total_steps": True}, own_progress=True,
+                                   about="SLOW_LINK given the run's length, each member's "
+                                         "outer step annealed by its own steps rather than "
+                                         "the job's progress (what the library did before)"),
     "lockstep-total": Variant("gossip", {"total_steps": True}, wait_free=False,
                               about="its lockstep form, given the run's length"),
     "ddp": Variant("ddp", about="the members' gradient mean every step"),
@@ -95,6 +101,28 @@ VARIANTS: dict[str, Variant] = {
     "diloco": Variant("diloco", period=32, outer_lr=0.7, outer_momentum=0.5,
                       about="DiLoCo H32, outer Nesterov 0.7 / 0.5"),
 }
+
+
+# A peer's tuning grid: DiLoCo every H steps with outer lr o/10 and momentum m/10, local SGD
+# every P steps (e.g. diloco-h64-o9-m5, local-sgd-p16).
+_DILOCO = re.compile(r"diloco-h(\d+)-o(\d+)-m(\d+)")
+_LOCAL_SGD = re.compile(r"local-sgd-p(\d+)")
+
+
+def variant(name: str) -> Variant | None:
+    """The variant called ``name``: one of :data:`VARIANTS`, or a peer of the tuning grid
+    (``diloco-hH-oO-mM``, ``local-sgd-pP``); None when there is no such variant."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    if m := _DILOCO.fullmatch(name):
+        h, o, mu = (int(g) for g in m.groups())
+        if h >= 1 and 1 <= o <= 20 and mu <= 9:
+            return Variant("diloco", period=h, outer_lr=o / 10, outer_momentum=mu / 10,
+                           about=f"DiLoCo H{h}, outer Nesterov {o / 10} / {mu / 10}")
+    if (m := _LOCAL_SGD.fullmatch(name)) and int(m.group(1)) >= 1:
+        return Variant("local-sgd", period=int(m.group(1)),
+                       about=f"the parameter mean every {m.group(1)} steps")
+    return None
 
 
 def _padded(numel: int, align: int) -> int:
@@ -114,7 +142,7 @@ def run(name: str, seed: int, args: argparse.Namespace, data: Path) -> dict:
     from qcomm.compress import QuantSpec
 
     torch.set_num_threads(1)
-    v = VARIANTS[name]
+    v = variant(name)
     info = W.WORKLOADS["mnist1d"]
     shape = SimpleNamespace(width=args.width, depth=info.depth)
     comm = {**slow_link(), **v.comm}
@@ -142,6 +170,9 @@ def run(name: str, seed: int, args: argparse.Namespace, data: Path) -> dict:
         if v.wait_free:
             sim = WaitFreeSimulator(n, numel, periods=[1] * n, delay=1, **kw)
             gossips = sim.members
+            if v.own_progress:
+                for g in gossips:
+                    g.progress = lambda g=g: g.steps
         else:
             world = MemoryWorld(n, clock=lambda: float(clock["t"]))
             gossips = [CompressedGossip(list(range(n)), world.group(list(range(n)), i), numel,
@@ -151,14 +182,18 @@ def run(name: str, seed: int, args: argparse.Namespace, data: Path) -> dict:
     evaluator = works[0].make_model()
     marks = sorted(set(args.marks))
     curve: dict[int, dict[str, float]] = {}
+    # member i steps on every periods[i]-th tick (the last one slower with --slow-member);
+    # its batches and its learning rate follow its own steps, as on the cluster
+    periods = [1] * (n - 1) + [args.slow_member]
+    done = [0] * n
     t0 = time.perf_counter()
     for step in range(total):
-        for lr_at in schedules:
-            lr_at(step)
         for g in gossips:
             for attr, sched in v.knobs:
                 setattr(g, attr, sched(step / total))
         if v.kind == "ddp":
+            for lr_at in schedules:
+                lr_at(step)
             for m in members:
                 m.opt.zero_grad()
                 m.work.loss(m.model, step).backward()
@@ -170,9 +205,13 @@ def run(name: str, seed: int, args: argparse.Namespace, data: Path) -> dict:
                 m.opt.step()
         else:
             for i, m in enumerate(members):
+                if step % periods[i]:
+                    continue
+                schedules[i](done[i])
                 if gossips:
                     gossips[i].prepare()
-                m.step(step)
+                m.step(done[i])
+                done[i] += 1
                 if gossips:
                     gossips[i].end_step(m.x)
             clock["t"] = step + 1
@@ -231,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="MNIST-1D trained to the end by qcomm's gossip variants and exact-average "
                     "peers in one process: final, best and the consensus distance.",
-        epilog="variants: " + "; ".join(f"{k}: {v.about}" for k, v in VARIANTS.items()))
+        epilog="variants: " + "; ".join(f"{k}: {v.about}" for k, v in VARIANTS.items())
+               + "; and the peers' tuning grid: diloco-hH-oO-mM (DiLoCo every H steps, outer "
+                 "lr O/10, momentum M/10), local-sgd-pP (the mean every P steps)")
     ap.add_argument("--variants", default="slow-link,lockstep,no-outer,local-sgd,diloco,ddp",
                     help="comma list of variants (see below).")
     ap.add_argument("--nodes", type=int, default=4, help="members, one per node (default 4).")
@@ -246,15 +287,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-samples", type=int, default=12000,
                     help="MNIST-1D samples generated (80%% train; default 12000, as compare.py).")
     ap.add_argument("--width", type=int, default=512, help="the MLP's width (default 512).")
+    ap.add_argument("--slow-member", type=int, default=1,
+                    help="the last member takes one step every K ticks (K=2: half speed; "
+                         "wait-free gossip variants only); --steps counts the others'.")
     ap.add_argument("--json", default=None, help="write every run's curve here.")
     args = ap.parse_args(argv)
     variants = [s for s in args.variants.split(",") if s]
-    bad = [s for s in variants if s not in VARIANTS]
+    bad = [s for s in variants if variant(s) is None]
     if bad:
         from qcomm.validation import did_you_mean
 
-        ap.error(f"unknown variant {bad[0]!r}; known: {', '.join(VARIANTS)}"
+        ap.error(f"unknown variant {bad[0]!r}; known: {', '.join(VARIANTS)}, diloco-hH-oO-mM, "
+                 "local-sgd-pP"
                  f"{did_you_mean(bad[0], VARIANTS)}")
+    lockstep = [s for s in variants if variant(s).kind != "gossip" or not variant(s).wait_free]
+    if args.slow_member < 1 or (args.slow_member > 1 and lockstep):
+        ap.error(f"--slow-member must be an int >= 1, and > 1 only with wait-free gossip "
+                 f"variants (got {args.slow_member} with {', '.join(lockstep) or 'none'})")
     if args.nodes < 2 or args.steps < 10 or args.seeds < 1:
         ap.error("--nodes must be >= 2, --steps >= 10, --seeds >= 1")
     args.marks = ([int(m) for m in args.marks.split(",") if m] if args.marks
@@ -265,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.common import cpu_model, load_average
 
     print(f"# cpu {cpu_model()}; load {load_average()}; {args.nodes} nodes; {args.steps} "
-          f"steps; lr {args.lr} {args.schedule}; {args.num_samples} samples; SLOW_LINK "
+          f"steps; lr {args.lr} {args.schedule}; {args.num_samples} samples; slow member "
+          f"every {args.slow_member} ticks; SLOW_LINK "
           f"{slow_link()}", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -85,7 +85,10 @@ class CommOptions:
             for the first 30% of the run, then anneals (cosine) to ``1 - outer_momentum``,
             where it no longer amplifies the inner steps' progress: a run at a constant
             learning rate then ends at its best instead of declining (docs/guide.md, "At the
-            end of a run"). Without an outer step it changes nothing.
+            end of a run"). It follows the job's progress: in the wait-free mode a node counts
+            its own steps or the furthest a neighbour is known to have taken, whichever is
+            more, so a slow node anneals with the fast ones (give the fastest node's count).
+            Without an outer step it changes nothing.
         intra_bits: None averages gradients inside a node in full precision; 1/2/4/8 quantizes
             them with error feedback.
         procs_per_node: ranks per node; None takes ``LOCAL_WORLD_SIZE`` (torchrun), else 1.

@@ -142,3 +142,49 @@ def test_with_the_step_shrinking_the_annealed_gossip_reaches_the_codecs_floor() 
     assert annealed[-1] < 1e-6 * quarter
     # the annealed outer step ends closer together than the constant one at every late mark
     assert all(annealed[t] < constant[t] for t in range(total // 2, total))
+
+
+def _half_speed(total: int | None) -> tuple[WaitFreeSimulator, list[torch.Tensor]]:
+    """Four wait-free members, the last at half speed, run for 48 ticks."""
+    sim = WaitFreeSimulator(4, 1024, periods=[1, 1, 1, 2], delay=1, total_steps=total, **SLOW)
+    xs, targets = _start(4, 1024)
+    sim.run(xs, 48, lambda i, x, step: x.sub_(0.05 * (x - targets[i])))
+    return sim, xs
+
+
+def test_a_slow_wait_free_member_anneals_with_the_jobs_progress_not_its_own_steps() -> None:
+    sim, _ = _half_speed(60)
+    fast, slow = sim.members[0], sim.members[3]
+    # the slow member took half the steps; its progress is the fast ones' (up to the rounds
+    # in flight: a delay of 1 tick, a round every round_period steps)
+    assert slow.steps == 24 and fast.steps == 48
+    assert fast.steps - 2 * SLOW["round_period"] <= slow.progress() <= fast.steps
+    # a fast member's is its own: nobody it heard from is ahead of it
+    assert fast.progress() == fast.steps
+    # so the slow member's outer lr is past the hold (18 of 60 steps), where its own steps
+    # (24 < 18 + a round) would barely have begun to anneal
+    lr = annealed_outer_lr(SLOW["outer_lr"], SLOW["outer_momentum"], slow.progress(), 60)
+    assert lr < annealed_outer_lr(SLOW["outer_lr"], SLOW["outer_momentum"], slow.steps, 60)
+
+
+def test_the_jobs_progress_is_kept_in_a_saved_state_and_a_bad_one_refused() -> None:
+    sim, _ = _half_speed(60)
+    sim.drain()
+    state = sim.members[3].state_dict()
+    assert state["furthest_heard"] > sim.members[3].steps
+    fresh = WaitFreeSimulator(4, 1024, total_steps=60, **SLOW).members[3]
+    fresh.load_state_dict(state)
+    assert fresh.progress() == sim.members[3].progress() > sim.members[3].steps
+    # kept even when nothing heard since shows it (a neighbour lost): the saved value stays
+    fresh._links.received = [0] * len(fresh._links.received)
+    assert fresh.progress() >= state["furthest_heard"]
+    for bad in (-1, 2.5, "7"):
+        m = WaitFreeSimulator(4, 1024, total_steps=60, **SLOW).members[3]
+        with pytest.raises((TypeError, ValueError), match=r"state\['furthest_heard'\]"):
+            m.load_state_dict(dict(state, furthest_heard=bad))
+        assert (m.steps, m.rounds_started, m.progress()) == (0, 0, 0)  # nothing loaded
+    # a state saved before the progress was kept loads; the rounds its links hold show it
+    old = {k: v for k, v in state.items() if k != "furthest_heard"}
+    m = WaitFreeSimulator(4, 1024, total_steps=60, **SLOW).members[3]
+    m.load_state_dict(old)
+    assert m.progress() == sim.members[3].progress()

@@ -43,7 +43,8 @@ class GossipConfig:
             (:meth:`~.member.GossipMember._mix_fragment`); 0 and 1 (default) are plain CHOCO.
         total_steps: the run's length in local steps, or None: the outer lr is held for its
             first 30%, then anneals to ``min(outer_lr, 1 - outer_momentum)`` at its end
-            (:mod:`.outer_anneal`).
+            (:mod:`.outer_anneal`), by the job's progress
+            (:meth:`~.member.GossipMember.progress`).
         wait_free: False: bounded staleness (:class:`~.choco.CompressedGossip`); True: no
             member waits for a neighbour's round (:class:`~.wait_free.WaitFreeGossip`). Read by
             :func:`~.factory.gossip_class` only.

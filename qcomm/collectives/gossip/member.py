@@ -129,7 +129,7 @@ class GossipMember:
             d = torch.sub(xf, a)
             u.mul_(self.outer_momentum).add_(d)
             d.add_(u, alpha=self.outer_momentum)
-            lr = annealed_outer_lr(self.outer_lr, self.outer_momentum, self.steps,
+            lr = annealed_outer_lr(self.outer_lr, self.outer_momentum, self.progress(),
                                    self.total_steps)
             torch.add(a, d, alpha=lr, out=xf)
         c = correction()
@@ -137,6 +137,12 @@ class GossipMember:
         if self._outer:
             self._anchor[frag].copy_(xf)
         return c
+
+    def progress(self) -> int:
+        """The job's progress in local steps, as far as this member knows: what the outer
+        step's anneal follows (:mod:`.outer_anneal`). In lockstep every member takes the same
+        steps, so its own; the wait-free mode also counts the furthest neighbour it heard."""
+        return self.steps
 
     def settle(self, x: torch.Tensor) -> None:
         """Add to ``x`` (float32 ``[numel]``, in place) what the mixing owes it and has not

@@ -8,6 +8,8 @@ setting): a fivefold learning rate that reaches a mark early and, at a constant 
 rate, overfits and declines late. With ``total_steps`` the outer lr stays at ``lr`` for the
 first :data:`HOLD` of the run, then follows a cosine to ``min(lr, 1 - mu)`` (amplification 1:
 the progress as the inner optimizer made it) at ``total_steps``, and stays there after it.
+The step it is given is the job's progress as the member knows it
+(:meth:`~.member.GossipMember.progress`): a node slower than the others anneals with them.
 """
 
 from __future__ import annotations
