@@ -53,3 +53,20 @@ def test_a_slow_member_changes_the_run_and_the_anneal_by_the_jobs_progress_shows
     ends = {r["variant"]: r["curve"]["24"]["consensus"] for r in slow}
     assert ends["slow-link-total"] != ends["slow-link-total-own"]
     assert all(set(r["curve"]) == {"12", "24"} for r in healthy + slow)
+
+
+def _fake(variant: str, accs: list[float], sent: float) -> dict:
+    curve = {10 * (i + 1): {"acc": a, "consensus": 0.0} for i, a in enumerate(accs)}
+    return {"variant": variant, "curve": curve, "final": accs[-1], "best": max(accs),
+            "best_step": 10 * (accs.index(max(accs)) + 1), "bytes_per_step": sent}
+
+
+def test_the_table_gives_the_median_runs_steps_to_the_target_and_its_bytes() -> None:
+    runs = [_fake("a", [0.5, 0.7, 0.8], 2000), _fake("a", [0.6, 0.64, 0.7], 4000),
+            _fake("a", [0.5, 0.6, 0.64], 3000),      # never: the median of 20, 30, never is 30
+            _fake("b", [0.5, 0.6, 0.6], 100), _fake("b", [0.7, 0.6, 0.6], 100),
+            _fake("b", [0.1, 0.2, 0.3], 100)]        # 10, never, never: the median never
+    assert F.steps_to(runs[0], 0.65) == 20 and F.steps_to(runs[2], 0.65) is None
+    rows = F.summarize(runs, ["a", "b"], [10, 20, 30], 0.65).splitlines()
+    assert rows[0].endswith("| steps to 65% | kB / step |")
+    assert rows[2].endswith("| 30 | 3.0 |") and rows[3].endswith("| never | 0.1 |")
