@@ -255,7 +255,8 @@ def run(name: str, seed: int, args: argparse.Namespace, data: Path) -> dict:
         sent = 2 * (n - 1) / n * 4 * numel / (1 if v.kind == "ddp" else v.period)
     return {"variant": name, "seed": seed, "schedule": args.schedule,
             "num_samples": args.num_samples, "curve": curve, "final": accs[marks[-1]],
-            "best": accs[best], "best_step": best, "bytes_per_step": sent, "seconds": time.perf_counter() - t0}
+            "best": accs[best], "best_step": best, "bytes_per_step": sent,
+            "seconds": time.perf_counter() - t0}
 
 
 def steps_to(result: dict, target: float) -> int | None:
