@@ -78,14 +78,16 @@ def test_one_message_per_round_and_copies_per_link() -> None:
             assert torch.equal(m.mine[p], members[p].theirs[m.member])
 
 
-def test_fragments_converge_and_keep_the_average() -> None:
-    n = 8
-    members = _members(n, spec=SPEC4, staleness=1, fragments=2)
+@pytest.mark.parametrize(("n", "fragments", "rounds"), [(8, 2, 160), (16, 4, 320),
+                                                      (12, 2, 200), (32, 8, 640)])
+def test_fragments_converge_and_keep_the_average(n: int, fragments: int, rounds: int) -> None:
+    # (16, 4): as many fragments as hops; a fragment taking the hop of the round's number
+    # would meet one peer only, and the group would never agree
+    members = _members(n, spec=SPEC4, staleness=1, fragments=fragments)
     xs = _xs(n)
     mean0 = torch.stack(xs).double().mean(0)
     scale = max(float(x.abs().max()) for x in xs)
     d0 = GossipSimulator.consensus_distance(xs)
-    rounds = 160
     for _ in range(rounds):
         _round(members, xs)
     assert GossipSimulator.consensus_distance(xs) <= 1e-3 * d0

@@ -112,7 +112,22 @@ def test_static_checks_refuse_the_time_varying_graph() -> None:
         check_any_graph("one-peer")
 
 
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("fragments", [1, 2, 3, 4, 5])
+def test_every_fragment_meets_every_peer_in_its_own_k_rounds(n: int, fragments: int) -> None:
+    k = hops(n)
+    for i in range(n):
+        for f in range(fragments):
+            met = {one_peer_partner(i, f + fragments * j, n, fragments) for j in range(k)}
+            assert met - {None} == set(one_peer_peers(i, n))
+        # one fragment a round: every fragment takes a hop before the next hop starts
+        assert [one_peer_partner(i, t, n, fragments) for t in range(fragments)] == \
+            [one_peer_partner(i, 0, n)] * fragments
+
+
 def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="fragments must be"):
+        one_peer_partner(0, 0, 4, 0)
     with pytest.raises(ValueError, match="node must be"):
         one_peer_partner(4, 0, 4)
     with pytest.raises(ValueError, match="round must be"):

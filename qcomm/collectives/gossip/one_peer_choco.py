@@ -81,7 +81,7 @@ class OnePeerGossip(CompressedGossip):
 
     def partner(self, round: int) -> int | None:
         """This member's peer in ``round``, or None: it sits that round out."""
-        return one_peer_partner(self.member, round, self.size)
+        return one_peer_partner(self.member, round, self.size, self.fragments)
 
     def _ensure_buffers(self, like: torch.Tensor) -> None:
         if self._scratch is None:

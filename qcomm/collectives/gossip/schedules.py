@@ -10,6 +10,8 @@ information still spreads over the whole group.
 
     partner(i, t) = i XOR 2**(t mod K)        (when that is < n; else i sits the round out)
 
+(``2**((t // F) mod K)`` for a gossip of F fragments, one per round: :func:`one_peer_partner`.)
+
 * Symmetric without coordination: XOR with a fixed mask is its own inverse, so
   ``partner(partner(i, t), t) == i`` and both ends derive the same pair from the round number
   alone; no node is paired twice in one round.
@@ -82,16 +84,24 @@ def hops(n: int) -> int:
     return (_check_n(n) - 1).bit_length()
 
 
-def one_peer_partner(node: int, round: int, n: int) -> int | None:
+def one_peer_partner(node: int, round: int, n: int, fragments: int = 1) -> int | None:
     """``node``'s peer in ``round`` (int >= 0) of ``"one-peer-exp"`` over ``n`` nodes:
-    ``node XOR 2**(round mod K)``, or None when that is not a node (``>= n``) or ``n == 1``:
-    the node sits the round out."""
+    ``node XOR 2**((round // fragments) mod K)``, or None when that is not a node (``>= n``)
+    or ``n == 1``: the node sits the round out.
+
+    ``fragments`` (int >= 1): a gossip that sends one fragment of its vector in turn per round
+    (fragment ``round mod fragments``) takes the next hop only once every fragment has had a
+    round on the current one, so each fragment meets all K peers in its own K rounds. With
+    ``2**(round mod K)`` a fragment would meet only the hops ``f, f + F, ...`` mod K: at
+    ``K == fragments`` (16 nodes, 4 fragments) always the same one, the group split into pairs
+    that drift apart."""
     k = hops(n)
     check_int("node", node, low=0, high=n, high_open=True)
     check_int("round", round, low=0)
+    check_int("fragments", fragments, low=1)
     if k == 0:
         return None
-    peer = node ^ (1 << (round % k))
+    peer = node ^ (1 << ((round // fragments) % k))
     return peer if peer < n else None
 
 
