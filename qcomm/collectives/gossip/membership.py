@@ -225,7 +225,10 @@ class Membership:
 
     def lose(self, k: int, err: PeerError, own: OwnState) -> LinkChanges:
         """Drop link k for good (its neighbour is lost) and open a link to the nearest live
-        member on each side that is not a neighbour already."""
+        member on each side that is not a neighbour already. A link being retired that fails
+        is closed instead (:meth:`_close_retiring`): no loss."""
+        if self.links[k].live and self.links[k].retiring:
+            return self._close_retiring(k, err)
         changes = LinkChanges()
         event = self.drop(k, err, steps=own.steps, rounds=own.rounds_started)
         if event is None:
@@ -240,6 +243,21 @@ class Membership:
                 linked.append(self.group_ranks[j])
         self.log_loss(event, err, linked)
         return changes
+
+    def _close_retiring(self, k: int, err: PeerError) -> LinkChanges:
+        """Link k, retired (a member arrived between its ends), failed before its retire
+        exchange ended: closed as the exchange would have closed it. Its neighbour is not
+        lost: it is no neighbour any more, and the ring does not close over it; should it
+        have died, the members beside it now find that on their own links. What of its
+        messages was not applied here leaves its mirror unadded (as a loss would)."""
+        link = self.links[k]
+        link.live = False
+        self.retired_in = [j for j in self.retired_in if j != k]
+        self.streams().drop(k)
+        log.info("qcomm: rank %d closed its retired link to rank %d, which failed before "
+                 "the retire exchange ended (%s: %s); not a loss", self.rank, link.rank,
+                 type(err).__name__, err)
+        return LinkChanges(dropped=[k])
 
     def open_link(self, peer: int, own: OwnState) -> LinkChanges:
         """Open a link to ``peer`` and send it the hello: a control message, then two
