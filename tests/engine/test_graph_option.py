@@ -6,6 +6,7 @@ anything is built."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -169,3 +170,60 @@ def test_a_bad_graph_is_refused_by_the_optimizer_before_anything_is_built(comm: 
     with pytest.raises(ValueError, match=match):
         ASSGD(model.parameters(), lr=0.1, **comm)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def _save_and_resume(rank: int, layout_of, steps: int, **comm) -> dict:
+    """``steps`` steps, a checkpoint (deep copies), ``steps`` more; then a new model and
+    optimizer loaded from the checkpoint take the same ``steps`` more."""
+    torch.set_num_threads(1)
+    model = mlp(rank)
+    opt = ASSGD(model.parameters(), layout=layout_of(), **{**KW, **comm})
+
+    def train(m: torch.nn.Module, o: ASSGD, first: int) -> None:
+        for step in range(first, first + steps):
+            o.zero_grad()
+            mlp_loss(m, rank, step).backward()
+            o.step()
+
+    train(model, opt, 0)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    train(model, opt, steps)
+    kind = type(opt.engine._runtime.node.gossip).__name__
+    opt.close()
+    resumed = mlp(99)
+    opt2 = ASSGD(resumed.parameters(), layout=layout_of(), **{**KW, **comm})
+    resumed.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    train(resumed, opt2, steps)
+    opt2.close()
+    return {"kind": kind, "same": all(torch.equal(a, b) for a, b in
+                                      zip(model.parameters(), resumed.parameters(), strict=True))}
+
+
+@pytest.mark.parametrize("comm", [{}, {"graph": "one-peer-exp"}], ids=["by-count", "named"])
+def test_eight_nodes_resume_from_a_checkpoint_with_the_bits_of_a_run_never_stopped(
+        comm: dict) -> None:
+    world = MemoryWorld(8, timeout_s=60)
+    layout_of = lambda r: lambda: Topology(1, rank=r, world_size=8, world=world)
+    threads = torch.get_num_threads()
+    try:
+        res = world.run(lambda r: _save_and_resume(r, layout_of(r), 5, **comm), timeout_s=240)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(r["kind"] == "OnePeerGossip" and r["same"] for r in res), res
+
+
+def test_a_checkpoint_compares_the_graph_each_run_gossips_over() -> None:
+    from qcomm.engine.options import CommOptions
+    from qcomm.engine.state import check_loadable
+
+    def entry(nodes: int, **comm) -> dict:
+        return {"format": 2, "world_size": nodes, "procs_per_node": 1, "rank": 0,
+                "comm": CommOptions(**comm).as_dict(), "gossip": None}
+
+    at = lambda nodes: Topology(1, rank=0, world_size=nodes)
+    # the graph a default run gossips over: the ring at 4 nodes, the one-peer graph at 8
+    assert check_loadable(entry(4, graph="ring"), CommOptions(), at(4))
+    assert check_loadable(entry(8), CommOptions(graph="one-peer-exp"), at(8))
+    with pytest.raises(ValueError, match=r"'graph': 'ring'.*'graph': 'one-peer-exp'"):
+        check_loadable(entry(8, graph="ring"), CommOptions(), at(8))
