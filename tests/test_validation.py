@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from qcomm.collectives.gossip import default_gamma, neighbours
+from qcomm.collectives.gossip import default_gamma, mixing_matrix, neighbours
 from qcomm.collectives.hierarchical import HierarchicalAllreduce
 from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.memory import GossipSimulator, MemoryWorld
@@ -86,11 +86,12 @@ SHARED: dict[str, tuple[object, type, str, list[Callable[[object], object]]]] = 
         lambda v: HierarchicalAllreduce(LONE, bucket_mb=v),
         lambda v: HierarchicalQuantState(bucket_mb=v),
     ]),
-    # (the simulator takes the time-varying graph too: its own test below)
+    # (the simulator and CommOptions take the time-varying graph too, CommOptions None as
+    # well: tests of their own, below and in tests/collectives/test_gossip_options.py)
     "graph": ("star", ValueError,
               "graph must be one of ('ring', 'exponential', 'complete'), got 'star'", [
-                  lambda v: CommOptions(graph=v),
                   lambda v: neighbours(v, 0, 4),
+                  lambda v: mixing_matrix(v, 4),
               ]),
     "bits": (3, ValueError, "bits must be one of (1, 2, 4, 8), got 3", [
         lambda v: QuantSpec(bits=v),

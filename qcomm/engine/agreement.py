@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from qcomm.collectives.gossip.schedules import ALL_GRAPHS
 from qcomm.collectives.group import CommGroup
 from qcomm.collectives.primitives import all_gather_flat, wait_works
 from qcomm.engine.options import (
-    GRAPHS,
     JOIN_OPTIMIZER_STATES,
     MIXINGS,
     NONFINITE_MODES,
@@ -64,7 +64,7 @@ _OPTION_CODECS: dict[str, tuple[Callable[[Any], int], Callable[[int], Any]]] = {
     "bits": _optional_int(),
     "block_size": _optional_int(),
     "rounding": _choice(ROUNDING_MODES),
-    "graph": _choice(GRAPHS),
+    "graph": _choice((None, *ALL_GRAPHS)),   # None: chosen by the node count, alike
     "mixing": _choice(MIXINGS),
     "staleness": _optional_int(),
     "gamma": _optional_float(),

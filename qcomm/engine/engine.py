@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from qcomm.collectives.gossip.clock import StepClock
-from qcomm.collectives.gossip.factory import gossip_class
+from qcomm.collectives.gossip.factory import mode_class
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.engine.attachment import Attachment
@@ -65,7 +65,7 @@ class AveragingEngine:
         self.clock = clock   # the run's steps: the gossip advances it, or else finish_step
         self._placement = placement
         self._attached = Attachment(owner)
-        self._kind = gossip_class(options.gossip_config())   # the gossip's mode, asked
+        self._kind = mode_class(options.wait_free)   # the gossip's mode, asked
         self._step = StepCycle(options, clock, self._kind.lockstep, self._attached, placement,
                                skipped_steps)
         self._state = EngineState(options, placement)

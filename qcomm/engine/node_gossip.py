@@ -72,7 +72,7 @@ class NodeGossip:
             self.flat = FlatParams(self.params, topology.procs_per_node, align)
             self._index, self._node_share = topology.local_rank, intra
         self.gossip = build_gossip(
-            options.gossip_config(), topology.rail_ranks, topology.rail,
+            options.gossip_config(topology.num_nodes), topology.rail_ranks, topology.rail,
             self.flat.shard_numel, stats=stats, clock=clock,
             # One random stream per rail (rails quantize different shards).
             seed=rail_seed(options.seed, topology.local_rank))

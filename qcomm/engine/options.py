@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from qcomm.collectives.gossip.config import GossipConfig
+from qcomm.collectives.gossip.graph_choice import check_option_graph, choose_graph
 from qcomm.collectives.gossip.options import GRAPHS, MIXINGS, OPTION_CHECKS, check_fragments
 from qcomm.collectives.gossip.options import ON_PEER_LOSS as PEER_LOSS_MODES
 from qcomm.compress import QuantSpec
@@ -68,7 +69,12 @@ class CommOptions:
         bits: gossip code width between nodes, one of 1, 2, 4, 8.
         block_size: elements per quantization scale, a power of two in [32, 4096].
         rounding: ``"stochastic"`` (unbiased) or ``"nearest"``.
-        graph: gossip graph between nodes: ``"ring"``, ``"exponential"`` or ``"complete"``.
+        graph: gossip graph between nodes: ``"ring"``, ``"exponential"``, ``"complete"``, or
+            ``"one-peer-exp"`` (one peer per round, changing with the round: bounded
+            staleness only, not with ``wait_free``); None (default): chosen by the node count
+            when the run starts (:func:`~qcomm.collectives.gossip.graph_choice.choose_graph`:
+            the ring below 7 nodes, the one-peer graph from 7 in lockstep, the ring
+            wait-free), and said in the layout log line.
         mixing: ``"uniform"`` or ``"metropolis"`` mixing weights.
         staleness: gossip rounds in flight: a round is applied when the round ``staleness``
             rounds later starts (>= 0; 0 is synchronous).
@@ -124,7 +130,7 @@ class CommOptions:
     bits: int = 4
     block_size: int = 128
     rounding: str = "stochastic"
-    graph: str = "ring"
+    graph: str | None = None
     mixing: str = "uniform"
     staleness: int = 1
     gamma: float | None = None
@@ -172,6 +178,9 @@ class CommOptions:
         self.gossip_spec  # noqa: B018 -- QuantSpec checks bits, block_size and rounding
         for name, check in OPTION_CHECKS.items():
             check(getattr(self, name))
+        check_instance("wait_free", self.wait_free, bool, what="True or False")
+        # Before the graph: which graphs a run takes depends on its mode.
+        check_option_graph(self.graph, self.wait_free)
         check_int("sync_every", self.sync_every, low=1)
         check_fragments(self.fragments, self.sync_every, "sync_every")
         check_choice("intra_bits", self.intra_bits, SUPPORTED_BITS, allow_none=True)
@@ -179,7 +188,6 @@ class CommOptions:
         check_bucket_mb(self.bucket_mb)
         check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_MODES)
         check_choice("join_optimizer_state", self.join_optimizer_state, JOIN_OPTIMIZER_STATES)
-        check_instance("wait_free", self.wait_free, bool, what="True or False")
         if self.on_peer_loss == "continue" and not self.wait_free:
             raise ValueError("on_peer_loss='continue' needs wait_free=True: a node that waits "
                              "for its neighbours' rounds cannot go on without one")
@@ -231,13 +239,29 @@ class CommOptions:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def gossip_config(self) -> GossipConfig:
+    def chosen_graph(self, num_nodes: int) -> tuple[str, str]:
+        """The graph a run of ``num_nodes`` (int >= 1) nodes gossips over and why, in words:
+        :attr:`graph`, or the one chosen by the node count when it is None
+        (:func:`~qcomm.collectives.gossip.graph_choice.choose_graph`)."""
+        return choose_graph(self.graph, num_nodes, self.wait_free)
+
+    def gossip_config(self, num_nodes: int | None = None) -> GossipConfig:
         """The gossip's settings, built from these options: the one mapping from the options
         to :class:`~qcomm.collectives.gossip.config.GossipConfig` (each of its fields is the
         option of its name, ``spec`` is :attr:`gossip_spec`, ``round_period`` is
-        :attr:`round_period`)."""
-        return GossipConfig(**{f.name: getattr(self, _GOSSIP_OPTION_OF.get(f.name, f.name))
-                               for f in fields(GossipConfig)})
+        :attr:`round_period`, ``graph`` is :meth:`chosen_graph` for ``num_nodes``).
+
+        Raises:
+            ValueError: ``num_nodes`` is None and :attr:`graph` is None (the graph is then
+                chosen by the node count).
+        """
+        if num_nodes is None and self.graph is None:
+            raise ValueError("num_nodes must be given when graph is None (the graph is then "
+                             "chosen by the node count), got None")
+        graph = self.graph if num_nodes is None else self.chosen_graph(num_nodes)[0]
+        values = {f.name: getattr(self, _GOSSIP_OPTION_OF.get(f.name, f.name))
+                  for f in fields(GossipConfig) if f.name != "graph"}
+        return GossipConfig(graph=graph, **values)
 
     @property
     def gossip_spec(self) -> QuantSpec:

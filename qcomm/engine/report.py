@@ -31,7 +31,7 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-def _schedule(options: CommOptions, gamma: float | None) -> str:
+def _schedule(options: CommOptions, gamma: float | None, num_nodes: int) -> str:
     """The gossip's schedule in words: how often, in what pieces, how stale, which step."""
     every = ("every step" if options.sync_every == 1
              else f"every part once every {options.sync_every} steps")
@@ -41,7 +41,7 @@ def _schedule(options: CommOptions, gamma: float | None) -> str:
              if options.outer_momentum else "")
     if outer and options.total_steps is not None:
         outer += f" annealed over {options.total_steps} steps"
-    config = options.gossip_config()
+    config = options.gossip_config(num_nodes)
     mode = gossip_class(config).mode_words(config)
     return f"gossip {every}{pieces}, {mode}, {step}{outer}"
 
@@ -49,9 +49,9 @@ def _schedule(options: CommOptions, gamma: float | None) -> str:
 def topology_line(topology: Topology, options: CommOptions, ddp_intra: bool, gossiped: int,
                   gamma: float | None = None, *, sharded: bool = False) -> tuple[int, str]:
     """(logging level, the sentence) that says how this job communicates: nodes and ranks,
-    what is averaged how on which link, and the gossip's schedule. One node is a warning:
-    nothing crosses a slow link then. ``gossiped``: elements in this rank's flat buffer
-    (with ``sharded``, FSDP2's parameters, its local parts only)."""
+    what is averaged how on which link, the graph and why, and the gossip's schedule. One
+    node is a warning: nothing crosses a slow link then. ``gossiped``: elements in this
+    rank's flat buffer (with ``sharded``, FSDP2's parameters, its local parts only)."""
     L, N = topology.procs_per_node, topology.num_nodes
     intra = ("FSDP2's reduce-scatter" if sharded else "DDP in backward" if ddp_intra else
              f"{options.intra_bits}-bit" if options.intra_bits else "fp32")
@@ -60,10 +60,11 @@ def topology_line(topology: Topology, options: CommOptions, ddp_intra: bool, gos
                else f"{gossiped} parameters gossiped between nodes")
     if N > 1:
         share = "" if sharded else f", each local rank carrying 1/{L} of them on its rail"
+        graph, why = options.chosen_graph(N)
         return logging.INFO, (
             f"qcomm: {_count(N, 'node')} x {_count(L, 'rank')}; gradients averaged inside "
             f"each node ({intra}); {carried} in {options.bits}-bit messages over a "
-            f"{options.graph} graph{share}; {_schedule(options, gamma)}")
+            f"{graph} graph ({why}){share}; {_schedule(options, gamma, N)}")
     return logging.WARNING, (
         f"qcomm: 1 node x {_count(L, 'rank')}: gradients are averaged inside the node "
         f"({intra}) and nothing is compressed, since no link between nodes exists. To emulate "

@@ -31,6 +31,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from qcomm.collectives.gossip.clock import StepClock
+from qcomm.collectives.gossip.graph_choice import choose_graph
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
 from qcomm.engine.options import WIRE_FIELDS, CommOptions
@@ -71,9 +72,17 @@ def _nonzero_residuals(intra: dict | None) -> bool:
     return any(t.numel() and bool(t.abs().max() > 0) for t in residuals)
 
 
-def _check_wire(state: dict, options: CommOptions) -> None:
-    saved = {k: state["comm"].get(k) for k in WIRE_FIELDS}
+def _check_wire(state: dict, options: CommOptions, num_nodes: int) -> None:
+    """Raise ValueError unless ``state`` was saved with this run's wire options; the graph
+    compared is the one each run gossips over (``graph=None`` chooses it by the node count:
+    the saved run's count for the saved one, ``num_nodes`` for this one)."""
+    comm = state["comm"]
+    saved = {k: comm.get(k) for k in WIRE_FIELDS}
     mine = {k: getattr(options, k) for k in WIRE_FIELDS}
+    saved_nodes = max(1, state["world_size"] // state["procs_per_node"])
+    saved["graph"] = choose_graph(comm.get("graph"), saved_nodes,
+                                  bool(comm.get("wait_free", False)))[0]
+    mine["graph"] = options.chosen_graph(num_nodes)[0]
     if saved != mine:
         raise ValueError(f"checkpoint was saved with communication options {saved}, "
                          f"this optimizer has {mine}")
@@ -113,7 +122,7 @@ def check_loadable(state: object, options: CommOptions, topology: Topology | Non
     lost = (state.get("gossip") or {}).get("lost") or []
     if not same and lost and on_world_size_change == "error" \
             and _survivor_of(state, lost, world, ppn, rank):
-        _check_wire(state, options)
+        _check_wire(state, options, max(1, world // ppn))
         return True   # the survivors' own run, restarted without the lost nodes: exact
     if same and lost:
         if on_world_size_change == "error":
@@ -136,7 +145,7 @@ def check_loadable(state: object, options: CommOptions, topology: Topology | Non
     if same:
         if state["rank"] != rank:
             raise ValueError(f"checkpoint belongs to rank {state['rank']}, this is rank {rank}")
-        _check_wire(state, options)
+        _check_wire(state, options, max(1, world // ppn))
         return True
     if _nonzero_residuals(state["intra"]):
         raise ValueError(

@@ -4,9 +4,10 @@ member over a :class:`~qcomm.collectives.gloo.pair_group.PairGroup` of the rende
 mixing a random vector (no local update; ``--step-s`` of sleep stands for the compute).
 
 ``--mode member``: ``--steps`` steps, then drain, settle and sum along the ring; with ``--join``
-it joins the running job from a neighbour's state. ``--mode host`` / ``visitor``: member 0 stays
-while member 1 comes and goes ``--cycles`` times in one process. Each writes what it ends with
-to ``--out`` (a ``torch.save`` file).
+it joins the running job from a neighbour's state; with ``--cut-after-admit M`` its link to
+member M breaks once M admitted a joiner between them, before this one does. ``--mode host`` /
+``visitor``: member 0 stays while member 1 comes and goes ``--cycles`` times in one process.
+Each writes what it ends with to ``--out`` (a ``torch.save`` file).
 
     python -m qcomm.testing.join_world --member 1 --size 3 --port P --steps 600 \
         --out /tmp/m1.pt [--join]
@@ -64,14 +65,27 @@ def _join(g: WaitFreeGossip, store: dist.Store, member: int, incarnation: int,
     return state["x"].clone(), seq
 
 
+def _break_link_to(g: WaitFreeGossip, peer: int) -> None:
+    """Break the connection of ``g``'s live link to member ``peer`` as a failure would (its
+    group of two aborted, both ends running): the streams find it on their own."""
+    k = g.membership.link_to(peer)
+    g._streams._links[k].channel.close()   # the transport's own abort, reached from a test
+
+
 def _step(g: WaitFreeGossip, x: torch.Tensor, watcher: JoinWatcher, store: dist.Store,
-          member: int, step_s: float) -> None:
+          member: int, step_s: float, cut: int | None = None) -> None:
     """One step: admit the members that join (the one just below a joiner hands it its
-    state), then a round."""
+    state), then a round. ``cut``: once member ``cut`` has admitted a joiner (and retired
+    its link to this member), break that link and admit the joiner here at once (this
+    member's retire never leaves: a failure before the retire exchange ends)."""
     for seq, joiner, _ in watcher.new():
         if joiner == member:
             continue
+        if cut is not None:
+            store.wait([f"admitted/{seq}/{cut}"], datetime.timedelta(seconds=20))
+            _break_link_to(g, cut)
         admit(g, joiner)
+        store.set(f"admitted/{seq}/{member}", "1")
         if g.membership.nearest_live(1) == joiner:
             offer_state(store, seq, _state_bytes(x, g))
     g.prepare()
@@ -111,7 +125,7 @@ def run_member(args: argparse.Namespace, store: dist.Store) -> None:
     watcher = JoinWatcher("127.0.0.1", args.port, seen=seen, poll_s=0.05)
     times = []   # wall time at the end of each step
     while g.steps < args.steps:
-        _step(g, x, watcher, store, args.member, args.step_s)
+        _step(g, x, watcher, store, args.member, args.step_s, args.cut_after_admit)
         times.append(time.time())
         if g.steps % 10 == 0:
             store.set(f"progress/{args.member}/{incarnation}", str(g.steps))
@@ -177,6 +191,9 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--step-s", type=float, default=0.01)
     ap.add_argument("--numel", type=int, default=NUMEL)
+    ap.add_argument("--cut-after-admit", type=int, default=None,
+                    help="member whose link to this one breaks right after both admit a "
+                         "joiner between them")
     args = ap.parse_args()
     # torch starts its intra-op pool threads lazily, at the first op that goes parallel: start
     # them now, so that a thread count measures this process, not when torch first needed one

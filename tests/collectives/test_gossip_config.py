@@ -46,7 +46,14 @@ def test_comm_options_set_every_gossip_setting() -> None:
 
 
 def test_the_default_options_give_the_default_settings() -> None:
-    assert CommOptions().gossip_config() == GossipConfig()
+    # the graph is chosen by the node count: the ring up to 6 nodes, as it always was
+    for n in (1, 2, 3, 4, 6):
+        assert CommOptions().gossip_config(n) == GossipConfig()
+    assert CommOptions().gossip_config(7) == GossipConfig(graph="one-peer-exp")
+    assert CommOptions(wait_free=True).gossip_config(64) == GossipConfig(wait_free=True)
+    with pytest.raises(ValueError, match="num_nodes must be given when graph is None"):
+        CommOptions().gossip_config()
+    assert CommOptions(graph="ring").gossip_config(64) == GossipConfig()   # named: kept
 
 
 @pytest.mark.parametrize("cls", [CompressedGossip, WaitFreeGossip])

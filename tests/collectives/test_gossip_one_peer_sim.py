@@ -152,7 +152,7 @@ GRAPH_REFUSED = r"graph must be one of \('ring', 'exponential', 'complete'\) her
                 r"'one-peer-exp'"
 
 
-def test_the_wait_free_mode_and_the_engine_refuse_the_graph() -> None:
+def test_the_wait_free_mode_refuses_the_graph() -> None:
     world = MemoryWorld(4, clock=lambda: 0.0)
     group = world.group([0, 1, 2, 3], 0)
     # The lockstep OnePeerGossip takes it (test_gossip_one_peer_choco.py), the static member
@@ -163,7 +163,7 @@ def test_the_wait_free_mode_and_the_engine_refuse_the_graph() -> None:
         WaitFreeGossip([0, 1, 2, 3], group, NUMEL, graph="one-peer-exp")
     with pytest.raises(ValueError, match=GRAPH_REFUSED):
         WaitFreeSimulator(4, NUMEL, graph="one-peer-exp")
-    with pytest.raises(ValueError, match="graph"):
-        CommOptions(graph="one-peer-exp")
+    with pytest.raises(ValueError, match=r"graph must be one of .* with wait_free=True"):
+        CommOptions(graph="one-peer-exp", wait_free=True)
     with pytest.raises(ValueError, match="graph must be one of"):
         GossipSimulator(4, NUMEL, graph="one-peer")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from collections.abc import Callable
 from dataclasses import fields
 
@@ -22,7 +23,6 @@ WAIT_FREE_ONLY = ("max_backlog", "on_peer_loss")
 
 # option -> bad values: out of range, of the wrong kind, and a near miss of a choice
 BAD: dict[str, list[object]] = {
-    "graph": ["star", "rign", 1],
     "mixing": ["even", "metropolice"],
     "staleness": [-1, 1.0, True],
     "gamma": [0, 1.5, math.nan, "0.5"],
@@ -57,11 +57,12 @@ def _refusal(make: Callable[[], object]) -> Exception:
 
 def test_the_table_holds_every_option_both_take() -> None:
     # A member takes its settings as a GossipConfig (or its fields as keywords) and its seed;
-    # wait_free picks the member's class (the factory), so no member checks it.
+    # wait_free picks the member's class (the factory), so no member checks it; the graphs a
+    # member takes are its class's, CommOptions takes its mode's and None (test_graph_*).
     member = ({f.name for f in fields(GossipConfig)}
               | set(inspect.signature(WaitFreeGossip).parameters))
     both = member & set(CommOptions.__dataclass_fields__)
-    assert set(OPTION_CHECKS) | {"fragments", "wait_free"} == both
+    assert set(OPTION_CHECKS) | {"fragments", "wait_free", "graph"} == both
 
 
 @pytest.mark.parametrize(("name", "value"), CASES, ids=str)
@@ -97,6 +98,34 @@ def test_a_misspelled_choice_gets_the_nearest_one() -> None:
         CompressedGossip([0, 1], _group(), NUMEL, graph="rign")
     with pytest.raises(ValueError, match=r"got 'star'$"):  # no graph is near it
         CommOptions(graph="star")
+    with pytest.raises(ValueError, match=r"got 'one-peer-ex'; did you mean 'one-peer-exp'\?$"):
+        CommOptions(graph="one-peer-ex")
+
+
+STATIC = "('ring', 'exponential', 'complete')"
+EVERY = "('ring', 'exponential', 'complete', 'one-peer-exp')"
+
+
+@pytest.mark.parametrize("value", ["star", 1, "Ring"], ids=str)
+def test_graph_is_refused_with_the_graphs_each_one_takes(value: object) -> None:
+    # a static member: the static graphs; CommOptions: every graph of its mode, or None
+    for make in (lambda v: CompressedGossip([0, 1], _group(), NUMEL, graph=v),
+                 lambda v: WaitFreeGossip([0, 1], _group(), NUMEL, graph=v)):
+        assert str(_refusal(lambda make=make: make(value))).startswith(
+            f"graph must be one of {STATIC}, got {value!r}")
+    got = _refusal(lambda: CommOptions(graph=value))
+    assert type(got) is ValueError
+    assert str(got).startswith(f"graph must be one of {EVERY} or None, got {value!r}")
+    got = _refusal(lambda: CommOptions(graph=value, wait_free=True))
+    assert str(got).startswith(f"graph must be one of {STATIC} or None, got {value!r}")
+
+
+def test_graph_one_peer_exp_is_an_option_of_the_lockstep_mode_only() -> None:
+    assert CommOptions(graph="one-peer-exp").graph == "one-peer-exp"
+    assert CommOptions().graph is None   # chosen by the node count
+    with pytest.raises(ValueError, match=rf"graph must be one of {re.escape(STATIC)} or None "
+                                         r"with wait_free=True, got 'one-peer-exp'"):
+        CommOptions(graph="one-peer-exp", wait_free=True)
 
 
 def test_a_default_gamma_is_still_taken_from_bits_and_staleness() -> None:

@@ -318,3 +318,35 @@ def test_a_member_that_leaves_with_a_goodbye_is_not_a_loss_and_can_come_back() -
     sim.run(xs, 5)
     _check_ring(sim, list(range(5)))
     assert all(m.losses == [] for m in sim.members)
+
+
+@pytest.mark.parametrize("n", [4, 5, 6])
+def test_a_retired_link_that_fails_before_its_retire_exchange_ends_is_no_loss(n: int) -> None:
+    """Member 2 joins between 1 and 3, which retire their link; it breaks before the retires
+    arrive (its transport aborted, both ends running). Each end closes it as the exchange
+    would have: no loss, the ring is the whole ring, and when 2 is lost again later, 1 and 3
+    close the ring over it to each other (not to a member further on)."""
+    sim = _sim(n)
+    xs = _start(n)
+    sim.run(xs, 20)
+    sim.kill(2)
+    sim.run(xs, 8)
+    sim.join(2, xs)                  # 1 and 3 retire 1-3: their retires are on the wire
+    assert all(sim.members[i].membership.links[k].retiring for i, j in ((1, 3), (3, 1))
+               for k in sim.members[i].membership.live_links()
+               if sim.members[i].peers[k] == j)
+    sim.boxes.cut(1, 3)              # the retires are lost with the connection
+    sim.run(xs, 10)
+    everyone = list(range(n))
+    _check_ring(sim, everyone)
+    for i, m in enumerate(sim.members):
+        assert m.lost == set() and m.live_members() == n, i
+    # the only losses: member 2's death, on 1 and 3
+    assert [len(m.losses) for m in sim.members] == [0, 1, 0, 1] + [0] * (n - 4)
+    sim.boxes.mend(1, 3)
+    sim.kill(2)
+    sim.run(xs, 10)
+    survivors = [i for i in everyone if i != 2]
+    _check_ring(sim, survivors)
+    for i in (1, 3):   # 2's neighbours saw it lost (the others learn it at a drain)
+        assert sim.members[i].live_members() == n - 1 and sim.members[i].lost == {2}, i

@@ -107,3 +107,42 @@ def test_twenty_visits_leave_no_thread_or_descriptor_behind(
     assert set(res["counts"].values()) == {res["counts"][1]}, res["counts"]
     assert res["losses"] == 0   # every visit left with a goodbye: none was a loss
     assert logs[0].count("which joins") == 19   # visits 2-20 joined
+
+
+@pytest.mark.parametrize("size", [4])
+def test_a_retired_link_that_breaks_before_its_retire_exchange_ends_is_no_loss(
+        tmp_path: Path, rendezvous: tuple[int, dist.Store], size: int) -> None:
+    """Member 2 is killed and restarted; it joins between 1 and 3, which retire their link,
+    and that link's connection breaks after 3 retired it and before 1 does (member 1 aborts
+    its group of two, then admits the joiner: its retire never leaves, 3's may be lost): each
+    end closes it as the retire exchange would have, no loss, and every live member ends on
+    the whole ring with one model. Enough steps that no member ends before the join."""
+    port, store = rendezvous
+    steps = 1500
+    outs = [tmp_path / f"m{i}.pt" for i in range(size)]
+    extra = {1: ("--cut-after-admit", "3")}
+    procs = [_worker(i, port, steps, outs[i], *extra.get(i, ()), size=size)
+             for i in range(size)]
+    try:
+        wait_progress(store, "progress/2/1", 100, 60)
+        procs[2].send_signal(signal.SIGKILL)
+        procs[2].wait(10)
+        wait_progress(store, "progress/1/1", 200, 60)   # its neighbours went on without it
+        procs[2] = _worker(2, port, steps, outs[2], "--join", size=size)
+    finally:
+        logs = _finish(procs, 180)
+    assert [p.returncode for p in procs] == [0] * size, "\n".join(map(str, logs))
+    assert "closed its retired link to rank 1" in logs[3], logs[3]   # 1's retire never left
+    res = [torch.load(o, weights_only=True) for o in outs]
+    for i, r in enumerate(res):
+        assert r["live"] == size and r["lost"] == [], (i, r["lost"])
+        ring = {(i - 1) % size, (i + 1) % size}
+        assert r["peers"] == sorted(ring), (i, r["peers"])
+    # the only losses: 2's death, on 1 and 3 (the joiner and the others saw none)
+    assert [r["losses"] for r in res] == [0, 1, 0, 1] + [0] * (size - 4)
+    assert all(torch.equal(r["sum"], res[0]["sum"]) for r in res)
+    start = torch.stack([torch.randn(4096, generator=torch.Generator().manual_seed(i))
+                         for i in range(size)])
+    end = torch.stack([r["x"] for r in res])
+    spread = lambda v: float((v - v.mean(0)).norm())
+    assert spread(end) < 1e-2 * spread(start), (spread(end), spread(start))

@@ -24,7 +24,9 @@ class GossipConfig:
     Attributes:
         spec: the codec's QuantSpec for every message.
         graph: ``"ring"``, ``"exponential"`` or ``"complete"`` (:mod:`.graphs`), or
-            ``"one-peer-exp"`` (:mod:`.schedules`; the lockstep OnePeerGossip only).
+            ``"one-peer-exp"`` (:mod:`.schedules`; the lockstep OnePeerGossip only). The
+            engine's ``CommOptions(graph=None)`` fills it in by the node count
+            (:mod:`.graph_choice`).
         mixing: ``"uniform"`` or ``"metropolis"`` (:mod:`.mixing`; equal on these graphs).
         gamma: consensus step in (0, 1]; None: :func:`~.gamma.default_gamma` (bits,
             staleness).

@@ -20,15 +20,23 @@ from .member import GossipMember
 from .one_peer_choco import OnePeerGossip
 from .wait_free import WaitFreeGossip
 
-__all__ = ["build_gossip", "gossip_class"]
+__all__ = ["build_gossip", "gossip_class", "mode_class"]
 
 
 def gossip_class(config: GossipConfig) -> type[GossipMember]:
-    """The member class of ``config``'s mode (also before any member exists: its class-level
-    answers, ``lockstep``, ``idle_stats`` and ``mode_words``, need none)."""
+    """The member class of ``config``'s mode and graph (also before any member exists: its
+    class-level answers, ``lockstep``, ``idle_stats`` and ``mode_words``, need none)."""
     if config.wait_free:
         return WaitFreeGossip   # refuses a time-varying graph by name
     return OnePeerGossip if config.graph in TIME_VARYING_GRAPHS else CompressedGossip
+
+
+def mode_class(wait_free: bool) -> type[GossipMember]:
+    """The class whose class-level answers (``lockstep``, ``idle_stats``, ``mode_words``) are
+    the mode's, whatever the graph: what the engine asks before the node count, and with it
+    a graph chosen by the count, is known. :class:`~.one_peer_choco.OnePeerGossip` derives
+    from :class:`~.choco.CompressedGossip` and answers them alike."""
+    return WaitFreeGossip if wait_free else CompressedGossip
 
 
 def build_gossip(config: GossipConfig, group_ranks: list[int], group: Any, numel: int, *,

@@ -28,7 +28,8 @@ from __future__ import annotations
 from qcomm.validation import check_choice, check_int
 
 GRAPHS = ("ring", "exponential", "complete")
-# Only the lockstep OnePeerGossip and the GossipSimulator take these yet (:mod:`.schedules`).
+# Only the lockstep OnePeerGossip (the engine's in lockstep) and the GossipSimulator take
+# these yet (:mod:`.schedules`).
 TIME_VARYING_GRAPHS = ("one-peer-exp",)
 
 

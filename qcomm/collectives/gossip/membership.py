@@ -51,7 +51,8 @@ from .wait_free_message import (
     MessageLayout,
 )
 
-__all__ = ["Link", "LinkChanges", "Membership", "OwnState", "survivors_slots"]
+__all__ = ["Link", "LinkChanges", "Membership", "OwnState", "close_retiring",
+           "survivors_slots"]
 
 log = logging.getLogger("qcomm")
 
@@ -209,12 +210,6 @@ class Membership:
         j = self.nearest_live(side)
         return j if j is not None and j not in self.live_peers() else None
 
-    def log_loss(self, event: dict, err: PeerError, linked: list[int]) -> None:
-        log.warning("qcomm: rank %d dropped its gossip neighbour rank %d at step %d (%s: %s); "
-                    "%d of %d nodes live as far as it knows%s", self.rank, event["rank"],
-                    event["step"], event["error"], err, self.live_members(), self.size,
-                    f"; linked to rank(s) {linked}" if linked else "")
-
     def learn(self, told: set[int]) -> None:
         """Members others say are lost: known lost here too, but for this member's live
         neighbours (a broken link between two others is theirs)."""
@@ -225,7 +220,10 @@ class Membership:
 
     def lose(self, k: int, err: PeerError, own: OwnState) -> LinkChanges:
         """Drop link k for good (its neighbour is lost) and open a link to the nearest live
-        member on each side that is not a neighbour already."""
+        member on each side that is not a neighbour already; a retiring link that fails is
+        closed instead, no loss (:func:`close_retiring`)."""
+        if self.links[k].live and self.links[k].retiring:
+            return close_retiring(self, k, err)
         changes = LinkChanges()
         event = self.drop(k, err, steps=own.steps, rounds=own.rounds_started)
         if event is None:
@@ -238,7 +236,7 @@ class Membership:
             if j is not None:
                 changes += self.open_link(j, own)
                 linked.append(self.group_ranks[j])
-        self.log_loss(event, err, linked)
+        _log_loss(self, event, err, linked)
         return changes
 
     def open_link(self, peer: int, own: OwnState) -> LinkChanges:
@@ -469,6 +467,29 @@ class Membership:
         self.losses = [dict(e) for e in losses]
         self.returns = [dict(e) for e in returns or ()]   # none in a state saved before them
         self.drains = 0
+
+
+def _log_loss(m: Membership, event: dict, err: PeerError, linked: list[int]) -> None:
+    log.warning("qcomm: rank %d dropped its gossip neighbour rank %d at step %d (%s: %s); "
+                "%d of %d nodes live as far as it knows%s", m.rank, event["rank"],
+                event["step"], event["error"], err, m.live_members(), m.size,
+                f"; linked to rank(s) {linked}" if linked else "")
+
+
+def close_retiring(m: Membership, k: int, err: PeerError) -> LinkChanges:
+    """``m``'s link k, retired (a member arrived between its ends), failed before its retire
+    exchange ended: closed as the exchange would have closed it. Its neighbour is not lost:
+    it is no neighbour any more, and the ring does not close over it (should it have died,
+    the members now beside it find that on their own links). What of its messages was not
+    applied leaves its mirror unadded, as a loss would. Returns the link dropped."""
+    link = m.links[k]
+    link.live = False
+    m.retired_in = [j for j in m.retired_in if j != k]
+    m.streams().drop(k)
+    log.info("qcomm: rank %d closed its retired link to rank %d, which failed before the "
+             "retire exchange ended (%s: %s); not a loss", m.rank, link.rank,
+             type(err).__name__, err)
+    return LinkChanges(dropped=[k])
 
 
 def survivors_slots(saved: dict, lost: list[int], mine: dict) -> list[int] | None:

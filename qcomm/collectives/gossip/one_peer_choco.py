@@ -12,8 +12,8 @@ sent to it), so each link (i, p) keeps its own, changed only by that link's mess
 mine[p])`` on its fragment; p adds the exact negation, so the average is kept.
 
 Every link has its own transport (peers ``[p]``); a checkpoint holds every link's copies and
-the rounds in flight. Not yet: the engine (``CommOptions`` refuses the graph) and the
-wait-free mode.
+the rounds in flight. The engine builds it for ``CommOptions(graph="one-peer-exp")`` and for
+the graph chosen by the node count (:mod:`.graph_choice`); not yet: the wait-free mode.
 """
 
 from __future__ import annotations

@@ -163,7 +163,6 @@ def check_total_steps(value: object, name: str = "total_steps") -> int | None:
 
 
 OPTION_CHECKS: dict[str, Callable[[object], object]] = {
-    "graph": check_graph,
     "mixing": check_mixing,
     "staleness": check_staleness,
     "gamma": check_gamma,
@@ -177,4 +176,6 @@ OPTION_CHECKS: dict[str, Callable[[object], object]] = {
 }
 """The options that a member and ``CommOptions`` both take and check by value alone, with the
 one function that checks each (``fragments`` is checked against what it divides, which
-differs: :func:`check_fragments`)."""
+differs: :func:`check_fragments`; ``graph`` against what takes it, which differs too: a member
+takes the graphs of its class, ``CommOptions`` every graph its mode takes, or None,
+:func:`~.graph_choice.check_option_graph`)."""

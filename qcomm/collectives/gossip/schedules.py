@@ -29,6 +29,8 @@ symmetric and doubly stochastic, so the average is preserved round by round.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from qcomm.validation import check_choice, check_int
@@ -36,7 +38,7 @@ from qcomm.validation import check_choice, check_int
 from .graphs import GRAPHS, TIME_VARYING_GRAPHS
 
 __all__ = ["ALL_GRAPHS", "ONE_PEER_GAMMA", "TIME_VARYING_GRAPHS", "check_any_graph",
-           "check_time_varying_graph", "hops",
+           "check_time_varying_graph", "hops", "live_partner",
            "one_peer_average", "one_peer_gamma", "one_peer_matrix", "one_peer_partner",
            "one_peer_peers"]
 
@@ -103,6 +105,26 @@ def one_peer_partner(node: int, round: int, n: int, fragments: int = 1) -> int |
         return None
     peer = node ^ (1 << ((round // fragments) % k))
     return peer if peer < n else None
+
+
+def live_partner(node: int, round: int, live: Sequence[int]) -> int | None:
+    """``node``'s peer in ``round`` of ``"one-peer-exp"`` over the live members only:
+    the schedule runs over their positions in ``live`` (member numbers, ascending, ``node``
+    among them), so position r pairs with position ``r XOR 2**(round mod ceil(log2 L))``
+    (L = ``len(live)``). Every member that holds the same ``live`` derives the same pairs; a
+    lost member is never a partner, and L a power of two averages exactly in log2 L rounds.
+    None: ``node`` sits the round out.
+
+    Raises:
+        ValueError: ``live`` is not ascending and distinct, or does not hold ``node``.
+    """
+    live = list(live)
+    if any(not isinstance(m, int) for m in live) or live != sorted(set(live)):
+        raise ValueError(f"live must be distinct member numbers, ascending, got {live}")
+    if node not in live:
+        raise ValueError(f"node must be one of the live members {live}, got {node!r}")
+    q = one_peer_partner(live.index(node), round, len(live))
+    return None if q is None else live[q]
 
 
 def one_peer_peers(node: int, n: int) -> list[int]:

@@ -26,8 +26,8 @@ from qcomm.collectives.gossip.integrity import SEAL_NBYTES, seal_
 from qcomm.collectives.gossip.options import check_gamma, check_staleness
 from qcomm.collectives.gossip.schedules import (
     ONE_PEER_GAMMA,
+    live_partner,
     one_peer_gamma,
-    one_peer_partner,
     one_peer_peers,
 )
 from qcomm.collectives.stats import CommStats
@@ -75,7 +75,9 @@ class OnePeerMember:
     is encoded after its previous one was applied, so ``fresh`` and ``mine`` hold the same
     values and a wired member could keep 2 K.)
 
-    Round t: with ``p = one_peer_partner(i, t, n)`` (None: no message, nothing applied),
+    Round t: with ``p = live_partner(i, t, self.live)`` (None: no message, nothing applied;
+    :meth:`set_live` drops lost members from the schedule, and a link new to either end starts
+    its copies from zero at both),
     :meth:`begin` encodes and posts ``q``; :meth:`finish` applies round ``t - tau``:
     ``mine[p] += D(q_i)``, ``theirs[p] += D(q_p)``, then ``x += gamma / 2 (theirs[p] -
     mine[p])``. Partner p adds ``gamma / 2`` times the same difference negated (the same two
@@ -101,6 +103,7 @@ class OnePeerMember:
         self.board = board
         self.stats = stats if stats is not None else CommStats()
         self.peers = one_peer_peers(self.member, self.size)
+        self.live = list(range(self.size))   # the members the schedule runs over
         payload = self.numel * 4 if self._codec is None else self._codec.nbytes
         self.message_nbytes = payload + SEAL_NBYTES
         self.rounds_started = 0
@@ -120,13 +123,22 @@ class OnePeerMember:
                              f"{tuple(x.shape)}")
         return x.view(-1)
 
-    def _ensure_buffers(self, x: torch.Tensor) -> None:
-        if self._scratch is not None:
-            return
+    def set_live(self, live: list[int]) -> None:
+        """From the next round on, the schedule runs over ``live`` (ascending member numbers,
+        this member among them): every live member is told the same list at the same round.
+        A round in flight with a member no longer live is dropped (its mirror will never be
+        added, so neither is its term: the live members' sum is kept)."""
+        live_partner(self.member, 0, live)   # checks live
+        self.live = list(live)
+
+    def _ensure_buffers(self, x: torch.Tensor, p: int) -> None:
         z = lambda: torch.zeros(self.numel, dtype=torch.float32, device=x.device)
-        for p in self.peers:
+        if self._scratch is None:
+            for q in self.peers:
+                self.fresh[q], self.mine[q], self.theirs[q] = z(), z(), z()
+            self._scratch = z()
+        if p not in self.fresh:   # a peer of the schedule over the live members only
             self.fresh[p], self.mine[p], self.theirs[p] = z(), z(), z()
-        self._scratch = z()
 
     def _publish(self, message: torch.Tensor, copy: torch.Tensor) -> None:
         """``copy += D(message)`` (a codec message), or ``copy = message`` (an fp32 one)."""
@@ -142,11 +154,11 @@ class OnePeerMember:
         x = self._check_x(x)
         t = self.rounds_started
         self.rounds_started += 1
-        p = one_peer_partner(self.member, t, self.size)
+        p = live_partner(self.member, t, self.live)
         if p is None:
             self._in_flight.append((t, None, None))
             return
-        self._ensure_buffers(x)
+        self._ensure_buffers(x, p)
         message = torch.empty(self.message_nbytes, dtype=torch.uint8, device=x.device)
         if self._codec is None:
             message[:-SEAL_NBYTES].view(torch.float32).copy_(x)
@@ -170,6 +182,10 @@ class OnePeerMember:
             r, p, message = self._in_flight.popleft()
             self.rounds_applied = r + 1
             if p is None:
+                continue
+            if p not in self.live:   # lost: its message and the one it will never read go
+                self.board.pop((r, p), None)
+                self.board.pop((r, self.member), None)
                 continue
             self._publish(message, self.mine[p])
             self._publish(self.board.pop((r, p)), self.theirs[p])

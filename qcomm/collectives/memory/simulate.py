@@ -25,6 +25,7 @@ from qcomm.collectives.gossip.joining import admit, join_state, start_joined
 from qcomm.collectives.gossip.schedules import check_any_graph
 from qcomm.collectives.gossip.wait_free import WaitFreeGossip
 from qcomm.collectives.stats import CommStats
+from qcomm.validation import check_int
 
 from .one_peer import OnePeerBoard, OnePeerMember
 from .world import MemoryWorld
@@ -42,13 +43,14 @@ class GossipSimulator:
     makes the members :class:`~.one_peer.OnePeerMember` s instead (the reference that the
     lockstep OnePeerGossip matches bit for bit), exchanging through a shared dict rather than
     the world's transport; they take ``spec`` (None: no compression), ``gamma``,
-    ``staleness`` and ``seed``.
+    ``staleness`` and ``seed``; :meth:`lose` takes a member out of their schedule.
     """
 
     def __init__(self, n: int, numel: int, *, graph: str = "ring", **kwargs) -> None:
         check_any_graph(graph)
         self.n = n
         self.steps = 0
+        self.lost: set[int] = set()
         self.world = MemoryWorld(n, clock=lambda: float(self.steps))
         ranks = list(range(n))
         self.stats = [CommStats() for _ in range(n)]
@@ -67,11 +69,27 @@ class GossipSimulator:
     def step(self, xs: list[torch.Tensor]) -> None:
         """One step of every member on its ``xs[i]`` (float32 ``[numel]``, updated in place):
         everyone starts the round, then everyone applies and mixes (so staleness 0 works)."""
-        for m, x in zip(self.members, xs, strict=True):
+        live = [(m, x) for i, (m, x) in enumerate(zip(self.members, xs, strict=True))
+                if i not in self.lost]
+        for m, x in live:
             m.begin(x)
-        for m, x in zip(self.members, xs, strict=True):
+        for m, x in live:
             m.finish(x)
         self.steps += 1
+
+    def lose(self, i: int) -> None:
+        """Member i is lost before the next step: it steps no more, and the one-peer schedule
+        runs over the others from then on (:meth:`~.one_peer.OnePeerMember.set_live`); its
+        ``xs[i]`` is left as it was. Only on a time-varying graph (the static members do not
+        survive a loss in lock step; :class:`WaitFreeSimulator` loses members on those)."""
+        if not hasattr(self, "board"):
+            raise ValueError("lose() needs graph='one-peer-exp': the lockstep static members "
+                             "do not go on without a member (WaitFreeSimulator's do)")
+        check_int("i", i, low=0, high=self.n, high_open=True)
+        self.lost.add(i)
+        live = [j for j in range(self.n) if j not in self.lost]
+        for j in live:
+            self.members[j].set_live(live)
 
     @staticmethod
     def consensus_distance(xs: list[torch.Tensor]) -> float:

@@ -44,6 +44,7 @@ class Mailboxes:
         self._cond = threading.Condition()
         self._aborted = False
         self.killed: set[int] = set()
+        self.cuts: set[frozenset[int]] = set()   # connections broken, their ends running
 
     def _queue(self, src: int, dst: int, kind: str = "m") -> deque:
         return self._queues.setdefault((src, dst, kind), deque())
@@ -55,7 +56,7 @@ class Mailboxes:
         if self._clock is not None:
             at = self._clock() + (self._delay(src, dst) if self._delay else 0.0)
         with self._cond:
-            if src in self.killed or dst in self.killed:
+            if src in self.killed or dst in self.killed or self.is_cut(src, dst):
                 return
             self._queue(src, dst, kind).append((at, message))
             self._cond.notify_all()
@@ -67,19 +68,43 @@ class Mailboxes:
             self.killed.add(member)
             self._cond.notify_all()
 
+    def cut(self, a: int, b: int) -> None:
+        """The connection between members ``a`` and ``b`` breaks, both running (a link's
+        transport aborted): what is queued between them is lost, nothing more is queued, and
+        their streams to each other fail as broken connections, until either is revived."""
+        with self._cond:
+            self.cuts.add(frozenset((a, b)))
+            for key in [key for key in self._queues if set(key[:2]) == {a, b}]:
+                del self._queues[key]
+            self._cond.notify_all()
+
+    def mend(self, a: int, b: int) -> None:
+        """Members ``a`` and ``b`` may connect again (the streams that failed stay failed;
+        a link opened after this works)."""
+        with self._cond:
+            self.cuts.discard(frozenset((a, b)))
+            self._cond.notify_all()
+
+    def is_cut(self, a: int, b: int) -> bool:
+        """Whether the connection between ``a`` and ``b`` was :meth:`cut`."""
+        return frozenset((a, b)) in self.cuts
+
     def revive(self, member: int) -> None:
         """A killed ``member`` is started again: its connections are new (whatever its old
         self sent or was sent is gone)."""
         with self._cond:
             self.killed.discard(member)
+            self.cuts = {c for c in self.cuts if member not in c}
             for key in [key for key in self._queues if member in key[:2]]:
                 del self._queues[key]
             self._cond.notify_all()
 
     def lost(self, src: int, dst: int, kind: str = "m") -> bool:
-        """Whether ``src`` was killed and nothing of it is left to take by ``dst``."""
+        """Whether ``src`` was killed and nothing of it is left to take by ``dst``, or their
+        connection was :meth:`cut`."""
         with self._cond:
-            return src in self.killed and not self._queue(src, dst, kind)
+            return (src in self.killed and not self._queue(src, dst, kind)) \
+                or self.is_cut(src, dst)
 
     def _visible(self, entry: tuple) -> bool:
         return self._clock is None or entry[0] <= self._clock()
@@ -101,7 +126,8 @@ class Mailboxes:
         """Whether a message from ``src`` to ``dst`` is visible (or ``src`` is lost)."""
         with self._cond:
             q = self._queue(src, dst, kind)
-            return (bool(q) and self._visible(q[0])) or (src in self.killed and not q)
+            return ((bool(q) and self._visible(q[0])) or (src in self.killed and not q)
+                    or self.is_cut(src, dst))
 
     def pending(self, src: int, dst: int) -> int:
         """Messages from ``src`` not yet taken by ``dst``."""
@@ -169,7 +195,8 @@ class MemoryStreams(MessageStreams):
 
     def send_to(self, k: int, message: torch.Tensor) -> PeerError | None:
         p = self.peers[k]
-        if self._failed[k] is None and p in self.boxes.killed:
+        if self._failed[k] is None and (p in self.boxes.killed
+                                        or self.boxes.is_cut(self.member, p)):
             self._failed[k] = self._lost_error(k, "to")
         if self._failed[k] is not None:
             return self._failed[k]
