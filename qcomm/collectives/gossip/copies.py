@@ -60,6 +60,9 @@ class NeighbourCopies:
         links = len(members.links)
         self.copies: torch.Tensor | None = None   # [links, numel]
         self.received = [0] * links
+        # The most rounds a neighbour is known to have started, over every link ever held (a
+        # lost neighbour does not take it back): the job's progress (WaitFreeGossip.progress).
+        self.furthest = 0
         self.acked = [0] * links
         self.boxes: list[deque[torch.Tensor]] = [deque() for _ in range(links)]
         self.pending: list[list[Verified]] = [[] for _ in range(links)]
@@ -88,10 +91,13 @@ class NeighbourCopies:
         """Link k's hello: the neighbour's copy, holding its ``rounds`` rounds."""
         self.copies[k].copy_(copy)
         self.received[k] = rounds
+        self.furthest = max(self.furthest, rounds)
 
-    def restore(self, received: list[int], acked: list[int], copies: torch.Tensor | None) -> None:
+    def restore(self, received: list[int], acked: list[int], copies: torch.Tensor | None,
+                furthest: int = 0) -> None:
         """A saved state's (after a drain: nothing in flight)."""
         self.received, self.acked, self.copies = received, acked, copies
+        self.furthest = max([furthest, *received])
         self.boxes = [deque() for _ in received]
         self.pending = [[] for _ in received]
 
@@ -218,6 +224,7 @@ class NeighbourCopies:
                 self._codec.accumulate(torch.stack(bodies), self.copies[k, fragment(f)])
             ledger.applied(k, [(r, m[:ledger.nbytes]) for r, m, _ in msgs])
             self.received[k] += len(msgs)
+            self.furthest = max(self.furthest, self.received[k])
             self.pending[k] = []
 
     def oldest_ack(self, default: int) -> int:

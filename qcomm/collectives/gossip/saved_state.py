@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qcomm.validation import check_int
+
 from .codec import check_state_buffers
 from .wait_free_message import MessageLayout
 
@@ -23,6 +25,7 @@ class SavedState:
     termed: list[list[int]]
     terms_on_copy: list[list[int]]
     buffers: dict[str, torch.Tensor | None]       # hat_own, owed, copies, momentum, anchor
+    furthest: int                                 # the most rounds a neighbour was known at
 
 
 def check_saved_state(state: dict, numel: int, nbytes: int, fragments: int) -> SavedState:
@@ -39,8 +42,10 @@ def check_saved_state(state: dict, numel: int, nbytes: int, fragments: int) -> S
                 for r, m in state.get("own_sent", [])]
     recent = [[(int(r), saved_message(b, nbytes)) for r, b in h]
               for h in state.get("recent", [[] for _ in state["peers"]])]
+    # (a state saved before the job's progress was kept has none: its links' rounds then)
+    furthest = check_int("state['furthest_rounds']", state.get("furthest_rounds", 0), low=0)
     return SavedState(layout, own_sent, recent, saved_counts(state, "termed", fragments),
-                      saved_counts(state, "terms_on_copy", fragments), buffers)
+                      saved_counts(state, "terms_on_copy", fragments), buffers, furthest)
 
 
 def saved_message(m: object, nbytes: int) -> torch.Tensor:

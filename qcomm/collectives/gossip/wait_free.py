@@ -41,7 +41,7 @@ from qcomm.collectives.stats import CommStats
 from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import WIRE_FORMAT_VERSION, packed_nbytes
 from qcomm.seeds import gossip_message_seed
-from qcomm.validation import check_int, check_seed
+from qcomm.validation import check_seed
 
 from .choco import _check_group
 from .clock import StepClock
@@ -62,6 +62,7 @@ from .wait_free_message import (
     MARKER_ROUND,
     MessageLayout,
 )
+from .wait_free_stats import idle_wait_free_stats, wait_free_stats
 
 __all__ = ["ACK_NBYTES", "GOODBYE_ROUND", "HELLO_ROUND", "MARKER_ROUND", "ON_PEER_LOSS",
            "WaitFreeGossip"]
@@ -117,9 +118,6 @@ class WaitFreeGossip(GossipMember):
                                      self._streams_now)
         self._streams: MessageStreams | None = None   # opened at the first use
         self.rounds_started = 0  # (the clock, steps, is the base class's)
-        # The furthest step a neighbour's rounds showed (progress()): kept, so that a neighbour
-        # lost does not take the job's progress back with it.
-        self._furthest_heard = 0
         self._links, self._terms, self._ledger = link_rows(
             self.membership, self._codec, self.fragments, self.staleness + self.fragments,
             self.level)
@@ -300,12 +298,8 @@ class WaitFreeGossip(GossipMember):
     # the membership's steps: what they need of the gossip, what they changed
 
     def progress(self) -> int:
-        """The job's progress: this member's steps, or the furthest a neighbour is known to
-        have taken (its rounds applied here, times ``round_period``), whichever is more; so a
-        slow member anneals its outer step with the job, not by its own steps alone."""
-        heard = max(self._links.rounds_received().values(), default=0) * self.round_period
-        self._furthest_heard = max(self._furthest_heard, heard)
-        return max(self.steps, self._furthest_heard)
+        """Own steps or the furthest a neighbour's rounds show: a slow member anneals too."""
+        return max(self.steps, self._links.furthest * self.round_period)
 
     def _own(self) -> OwnState:
         return OwnState(self.steps, self.rounds_started, self._hat_own)
@@ -402,18 +396,11 @@ class WaitFreeGossip(GossipMember):
         return {r: self.rounds_started - n for r, n in self.rounds_received().items()}
 
     def mode_stats(self) -> dict[str, Any]:
-        return {"rounds_received": self.rounds_received(), "lag_rounds": self.lag(),
-                "live_nodes": self.live_members(),
-                "dropped_ranks": [e["rank"] for e in self.losses],
-                "rejoined_ranks": [e["rank"] for e in self.membership.returns],
-                "terms_paired": dict(self.terms),
-                "mix_lag_rounds": dict(sorted(self.mix_lags.items()))}
+        return wait_free_stats(self)
 
     @classmethod
     def idle_stats(cls) -> dict[str, Any]:
-        return {"rounds_received": {}, "lag_rounds": {}, "live_nodes": 1, "dropped_ranks": [],
-                "rejoined_ranks": [],
-                "terms_paired": {"paired": 0, "possible": 0}, "mix_lag_rounds": {}}
+        return idle_wait_free_stats()
 
     @classmethod
     def mode_words(cls, config: GossipConfig) -> str:
@@ -444,7 +431,7 @@ class WaitFreeGossip(GossipMember):
         # per live link (after a loss, not the graph's neighbours)
         return {"config": self._config(), "wire_format": WIRE_FORMAT_VERSION,
                 "gamma": self.gamma, "seed": self.seed, "steps": self.steps,
-                "rounds_started": self.rounds_started, "furthest_heard": self._furthest_heard,
+                "rounds_started": self.rounds_started, "furthest_rounds": self._links.furthest,
                 "received": [self.received[k] for k in live],
                 **self.membership.state(), **self._terms.state(live),
                 **self._ledger.state(live), "hat_own": self._hat_own, "copies": copies,
@@ -461,8 +448,6 @@ class WaitFreeGossip(GossipMember):
         if self._streams is not None:
             raise RuntimeError("load_state_dict after the streams started")
         saved = check_saved_state(state, self.numel, self.nbytes, self.fragments)
-        # (a state saved before the job's progress was kept has none: its own steps then)
-        furthest = check_int("state['furthest_heard']", state.get("furthest_heard", 0), low=0)
         copy = lambda t: None if t is None else t.detach().clone()
         self.membership.restore(state["peers"], state["lost"], state["losses"], slots,
                                 saved.layout, state.get("returns"))
@@ -470,11 +455,11 @@ class WaitFreeGossip(GossipMember):
         self.seed = check_seed(state["seed"])
         self.steps = int(state["steps"])
         self.rounds_started = int(state["rounds_started"])
-        self._furthest_heard = furthest
         # Saved after a drain: every neighbour had applied every own round, so its acks from
         # now on hold them all; the own messages kept rebuild the own copy's versions.
         self._links.restore([int(r) for r in state["received"]],
-                            [self.rounds_started] * len(self.peers), copy(saved.buffers["copies"]))
+                            [self.rounds_started] * len(self.peers), copy(saved.buffers["copies"]),
+                            saved.furthest)
         self._terms.restore(saved.termed, saved.terms_on_copy)
         self._hat_own = copy(saved.buffers["hat_own"])
         owed = copy(saved.buffers["owed"])
