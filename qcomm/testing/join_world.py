@@ -1,6 +1,7 @@
 """One process of a wait-free gossip whose members come and go, for the join tests
 (``tests/collectives/test_join_processes.py``) and the join benchmark (``bench/join_rate.py``): a
-member over a :class:`~qcomm.collectives.gloo.pair_group.PairGroup` of the rendezvous at ``--port``,
+member over a :class:`~qcomm.collectives.gloo.pair_group.PairGroup` of the rendezvous at ``--port``
+(``--transport sockets``: a :class:`~qcomm.collectives.sockets.SocketGroup` on a port of its own),
 mixing a random vector (no local update; ``--step-s`` of sleep stands for the compute).
 
 ``--mode member``: ``--steps`` steps, then drain, settle and sum along the ring; with ``--join``
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from qcomm.collectives.gloo.pair_group import PairGroup
 from qcomm.collectives.gossip import WaitFreeGossip
 from qcomm.collectives.gossip.joining import admit, join_state, start_joined
+from qcomm.collectives.sockets import SocketGroup
 from qcomm.compress import QuantSpec
 from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
 from qcomm.rendezvous.seat import claim_incarnation
@@ -42,7 +44,11 @@ def _state_bytes(x: torch.Tensor, g: WaitFreeGossip) -> bytes:
 
 def _gossip(args: argparse.Namespace, store: dist.Store) -> tuple[WaitFreeGossip, int]:
     incarnation = claim_incarnation(store, args.member)
-    group = PairGroup(f"127.0.0.1:{args.port}", args.member, args.size, timeout_s=20)
+    if args.transport == "sockets":   # one port of its own, the token from QCOMM_TOKEN
+        group: PairGroup = SocketGroup(f"127.0.0.1:{args.port}", args.member, args.size,
+                                       timeout_s=20, listen="127.0.0.1:0")
+    else:
+        group = PairGroup(f"127.0.0.1:{args.port}", args.member, args.size, timeout_s=20)
     g = WaitFreeGossip(list(range(args.size)), group, args.numel,
                        spec=QuantSpec(4, 128, "stochastic"), gamma=0.3, fragments=2,
                        on_peer_loss="continue", timeout_s=10)
@@ -177,6 +183,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--step-s", type=float, default=0.01)
     ap.add_argument("--numel", type=int, default=NUMEL)
+    ap.add_argument("--transport", choices=["pairs", "sockets"], default="pairs")
     args = ap.parse_args()
     # torch starts its intra-op pool threads lazily, at the first op that goes parallel: start
     # them now, so that a thread count measures this process, not when torch first needed one
