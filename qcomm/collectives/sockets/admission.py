@@ -62,10 +62,11 @@ def dial(sock: socket.socket, hello: dict, token: bytes | None) -> Admitted:
     if not greeting.startswith(_MAGIC):
         raise FrameError("the other end is not a qcomm link's port")
     theirs, wants_token = greeting[len(_MAGIC):-1], greeting[-1] == 1
-    if wants_token != (token is not None):
-        raise AdmissionError("the other node requires the job token (QCOMM_TOKEN) and this one "
-                             "has none" if wants_token else "this node has a job token "
-                             "(QCOMM_TOKEN) and the other node admits without one")
+    # Without a token where one is wanted, the hello still goes (with no proof): the acceptor
+    # refuses it and says so in its own log, where the job's operator looks.
+    if token is not None and not wants_token:
+        raise AdmissionError("this node has a job token (QCOMM_TOKEN) and the other node "
+                             "admits without one")
     mine = os.urandom(_NONCE)
     body = json.dumps(hello, sort_keys=True).encode()
     nonces = theirs + mine
@@ -74,7 +75,9 @@ def dial(sock: socket.socket, hello: dict, token: bytes | None) -> Admitted:
     answer = bytes(recv_exact(sock, 1))
     if answer != b"Y":
         (n,) = struct.unpack("!H", recv_exact(sock, 2))
-        raise AdmissionError(f"refused by the other node: {bytes(recv_exact(sock, n)).decode()}")
+        why = bytes(recv_exact(sock, n)).decode(errors="replace")
+        hint = " (this node has no QCOMM_TOKEN)" if token is None else ""
+        raise AdmissionError(f"refused by the other node: {why}{hint}")
     proof = bytes(recv_exact(sock, _MAC))
     if token is not None and not hmac.compare_digest(proof, _mac(token, b"accept", nonces,
                                                                   body)):
