@@ -39,11 +39,12 @@ class AdmissionError(PermissionError):
 
 
 class Admitted:
-    """What a handshake leaves: the hello (``dict``) and both nonces (``nonces``: the
-    acceptor's then the dialler's, the salt of the link's keys)."""
+    """What a handshake leaves: the hello (``dict``, and ``body``, its bytes as sent) and both
+    nonces (``nonces``: the acceptor's then the dialler's; with ``body``, what the link's
+    keys are derived over)."""
 
-    def __init__(self, hello: dict, nonces: bytes) -> None:
-        self.hello, self.nonces = hello, nonces
+    def __init__(self, hello: dict, body: bytes, nonces: bytes) -> None:
+        self.hello, self.body, self.nonces = hello, body, nonces
 
 
 def _mac(token: bytes, label: bytes, nonces: bytes, hello: bytes) -> bytes:
@@ -82,7 +83,7 @@ def dial(sock: socket.socket, hello: dict, token: bytes | None) -> Admitted:
     if token is not None and not hmac.compare_digest(proof, _mac(token, b"accept", nonces,
                                                                   body)):
         raise AdmissionError("the other node does not hold the job token")
-    return Admitted(hello, nonces)
+    return Admitted(hello, body, nonces)
 
 
 def _refuse(sock: socket.socket, why: str) -> AdmissionError:
@@ -119,4 +120,4 @@ def accept(sock: socket.socket, token: bytes | None) -> Admitted:
         raise _refuse(sock, f"not a link's hello ({e})") from None
     proof = _mac(token, b"accept", nonces, body) if token is not None else bytes(_MAC)
     sock.sendall(b"Y" + proof)
-    return Admitted(hello, nonces)
+    return Admitted(hello, body, nonces)

@@ -8,7 +8,9 @@ a NAT) still links by dialling every peer that has one.
 Each end of a link publishes its listening address under the link's key in the store, then
 the usual "here" key; once both are here, the higher ``(member, incarnation)`` dials when the
 other listens (else the one that listens accepts). With a job token (``token=``, or
-``QCOMM_TOKEN``) every link is admitted by challenge and response (:mod:`.admission`).
+``QCOMM_TOKEN``) every link is admitted by challenge and response (:mod:`.admission`) and,
+unless ``encrypt=False`` (or ``QCOMM_ENCRYPT=0``), encrypted and authenticated with keys of its
+own (:mod:`.aead`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import socket
 import torch.distributed as dist
 
 from ..gloo.pair_group import PairGroup
-from .admission import HANDSHAKE_TIMEOUT_S, AdmissionError, dial
+from .admission import HANDSHAKE_TIMEOUT_S, AdmissionError, Admitted, dial
+from .aead import link_keys
 from .channel import SocketChannel
 from .frames import Opener, Sealer
 from .listener import listener_at, parse_listen
@@ -60,12 +63,29 @@ class SocketGroup(PairGroup):
             None reads ``QCOMM_LISTEN``; ``""`` (or neither) accepts nothing: this member
             dials all its links (its peers must listen).
         token: the job token (at least 16 characters); None reads ``QCOMM_TOKEN``.
+        encrypt: encrypt and authenticate every frame (AES-256-GCM, keys from the token);
+            None: on when there is a token, unless ``QCOMM_ENCRYPT=0``. Both ends of a link
+            must agree.
+        advertise: ``"HOST:PORT"`` the peers dial to reach this member's port, when it is not
+            the one it listens on (a port forwarded by a NAT or a proxy); None reads
+            ``QCOMM_ADVERTISE``, else the listening address.
     """
 
     def __init__(self, rendezvous: str, member: int, size: int, *, listen: str | None = None,
-                 token: str | None = None, **kwargs) -> None:
+                 token: str | None = None, encrypt: bool | None = None,
+                 advertise: str | None = None, **kwargs) -> None:
         super().__init__(rendezvous, member, size, **kwargs)
         self.token = job_token(token)
+        if encrypt is None:
+            encrypt = self.token is not None and os.environ.get("QCOMM_ENCRYPT", "1") != "0"
+        if encrypt and self.token is None:
+            raise ValueError("encrypt=True needs a job token (token= or QCOMM_TOKEN): the "
+                             "links' keys come from it")
+        self.encrypt = bool(encrypt)
+        advertise = advertise or os.environ.get("QCOMM_ADVERTISE") or None
+        if advertise is not None:
+            parse_listen(advertise, "advertise")
+        self.advertise = advertise
         # "" (given): no port, whatever QCOMM_LISTEN says
         listen = (listen if listen is not None else os.environ.get("QCOMM_LISTEN")) or None
         if listen is not None:
@@ -73,7 +93,7 @@ class SocketGroup(PairGroup):
         self.listener = listener_at(listen, self.token) if listen is not None else None
 
     def _announce(self, store: dist.Store, prefix: str) -> None:
-        address = self.listener.address if self.listener is not None else ""
+        address = "" if self.listener is None else self.advertise or self.listener.address
         store.set(f"{prefix}addr/{self.rank}", address)
 
     def _channel(self, store: dist.Store, prefix: str, me: tuple[int, int],
@@ -84,20 +104,29 @@ class SocketGroup(PairGroup):
             raise RuntimeError(f"neither this member nor {peer} listens (QCOMM_LISTEN): the "
                                "link between them cannot be made")
         timeout_s = self.timeout.total_seconds()
-        if theirs and (self.listener is None or me > other):
-            sock = self._dial(theirs, prefix, me, timeout_s)
+        dialler = bool(theirs) and (self.listener is None or me > other)
+        if dialler:
+            sock, admitted = self._dial(theirs, prefix, me, timeout_s)
             how = f"dialled {theirs}"
         else:
-            sock, _ = self.listener.claim(prefix, timeout_s)
+            sock, admitted = self.listener.claim(prefix, timeout_s)
             how = f"accepted on {self.listener.address}"
+            if admitted.hello.get("encrypt") != self.encrypt:
+                sock.close()
+                raise RuntimeError(f"link to {peer}: one end encrypts and the other does not "
+                                   "(QCOMM_ENCRYPT must be the same on every node)")
         # A send to a peer that reads nothing fails after the link's timeout.
         sock.settimeout(timeout_s)
-        log.info("link to %s: TCP, %s%s", peer, how,
-                 ", token checked" if self.token is not None else "")
+        log.info("link to %s: TCP, %s%s%s", peer, how,
+                 ", token checked" if self.token is not None else "",
+                 ", encrypted" if self.encrypt else "")
+        if self.encrypt:
+            sealer, opener = link_keys(self.token, admitted, dialler)
+            return SocketChannel(sock, peer, sealer, opener)
         return SocketChannel(sock, peer, Sealer(), Opener())
 
     def _dial(self, address: str, link: str, me: tuple[int, int], timeout_s: float
-              ) -> socket.socket:
+              ) -> tuple[socket.socket, Admitted]:
         host, port = parse_listen(address, "the peer's listening address")
         try:
             sock = socket.create_connection((host, port), timeout=min(timeout_s,
@@ -106,11 +135,12 @@ class SocketGroup(PairGroup):
             raise RuntimeError(f"cannot connect to {address}: {e}") from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            dial(sock, {"link": link, "member": me[0], "incarnation": me[1]}, self.token)
+            admitted = dial(sock, {"link": link, "member": me[0], "incarnation": me[1],
+                                   "encrypt": self.encrypt}, self.token)
         except (AdmissionError, OSError) as e:
             sock.close()
             raise RuntimeError(f"link to {address}: {e}") from e
-        return sock
+        return sock, admitted
 
     def __repr__(self) -> str:
         where = self.listener.address if self.listener is not None else "no port"

@@ -130,22 +130,25 @@ class Listener:
             conn.close()
 
 
-_listeners: dict[tuple[str, int], Listener] = {}
+_listeners: dict[tuple[str, int, bytes | None], Listener] = {}
 _lock = threading.Lock()
 
 
 def listener_at(address: str, token: bytes | None) -> Listener:
-    """This process's listener on ``address`` (``"HOST:PORT"``), started at the first call.
+    """This process's listener on ``address`` (``"HOST:PORT"``), started at the first call
+    (with port 0: the first call with this token).
 
     Raises:
         ValueError: ``address`` is malformed, or the listener there admits with another token.
         OSError: the port cannot be bound (taken by another process).
     """
     host, port = parse_listen(address)
+    # Port 0 (the system picks) is one listener per token: they never meet on a port.
+    key = (host, port, None if port else token)
     with _lock:
-        listener = _listeners.get((host, port))
+        listener = _listeners.get(key)
         if listener is None:
-            listener = _listeners[(host, port)] = Listener(host, port, token)
+            listener = _listeners[key] = Listener(host, port, token)
         elif listener.token != token:
             raise ValueError(f"this process listens on {address} already, with another job "
                              "token")

@@ -59,33 +59,36 @@ def _goodbye(message: torch.Tensor, sender: int) -> str | None:
     return "goodbye" if int(message[0]) == 255 else None
 
 
-def _member(port: int, member: int, out: dict, listen: str | None) -> None:
+def _member(port: int, member: int, out: dict, count: int = 5, **group_kwargs) -> None:
+    """Member ``member`` of 2: opens its stream to the other, sends ``count`` random
+    messages, takes what comes until ``count`` came or the stream failed; ``out[member]`` is
+    (sent, received, the stream's error or None)."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=10))
     claim_incarnation(store, member)
-    group = SocketGroup(f"127.0.0.1:{port}", member, 2, timeout_s=10, listen=listen,
-                        name="threads")
+    group = SocketGroup(f"127.0.0.1:{port}", member, 2, timeout_s=10, name="threads",
+                        **group_kwargs)
     streams = GlooStreams(group.ranks, None, member, [1 - member], 64, max_backlog=8,
                           timeout_s=10, stream_end=_goodbye, connect=group.connect)
     g = torch.Generator().manual_seed(member)
-    sent = [torch.randint(0, 255, (64,), dtype=torch.uint8, generator=g) for _ in range(5)]
+    sent = [torch.randint(0, 255, (64,), dtype=torch.uint8, generator=g) for _ in range(count)]
     for m in sent:
-        assert streams.send(m) == []
+        streams.send(m)
     got: list[torch.Tensor] = []
+    err = None
     for _ in range(100):
         msgs, err = streams.take(0)
-        assert err is None, err
         got += msgs
-        if len(got) == 5:
+        if len(got) == count or err is not None:
             break
         streams.wait_any(0.2)
-    out[member] = (sent, got)
+    out[member] = (sent, got, err)
     streams.close(torch.full((64,), 255, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("listens", [(True, True), (False, True)], ids=["both", "one"])
-def test_two_members_stream_the_same_bits_over_their_ports(listens: tuple[bool, bool]) -> None:
-    """Both listen (the higher dials), or member 0 has no port (behind a NAT: it dials)."""
+def run_pair(kwargs: tuple[dict, dict], count: int = 5) -> dict:
+    """Members 0 and 1 (:func:`_member`, ``kwargs[m]`` for member m's group) in threads, over
+    a rendezvous in a thread; what each ended with."""
     (port,) = free_ports(1)
     ready, stop = threading.Event(), threading.Event()
     server = threading.Thread(target=serve, args=("127.0.0.1", port, 2),
@@ -93,8 +96,7 @@ def test_two_members_stream_the_same_bits_over_their_ports(listens: tuple[bool, 
     server.start()
     assert ready.wait(10)
     out: dict = {}
-    threads = [threading.Thread(target=_member, args=(port, m, out,
-                                                      "127.0.0.1:0" if listens[m] else None))
+    threads = [threading.Thread(target=_member, args=(port, m, out, count), kwargs=kwargs[m])
                for m in (0, 1)]
     for t in threads:
         t.start()
@@ -103,7 +105,19 @@ def test_two_members_stream_the_same_bits_over_their_ports(listens: tuple[bool, 
     stop.set()
     server.join(5)
     assert sorted(out) == [0, 1]
+    return out
+
+
+@pytest.mark.parametrize("listens", [(True, True), (False, True)], ids=["both", "one"])
+@pytest.mark.parametrize("token", [None, SECRET], ids=["plain", "encrypted"])
+def test_two_members_stream_the_same_bits_over_their_ports(listens: tuple[bool, bool],
+                                                           token: str | None) -> None:
+    """Both listen (the higher dials), or member 0 has no port (behind a NAT: it dials);
+    without a token, or with one (each link then encrypted)."""
+    out = run_pair(tuple({"listen": "127.0.0.1:0" if listens[m] else "", "token": token}
+                         for m in (0, 1)))
     for m in (0, 1):
-        sent, _ = out[m]
-        _, got = out[1 - m]
+        sent, _, _ = out[m]
+        _, got, err = out[1 - m]
+        assert err is None, err
         assert len(got) == 5 and all(torch.equal(a, b) for a, b in zip(sent, got, strict=True))
