@@ -42,6 +42,12 @@ def _state_bytes(x: torch.Tensor, g: WaitFreeGossip) -> bytes:
     return buf.getvalue()
 
 
+def _token() -> bytes | None:
+    """The job token (QCOMM_TOKEN) a joiner's state is sealed with, or None."""
+    token = os.environ.get("QCOMM_TOKEN")
+    return token.encode() if token else None
+
+
 def _gossip(args: argparse.Namespace, store: dist.Store) -> tuple[WaitFreeGossip, int]:
     incarnation = claim_incarnation(store, args.member)
     if args.transport == "sockets":   # one port of its own, the token from QCOMM_TOKEN
@@ -62,7 +68,8 @@ def _join(g: WaitFreeGossip, store: dist.Store, member: int, incarnation: int,
     seq = announce(store, member, incarnation)
     if events is not None:
         events["announced"] = time.time()
-    state = torch.load(io.BytesIO(await_state(store, seq, 30)), weights_only=True)
+    state = torch.load(io.BytesIO(await_state(store, seq, 30, token=_token())),
+                       weights_only=True)
     start_joined(g, state["gossip"])
     if events is not None:
         events["started"] = time.time()
@@ -79,7 +86,7 @@ def _step(g: WaitFreeGossip, x: torch.Tensor, watcher: JoinWatcher, store: dist.
             continue
         admit(g, joiner)
         if g.membership.nearest_live(1) == joiner:
-            offer_state(store, seq, _state_bytes(x, g))
+            offer_state(store, seq, _state_bytes(x, g), token=_token())
     g.prepare()
     g.end_step(x)
     time.sleep(step_s)

@@ -58,21 +58,26 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
                 p.kill()
 
 
-@pytest.mark.parametrize("transport", ["pairs", "sockets"])
+@pytest.mark.parametrize(("transport", "token"), [("pairs", None), ("sockets", None),
+                                                  ("sockets", "the-job-token-0123456789")],
+                         ids=["pairs", "sockets", "sockets-token"])
 def test_a_killed_member_restarted_as_a_new_process_rejoins(
-        tmp_path: Path, rendezvous: tuple[int, dist.Store], transport: str) -> None:
+        tmp_path: Path, rendezvous: tuple[int, dist.Store], transport: str,
+        token: str | None) -> None:
     """Over Gloo's pairs, and over TCP links on one port per process
-    (:mod:`qcomm.collectives.sockets`): the same gossip, the same checks."""
+    (:mod:`qcomm.collectives.sockets`), also with a job token (links encrypted, the joiner's
+    state sealed): the same gossip, the same checks."""
     port, store = rendezvous
     steps = 600
     outs = [tmp_path / f"m{i}.pt" for i in range(3)]
-    procs = [_worker(i, port, steps, outs[i], transport=transport) for i in range(3)]
+    env = {"QCOMM_TOKEN": token} if token else None
+    procs = [_worker(i, port, steps, outs[i], transport=transport, env=env) for i in range(3)]
     try:
         wait_progress(store, "progress/1/1", 100, 60)
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait(10)
         wait_progress(store, "progress/0/1", 200, 60)   # its neighbours went on without it
-        procs[1] = _worker(1, port, steps, outs[1], "--join", transport=transport)
+        procs[1] = _worker(1, port, steps, outs[1], "--join", transport=transport, env=env)
     finally:
         logs = _finish(procs, 120)
     assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(map(str, logs))
