@@ -60,7 +60,7 @@ class AeadOpener(Opener):
         self.aead = _aead(key)
         self.count = 0
 
-    def open(self, body: bytes) -> bytes:
+    def open(self, body: bytearray) -> bytes:
         from cryptography.exceptions import InvalidTag
 
         nonce = self.count.to_bytes(_NONCE, "big")

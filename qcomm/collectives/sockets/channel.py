@@ -84,7 +84,7 @@ class SocketChannel:
         self.bytes_sent = 0
         self._outbox: deque[tuple[int, _Work]] = deque()
         self._posted: dict[int, deque[_Work]] = {}    # tag: receives waiting for it
-        self._arrived: dict[int, deque[bytes]] = {}   # tag: payloads no receive took yet
+        self._arrived: dict[int, deque[memoryview]] = {}   # tag: payloads no receive took yet
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"qcomm-sock-read-{peer}")
         self._writer = threading.Thread(target=self._write_loop, daemon=True,
@@ -113,7 +113,7 @@ class SocketChannel:
                 self._posted.setdefault(tag, deque()).append(work)
         return work
 
-    def _fill(self, work: _Work, payload: bytes) -> None:
+    def _fill(self, work: _Work, payload: memoryview) -> None:
         out = _as_bytes(work.tensor)
         if len(out) != len(payload):
             self._fail_locked(f"a message of {len(payload)} bytes from {self.peer} where "

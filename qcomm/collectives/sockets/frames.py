@@ -27,7 +27,7 @@ class FrameError(ConnectionError):
 class Opener:
     """Turns a received body back into its plain bytes (identity on a plain link)."""
 
-    def open(self, body: bytes) -> bytes:
+    def open(self, body: bytearray) -> bytes | bytearray:
         return body
 
 
@@ -71,13 +71,16 @@ def send_frame(sock: socket.socket, tag: int, payload: bytes | memoryview,
     Raises:
         OSError: the connection broke, or a send waited past the socket's timeout.
     """
-    body = sealer.seal(_TAG.pack(tag) + bytes(payload))
-    sock.sendall(_LEN.pack(len(body)) + body)
+    # One copy of the payload (the join), none more: the length goes on its own send.
+    body = sealer.seal(b"".join((_TAG.pack(tag), payload)))
+    sock.sendall(_LEN.pack(len(body)))
+    sock.sendall(body)
     return _LEN.size + len(body)
 
 
-def recv_frame(sock: socket.socket, opener: Opener) -> tuple[int, bytes]:
-    """The next frame of ``sock``: its tag and payload, opened by ``opener``.
+def recv_frame(sock: socket.socket, opener: Opener) -> tuple[int, memoryview]:
+    """The next frame of ``sock``: its tag and payload (a view of the opened body, not a
+    copy), opened by ``opener``.
 
     Raises:
         FrameError: the connection ended, the length is out of range, or the body fails its
@@ -86,8 +89,8 @@ def recv_frame(sock: socket.socket, opener: Opener) -> tuple[int, bytes]:
     (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
     if not _TAG.size <= n <= MAX_FRAME:
         raise FrameError(f"a frame of {n} bytes (at most {MAX_FRAME}): not a link's frame")
-    body = opener.open(bytes(recv_exact(sock, n)))
+    body = opener.open(recv_exact(sock, n))
     if len(body) < _TAG.size:
         raise FrameError("a frame shorter than its tag")
     (tag,) = _TAG.unpack_from(body)
-    return tag, body[_TAG.size:]
+    return tag, memoryview(body)[_TAG.size:]
