@@ -5,8 +5,10 @@ One listener per address per process (:func:`listener_at`): the groups of a proc
 incarnations of a member that comes and goes in one process) share it. Each connection is
 admitted on a thread of its own (:func:`.admission.accept`, bounded by
 :data:`~.admission.HANDSHAKE_TIMEOUT_S`), so a process that connects and says nothing holds up
-no other. A connection refused is logged once, here, with its address and why (never the
-token); it takes no link. An admitted connection no link claims within ``park_s`` is closed.
+no other; at most :data:`MAX_ADMITTING` at once (more are closed unread: a flood costs no
+threads). A refused connection takes no link; the first one from each address is logged here
+with why (never the token), later ones from it are only counted. An admitted connection no
+link claims within ``park_s`` is closed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from .frames import FrameError
 __all__ = ["Listener", "listener_at", "parse_listen"]
 
 log = logging.getLogger(__name__)
+
+# Handshakes in progress at once, at most (each holds a thread up to HANDSHAKE_TIMEOUT_S).
+MAX_ADMITTING = 64
 
 
 def parse_listen(address: object, name: str = "listen") -> tuple[str, int]:
@@ -64,6 +69,8 @@ class Listener:
             socket.gethostname())
         self.address = f"[{shown}]:{bound}" if ":" in shown else f"{shown}:{bound}"
         self.refused = 0
+        self._refused_from: set[str] = set()   # addresses whose refusal was logged
+        self._admitting = threading.BoundedSemaphore(MAX_ADMITTING)
         self.cond = threading.Condition()
         self._parked: dict[str, tuple[socket.socket, Admitted, float]] = {}
         self._closed = False
@@ -79,10 +86,19 @@ class Listener:
                 continue
             except OSError:
                 return   # closed
+            if not self._admitting.acquire(blocking=False):
+                conn.close()   # too many handshakes at once: a flood, not the job
+                continue
             threading.Thread(target=self._admit, args=(conn, peer), daemon=True,
                              name="qcomm-admit").start()
 
     def _admit(self, conn: socket.socket, peer: tuple) -> None:
+        try:
+            self._handshake(conn, peer)
+        finally:
+            self._admitting.release()
+
+    def _handshake(self, conn: socket.socket, peer: tuple) -> None:
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
@@ -92,8 +108,12 @@ class Listener:
             if isinstance(e, AdmissionError):
                 with self.cond:
                     self.refused += 1
-                log.warning("refused a connection from %s:%s on %s: %s (no link taken)",
-                            peer[0], peer[1], self.address, e)
+                    first = peer[0] not in self._refused_from
+                    self._refused_from.add(peer[0])
+                if first:
+                    log.warning("refused a connection from %s:%s on %s: %s (no link taken; "
+                                "later refusals from %s are not logged)", peer[0], peer[1],
+                                self.address, e, peer[0])
             return
         key = admitted.hello["link"]
         now = time.monotonic()

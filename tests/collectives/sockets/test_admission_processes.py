@@ -1,8 +1,8 @@
 """Stray processes try links on a running member's port while three members with the job token
 gossip over TCP links (:mod:`qcomm.collectives.sockets`), each a process on localhost: one
-with a wrong token, one with none, one that sends bytes with no handshake. Each is refused,
-logged once by the member, and none of its bytes reach the gossip: no member loses a link or
-a peer, and the members end with one sum, the same bits on each."""
+with a wrong token, one with none, one that sends bytes with no handshake. Each is refused
+(the first logged by the member, once), and none of its bytes reach the gossip: no member
+loses a link or a peer, and the members end with one sum, the same bits on each."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def test_strays_are_refused_while_the_job_goes_on(
         in said[0]
     assert "(this node has no QCOMM_TOKEN)" in said[1]
     assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(logs)
-    # member 0 logged each refusal once, and never the token
-    assert logs[0].count("refused a connection from 127.0.0.1") == 3, logs[0]
+    # member 0 logged the first refusal from that address, once, and never the token
+    assert logs[0].count("refused a connection from 127.0.0.1") == 1, logs[0]
     assert all(TOKEN not in log for log in logs + said)
     res = [torch.load(o, weights_only=True) for o in outs]
     for i, r in enumerate(res):

@@ -6,14 +6,17 @@ with the same bits, one dialling the other's port."""
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from qcomm.collectives.gloo.streams import GlooStreams
-from qcomm.collectives.sockets import SocketGroup, job_token
+from qcomm.collectives.sockets import AdmissionError, SocketGroup, job_token
+from qcomm.collectives.sockets.admission import dial
 from qcomm.collectives.sockets.listener import listener_at
 from qcomm.rendezvous import serve
 from qcomm.rendezvous.seat import claim_incarnation
@@ -53,6 +56,23 @@ def test_one_listener_per_address_and_token() -> None:
     with pytest.raises(ValueError, match="with another job token"):
         listener_at(f"127.0.0.1:{port}", SECRET.encode())
     first.close()
+
+
+def test_refusals_are_counted_and_logged_once_per_address(caplog) -> None:
+    listener = listener_at("127.0.0.1:0", SECRET.encode())
+    for token in (b"a-wrong-token-0123456789", None, b"another-wrong-one-0123456789"):
+        with socket.create_connection(("127.0.0.1", int(listener.address.rsplit(":")[1])),
+                                      timeout=5) as sock:
+            sock.settimeout(5)
+            with pytest.raises(AdmissionError, match="wrong or missing job token"):
+                dial(sock, {"link": "x"}, token)
+    for _ in range(100):   # the listener's threads count after the dialler hears
+        if listener.refused == 3:
+            break
+        time.sleep(0.05)
+    assert listener.refused == 3
+    lines = [r for r in caplog.records if "refused a connection from 127.0.0.1" in r.message]
+    assert len(lines) == 1 and SECRET not in lines[0].message
 
 
 def _goodbye(message: torch.Tensor, sender: int) -> str | None:
