@@ -68,7 +68,10 @@ def test_a_killed_member_restarted_as_a_new_process_rejoins(
     (:mod:`qcomm.collectives.sockets`), also with a job token (links encrypted, the joiner's
     state sealed): the same gossip, the same checks."""
     port, store = rendezvous
-    steps = 600
+    # Enough steps that the joiner (a new process: torch imported, under load several
+    # seconds) announces itself before its neighbours finish (seen over TCP links: 600 were
+    # done before a joiner came).
+    steps = 1000
     outs = [tmp_path / f"m{i}.pt" for i in range(3)]
     env = {"QCOMM_TOKEN": token} if token else None
     procs = [_worker(i, port, steps, outs[i], transport=transport, env=env) for i in range(3)]
