@@ -111,10 +111,15 @@ class SocketGroup(PairGroup):
         else:
             sock, admitted = self.listener.claim(prefix, timeout_s)
             how = f"accepted on {self.listener.address}"
-            if admitted.hello.get("encrypt") != self.encrypt:
+            hello = admitted.hello
+            why = ("one end encrypts and the other does not (QCOMM_ENCRYPT must be the same "
+                   "on every node)" if hello.get("encrypt") != self.encrypt else
+                   f"the connection says it is member {hello.get('member')} (incarnation "
+                   f"{hello.get('incarnation')})"
+                   if [hello.get("member"), hello.get("incarnation")] != list(other) else None)
+            if why is not None:
                 sock.close()
-                raise RuntimeError(f"link to {peer}: one end encrypts and the other does not "
-                                   "(QCOMM_ENCRYPT must be the same on every node)")
+                raise RuntimeError(f"link to {peer}: {why}")
         # A send to a peer that reads nothing fails after the link's timeout.
         sock.settimeout(timeout_s)
         log.info("link to %s: TCP, %s%s%s", peer, how,
