@@ -89,6 +89,8 @@ RUNNERS: dict[str, Here | By] = {
                                       "--compute-ms": ("2",)}, "5 steps of 4096 floats"),
     "bench/gossip_transport.py": Here({"--rounds": ("10",), "--nbytes": ("4096",)},
                                       "10 rounds of 4 KiB per order"),
+    "bench/socket_links.py": Here({"--rounds": ("4",), "--nbytes": ("4096",)},
+                                  "4 rounds of 4 KiB per kind of link"),
 }
 # The reader's own script in a command, and the example that stands for it.
 STANDS_FOR = {"train.py": "train_charlm.py"}

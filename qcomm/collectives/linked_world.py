@@ -12,6 +12,7 @@ import torch.distributed as dist
 from qcomm.rendezvous.node import LinkedSeat
 
 from .gloo.pair_group import PairGroup
+from .sockets import SocketGroup
 from .torch_group import TorchWorld
 
 __all__ = ["LinkedWorld"]
@@ -21,7 +22,9 @@ class LinkedWorld(TorchWorld):
     """The groups of a job of linked nodes, seen from ``seat``: the node's group is
     torch.distributed's default group (the node's torchrun world); a rail is a
     :class:`~qcomm.collectives.gloo.pair_group.PairGroup` of the nodes' same local ranks (its links
-    made through the rendezvous when they open). No group spans the job."""
+    made through the rendezvous when they open), or a
+    :class:`~qcomm.collectives.sockets.SocketGroup` when the seat listens on a port or has a
+    job token. No group spans the job."""
 
     spans_job = False
 
@@ -50,6 +53,11 @@ class LinkedWorld(TorchWorld):
                 out.append(None)
             elif all(r // seat.procs_per_node == seat.node for r in ranks):
                 out.append(dist.group.WORLD)   # the node: its torchrun world
+            elif seat.listen is not None or seat.token is not None:
+                # TCP links on the node's one port (and the job token, when set)
+                out.append(SocketGroup(seat.rendezvous, seat.node, seat.nodes, ranks=ranks,
+                                       name=f"rail{seat.local_rank}", timeout_s=seat.timeout_s,
+                                       listen=seat.listen or "", token=seat.token))
             else:
                 out.append(PairGroup(seat.rendezvous, seat.node, seat.nodes, ranks=ranks,
                                      name=f"rail{seat.local_rank}", timeout_s=seat.timeout_s))

@@ -177,10 +177,15 @@ class NodeJoins:
         log.info("qcomm: node %d joined at step %d from a running neighbour's state", seat.node,
                  self.node.gossip.steps)
 
+    def _token(self) -> bytes | None:
+        """The job token the state a joiner takes is sealed with (None: none)."""
+        return None if self.seat.token is None else self.seat.token.encode()
+
     def _received(self, seq: int) -> dict:
         """The state a running neighbour offered to join ``seq``, checked against this rank's
         model."""
-        payload = await_state(self.store, seq, self.seat.timeout_s, self.seat.rendezvous)
+        payload = await_state(self.store, seq, self.seat.timeout_s, self.seat.rendezvous,
+                              token=self._token())
         state = torch.load(io.BytesIO(payload), weights_only=True)
         x, flat = state["x"], self.node.flat
         if x.shape != flat.flat.shape:
@@ -276,7 +281,7 @@ class NodeJoins:
             admit(g, member)
             if g.membership.nearest_live(1) == member and g.rounds_started:
                 try:
-                    offer_state(self.store, seq, self._payload())
+                    offer_state(self.store, seq, self._payload(), token=self._token())
                 except RuntimeError as e:   # the rendezvous: down, or it dropped us
                     # The running node trains on; the joiner, without a state, fails its join
                     # in its own bound, and its link here counts as lost like any other.

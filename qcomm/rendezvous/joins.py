@@ -24,6 +24,7 @@ import threading
 
 import torch.distributed as dist
 
+from .sealed_state import open_state, seal_state
 from .waiting import wait_keys
 
 __all__ = ["JoinWatcher", "announce", "await_state", "offer_state"]
@@ -54,10 +55,14 @@ def announce(store: dist.Store, member: int, incarnation: int) -> int:
 STATE_PART_BYTES = 4 << 20
 
 
-def offer_state(store: dist.Store, seq: int, payload: bytes) -> bool:
+def offer_state(store: dist.Store, seq: int, payload: bytes, token: bytes | None = None
+                ) -> bool:
     """Offer join ``seq`` the state to start from; True when this offer is the one taken (the
     first). The parts go first, under this offer's own keys, then one small compare-and-set
-    names the offer; an offer not taken deletes its parts."""
+    names the offer; an offer not taken deletes its parts. With the job ``token``, the state
+    is sealed with it (:mod:`.sealed_state`)."""
+    if token is not None:
+        payload = seal_state(token, seq, payload)
     offer = secrets.token_hex(8)
     base = f"{_state_key(seq)}/{offer}"
     parts = range(0, len(payload), STATE_PART_BYTES)
@@ -71,13 +76,15 @@ def offer_state(store: dist.Store, seq: int, payload: bytes) -> bool:
     return taken
 
 
-def await_state(store: dist.Store, seq: int, timeout_s: float, where: str = "") -> bytes:
+def await_state(store: dist.Store, seq: int, timeout_s: float, where: str = "",
+                token: bytes | None = None) -> bytes:
     """The state offered to join ``seq`` (the wait says every few seconds what it waits for,
-    naming the rendezvous ``where``).
+    naming the rendezvous ``where``); with the job ``token``, opened with it.
 
     Raises:
         TimeoutError: no running member offered it within ``timeout_s``;
-        ValueError: its parts do not add up to the size its offer named.
+        ValueError: its parts do not add up to the size its offer named, or (with a token) it
+            was not sealed with the token.
     """
     key = _state_key(seq)
     try:
@@ -94,7 +101,7 @@ def await_state(store: dist.Store, seq: int, timeout_s: float, where: str = "") 
                            f"said {nbytes}")
     for i in range(int(parts)):   # the rendezvous keeps nothing it no longer needs
         store.delete_key(f"{base}/{i}")
-    return payload
+    return payload if token is None else open_state(token, seq, payload)
 
 
 class JoinWatcher:

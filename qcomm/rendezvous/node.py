@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -57,7 +57,10 @@ class LinkedSeat:
     (the job starts with the first ``starting``, the others are taken by nodes that start
     later), that node's ``incarnation`` (1 at its first start, more when it came back), its
     rank among ``world_size`` (node-major), its node's ``procs_per_node``, the rendezvous
-    (``"HOST:PORT"``) and the longest wait ``timeout_s``."""
+    (``"HOST:PORT"``) and the longest wait ``timeout_s``; ``listen``, the ``"HOST:PORT"``
+    this process accepts its links to other nodes on (None: the links are Gloo's, unless a
+    ``token`` is set: then they dial out), and the job ``token`` (None: none; never shown in
+    the seat's repr)."""
 
     node: int
     nodes: int
@@ -68,6 +71,8 @@ class LinkedSeat:
     rendezvous: str
     timeout_s: float
     starting: int
+    listen: str | None = None
+    token: str | None = field(default=None, repr=False)
 
     @property
     def local_rank(self) -> int:
@@ -115,8 +120,29 @@ def _take(store: dist.Store, nodes: int, token: str, node_id: int | None) -> int
                      "restarted by its own torchrun, which keeps its seat)")
 
 
+def _listen_of(listen: str | None, local_rank: int) -> str | None:
+    """Where this process accepts its links: ``listen`` (else ``QCOMM_LISTEN``), its port
+    moved up by the local rank (each process of a node has a port of its own: PORT to
+    PORT + procs_per_node - 1; port 0 stays 0, the system picks); None when neither is set.
+
+    Raises:
+        ValueError: not ``"HOST:PORT"``, naming where it came from.
+    """
+    where = "listen"
+    if listen is None:
+        listen, where = os.environ.get("QCOMM_LISTEN") or None, "QCOMM_LISTEN"
+    if listen is None:
+        return None
+    host, _, port = listen.rpartition(":") if isinstance(listen, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 <= int(port) + local_rank <= 65535:
+        raise ValueError(f"{where} must be 'HOST:PORT', the address this node accepts its "
+                         f"links on, got {listen!r}")
+    return f"{host}:{int(port) + local_rank if int(port) else 0}"
+
+
 def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
-              node_id: int | None = None, timeout_s: float = 300.0) -> LinkedSeat:
+              node_id: int | None = None, timeout_s: float = 300.0,
+              listen: str | None = None, token: str | None = None) -> LinkedSeat:
     """Initialize torch.distributed over this node's ranks (its torchrun's world), take the
     node's seat through the rendezvous, and make the optimizers link to the other nodes
     through it (module docstring). Call it on every rank of every node instead of
@@ -132,6 +158,13 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
             the lowest never taken. Every rank of a node passes the same.
         timeout_s: the longest wait (for the rendezvous, for a link's other end, for a
             joiner's state); also the node group's timeout.
+        listen: ``"HOST:PORT"`` this node accepts its links to the other nodes on, one TCP
+            connection per link (:mod:`qcomm.collectives.sockets`; local rank r takes PORT +
+            r); None reads ``QCOMM_LISTEN``. Without it (and without a token) the links are
+            Gloo's, which need every port open between the nodes.
+        token: the job token every link proves it holds (at least 16 characters); None
+            reads ``QCOMM_TOKEN``. With one, the links are TCP ones even without ``listen``
+            (this node then dials all its links: its peers listen).
 
     Returns:
         this process's :class:`LinkedSeat`.
@@ -145,6 +178,8 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
     """
     global _seat, _seat_group
     address, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_node")
+    listen = _listen_of(listen, local_rank)
+    token = token if token is not None else os.environ.get("QCOMM_TOKEN") or None
     refused = refusal_of_this_run(store)
     if refused is not None:   # before the seat: a restart that cannot be admitted takes none
         raise RefusedError(f"{refused} (this torchrun run was refused by the job before, and "
@@ -155,10 +190,10 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
     nodes = int(store.get(MAX_NODES_KEY)) if store.check([MAX_NODES_KEY]) else starting
     if node_id is not None:
         node_id = check_int("node_id", node_id, low=0, high=nodes, high_open=True)
-    token = _node_token(ppn)
-    key = f"{_PREFIX}node_of/{token}"
+    run = _node_token(ppn)
+    key = f"{_PREFIX}node_of/{run}"
     if local_rank == 0:
-        node = _take(store, nodes, token, node_id)
+        node = _take(store, nodes, run, node_id)
         incarnation = claim_incarnation(store, node)
         register_host(store, node, ppn)
         store.set(key, f"{node}:{incarnation}")
@@ -175,6 +210,6 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
         init_torchrun_group(backend, timeout)
     _seat_group = dist.group.WORLD
     _seat = LinkedSeat(node, nodes, node * ppn + local_rank, nodes * ppn, ppn, incarnation,
-                       address, timeout_s, starting)
+                       address, timeout_s, starting, listen, token)
     return _seat
 

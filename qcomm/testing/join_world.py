@@ -1,6 +1,7 @@
 """One process of a wait-free gossip whose members come and go, for the join tests
 (``tests/collectives/test_join_processes.py``) and the join benchmark (``bench/join_rate.py``): a
-member over a :class:`~qcomm.collectives.gloo.pair_group.PairGroup` of the rendezvous at ``--port``,
+member over a :class:`~qcomm.collectives.gloo.pair_group.PairGroup` of the rendezvous at ``--port``
+(``--transport sockets``: a :class:`~qcomm.collectives.sockets.SocketGroup` on a port of its own),
 mixing a random vector (no local update; ``--step-s`` of sleep stands for the compute).
 
 ``--mode member``: ``--steps`` steps, then drain, settle and sum along the ring; with ``--join``
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from qcomm.collectives.gloo.pair_group import PairGroup
 from qcomm.collectives.gossip import WaitFreeGossip
 from qcomm.collectives.gossip.joining import admit, join_state, start_joined
+from qcomm.collectives.sockets import SocketGroup
 from qcomm.compress import QuantSpec
 from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
 from qcomm.rendezvous.seat import claim_incarnation
@@ -41,9 +43,19 @@ def _state_bytes(x: torch.Tensor, g: WaitFreeGossip) -> bytes:
     return buf.getvalue()
 
 
+def _token() -> bytes | None:
+    """The job token (QCOMM_TOKEN) a joiner's state is sealed with, or None."""
+    token = os.environ.get("QCOMM_TOKEN")
+    return token.encode() if token else None
+
+
 def _gossip(args: argparse.Namespace, store: dist.Store) -> tuple[WaitFreeGossip, int]:
     incarnation = claim_incarnation(store, args.member)
-    group = PairGroup(f"127.0.0.1:{args.port}", args.member, args.size, timeout_s=20)
+    if args.transport == "sockets":   # one port of its own, the token from QCOMM_TOKEN
+        group: PairGroup = SocketGroup(f"127.0.0.1:{args.port}", args.member, args.size,
+                                       timeout_s=20, listen="127.0.0.1:0")
+    else:
+        group = PairGroup(f"127.0.0.1:{args.port}", args.member, args.size, timeout_s=20)
     g = WaitFreeGossip(list(range(args.size)), group, args.numel,
                        spec=QuantSpec(4, 128, "stochastic"), gamma=0.3, fragments=2,
                        on_peer_loss="continue", timeout_s=10)
@@ -57,7 +69,8 @@ def _join(g: WaitFreeGossip, store: dist.Store, member: int, incarnation: int,
     seq = announce(store, member, incarnation)
     if events is not None:
         events["announced"] = time.time()
-    state = torch.load(io.BytesIO(await_state(store, seq, 30)), weights_only=True)
+    state = torch.load(io.BytesIO(await_state(store, seq, 30, token=_token())),
+                       weights_only=True)
     start_joined(g, state["gossip"])
     if events is not None:
         events["started"] = time.time()
@@ -87,7 +100,7 @@ def _step(g: WaitFreeGossip, x: torch.Tensor, watcher: JoinWatcher, store: dist.
         admit(g, joiner)
         store.set(f"admitted/{seq}/{member}", "1")
         if g.membership.nearest_live(1) == joiner:
-            offer_state(store, seq, _state_bytes(x, g))
+            offer_state(store, seq, _state_bytes(x, g), token=_token())
     g.prepare()
     g.end_step(x)
     time.sleep(step_s)
@@ -194,6 +207,7 @@ def main() -> None:
     ap.add_argument("--cut-after-admit", type=int, default=None,
                     help="member whose link to this one breaks right after both admit a "
                          "joiner between them")
+    ap.add_argument("--transport", choices=["pairs", "sockets"], default="pairs")
     args = ap.parse_args()
     # torch starts its intra-op pool threads lazily, at the first op that goes parallel: start
     # them now, so that a thread count measures this process, not when torch first needed one

@@ -24,12 +24,13 @@ from qcomm.testing.multiprocess import free_ports
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _worker(member: int, port: int, steps: int, out: Path, *extra: str, size: int = 3
-            ) -> subprocess.Popen:
+def _worker(member: int, port: int, steps: int, out: Path, *extra: str, size: int = 3,
+            transport: str = "pairs", env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "qcomm.testing.join_world", "--member", str(member),
-           "--size", str(size), "--port", str(port), "--steps", str(steps), "--out", str(out)]
+           "--size", str(size), "--port", str(port), "--steps", str(steps), "--out", str(out),
+           "--transport", transport]
     return subprocess.Popen([*cmd, *extra], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)},
+                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -57,18 +58,29 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
                 p.kill()
 
 
+@pytest.mark.parametrize(("transport", "token"), [("pairs", None), ("sockets", None),
+                                                  ("sockets", "the-job-token-0123456789")],
+                         ids=["pairs", "sockets", "sockets-token"])
 def test_a_killed_member_restarted_as_a_new_process_rejoins(
-        tmp_path: Path, rendezvous: tuple[int, dist.Store]) -> None:
+        tmp_path: Path, rendezvous: tuple[int, dist.Store], transport: str,
+        token: str | None) -> None:
+    """Over Gloo's pairs, and over TCP links on one port per process
+    (:mod:`qcomm.collectives.sockets`), also with a job token (links encrypted, the joiner's
+    state sealed): the same gossip, the same checks."""
     port, store = rendezvous
-    steps = 600
+    # Enough steps that the joiner (a new process: torch imported, under load several
+    # seconds) announces itself before its neighbours finish (seen over TCP links: 600 were
+    # done before a joiner came).
+    steps = 1000
     outs = [tmp_path / f"m{i}.pt" for i in range(3)]
-    procs = [_worker(i, port, steps, outs[i]) for i in range(3)]
+    env = {"QCOMM_TOKEN": token} if token else None
+    procs = [_worker(i, port, steps, outs[i], transport=transport, env=env) for i in range(3)]
     try:
         wait_progress(store, "progress/1/1", 100, 60)
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait(10)
         wait_progress(store, "progress/0/1", 200, 60)   # its neighbours went on without it
-        procs[1] = _worker(1, port, steps, outs[1], "--join")
+        procs[1] = _worker(1, port, steps, outs[1], "--join", transport=transport, env=env)
     finally:
         logs = _finish(procs, 120)
     assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(map(str, logs))
@@ -87,8 +99,9 @@ def test_a_killed_member_restarted_as_a_new_process_rejoins(
     assert spread(end) < 1e-2 * spread(start), (spread(end), spread(start))
 
 
+@pytest.mark.parametrize("transport", ["pairs", "sockets"])
 def test_twenty_visits_leave_no_thread_or_descriptor_behind(
-        tmp_path: Path, rendezvous: tuple[int, dist.Store]) -> None:
+        tmp_path: Path, rendezvous: tuple[int, dist.Store], transport: str) -> None:
     """Member 1 comes (a new incarnation that joins from member 0's state) and goes
     (``close()``: its goodbye closes member 0's link, no loss) 20 times while member 0 runs:
     member 0's OS threads and open file descriptors are the same after every visit as after
@@ -97,8 +110,10 @@ def test_twenty_visits_leave_no_thread_or_descriptor_behind(
     otherwise (the count stayed at 3 through all 20 visits with one intra-op thread)."""
     port, _ = rendezvous
     host, visitor = tmp_path / "host.pt", tmp_path / "visitor.pt"
-    procs = [_worker(0, port, 20, host, "--mode", "host", "--cycles", "20", size=2),
-             _worker(1, port, 20, visitor, "--mode", "visitor", "--cycles", "20", size=2)]
+    procs = [_worker(0, port, 20, host, "--mode", "host", "--cycles", "20", size=2,
+                     transport=transport),
+             _worker(1, port, 20, visitor, "--mode", "visitor", "--cycles", "20", size=2,
+                     transport=transport)]
     logs = _finish(procs, 300)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
     res = torch.load(host, weights_only=True)

@@ -44,15 +44,17 @@ class Job:
         self.agents: dict[int, subprocess.Popen] = {}
 
     def start(self, node: int, args: list[str], *, restarts: int = 0,
-              node_id: bool = True, nproc: int = 1) -> None:
+              node_id: bool = True, nproc: int = 1, env: dict[str, str] | None = None) -> None:
         """Start node ``node``'s torchrun (a new log; ``restarts``: its --max-restarts;
-        without ``node_id`` it takes the seat the rendezvous gives it; ``nproc`` ranks)."""
+        without ``node_id`` it takes the seat the rendezvous gives it; ``nproc`` ranks;
+        ``env``: variables of its own)."""
         seat = ["--node-id", str(node)] if node_id else []
         with open(self.log(node), "w") as f:
             self.agents[node] = subprocess.Popen(
                 [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "--max-restarts",
                  str(restarts), str(EXAMPLE), *TINY, *seat, *args],
-                cwd=self.tmp, env=dict(ENV, QCOMM_RENDEZVOUS=self.address), stdout=f,
+                cwd=self.tmp, env=dict(ENV, QCOMM_RENDEZVOUS=self.address, **(env or {})),
+                stdout=f,
                 stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self, node: int) -> Path:

@@ -143,6 +143,7 @@ class PairGroup(CommGroup):
             n = self._opened[other] = self._opened.get(other, 0) + 1
         lo, hi = sorted([me, other])
         prefix = f"qcomm/link/{self.name}/{lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}/{n}/"
+        self._announce(store, prefix)
         # Each end says it is here before the Gloo group, which waits mute and cannot be told
         # that the other end will never come: the job refused it (its options differ).
         store.set(f"{prefix}here/{self.rank}", "1")
@@ -157,6 +158,17 @@ class PairGroup(CommGroup):
                                                   f"incarnation {other[1]}) to open its link"},
                   self.timeout.total_seconds(), f"{self.host}:{self.port}", who=self._who(),
                   check=refused)
+        return self._channel(store, prefix, me, other)
+
+    def _announce(self, store: dist.Store, prefix: str) -> None:
+        """What this end says in the store about a link before it is here (nothing: Gloo
+        exchanges its own addresses); a link of another kind publishes where to reach it."""
+
+    def _channel(self, store: dist.Store, prefix: str, me: tuple[int, int],
+                 other: tuple[int, int]) -> PairChannel:
+        """The link's channel once both ends are here: a Gloo group of two over the store
+        under ``prefix``, rank 0 the lower ``(member, incarnation)``."""
+        lo = min(me, other)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = self.timeout
         opts._devices = gloo_devices()

@@ -1,0 +1,17 @@
+"""The links between nodes over plain TCP, on one inbound port per node: what a job uses when
+its sites let in one port per node and no more (Gloo's links need every port open between
+every pair of machines). The wait-free gossip's streams run on them as on Gloo's
+(:class:`~qcomm.collectives.gloo.streams.GlooStreams`, with a channel of this package).
+
+- :mod:`.frames`: length-prefixed frames on one connection.
+- :mod:`.admission`: a link's opening handshake, the job token's challenge and response.
+- :mod:`.listener`: the node's one port, routing each admitted connection to its link.
+- :mod:`.channel`: :class:`SocketChannel`, one link's tagged sends and receives.
+- :mod:`.group`: :class:`SocketGroup`, the gossip group whose links these are.
+"""
+
+from .admission import AdmissionError
+from .channel import SocketChannel
+from .group import SocketGroup, job_token
+
+__all__ = ["AdmissionError", "SocketChannel", "SocketGroup", "job_token"]

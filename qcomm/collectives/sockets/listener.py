@@ -1,0 +1,175 @@
+"""A node's one inbound port: every socket link that this process accepts arrives on it and is
+routed, by the link its hello names, to the link that waits for it (:class:`Listener`).
+
+One listener per address per process (:func:`listener_at`): the groups of a process (and the
+incarnations of a member that comes and goes in one process) share it. Each connection is
+admitted on a thread of its own (:func:`.admission.accept`, bounded by
+:data:`~.admission.HANDSHAKE_TIMEOUT_S`), so a process that connects and says nothing holds up
+no other; at most :data:`MAX_ADMITTING` at once (more are closed unread: a flood costs no
+threads). A refused connection takes no link; the first one from each address is logged here
+with why (never the token), later ones from it are only counted. An admitted connection no
+link claims within ``park_s`` is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+from .admission import HANDSHAKE_TIMEOUT_S, AdmissionError, Admitted, accept
+from .frames import FrameError
+
+__all__ = ["Listener", "listener_at", "parse_listen"]
+
+log = logging.getLogger(__name__)
+
+# Handshakes in progress at once, at most (each holds a thread up to HANDSHAKE_TIMEOUT_S).
+MAX_ADMITTING = 64
+
+
+def parse_listen(address: object, name: str = "listen") -> tuple[str, int]:
+    """``"HOST:PORT"`` (PORT 0: the system picks one) as (host, port).
+
+    Raises:
+        ValueError: not of that form, naming ``name``.
+    """
+    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{name} must be 'HOST:PORT', the address this node accepts its links "
+                         f"on (QCOMM_LISTEN), got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class Listener:
+    """Accepts links on ``host:port`` (module docstring).
+
+    Args:
+        host, port: where to listen (port 0: the system picks; :attr:`address` says which).
+        token: the job token every dialler must prove it holds (None: anyone is admitted).
+        park_s: how long an admitted connection waits for its link to claim it.
+
+    Attributes:
+        address: ``"HOST:PORT"`` the peers dial: the host given, or this machine's address
+            when it is a wildcard (``0.0.0.0``, ``::``).
+        refused: connections refused so far.
+    """
+
+    def __init__(self, host: str, port: int, token: bytes | None, park_s: float = 300.0
+                 ) -> None:
+        self.token = token
+        self.park_s = park_s
+        self.sock = socket.create_server((host, port), backlog=64,
+                                         family=socket.AF_INET6 if ":" in host
+                                         else socket.AF_INET)
+        self.sock.settimeout(1.0)   # the accept loop looks up when closed
+        bound = self.sock.getsockname()[1]
+        shown = host if host not in ("0.0.0.0", "::", "") else socket.gethostbyname(
+            socket.gethostname())
+        self.address = f"[{shown}]:{bound}" if ":" in shown else f"{shown}:{bound}"
+        self.refused = 0
+        self._refused_from: set[str] = set()   # addresses whose refusal was logged
+        self._admitting = threading.BoundedSemaphore(MAX_ADMITTING)
+        self.cond = threading.Condition()
+        self._parked: dict[str, tuple[socket.socket, Admitted, float]] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                        name=f"qcomm-listen-{bound}")
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return   # closed
+            if not self._admitting.acquire(blocking=False):
+                conn.close()   # too many handshakes at once: a flood, not the job
+                continue
+            threading.Thread(target=self._admit, args=(conn, peer), daemon=True,
+                             name="qcomm-admit").start()
+
+    def _admit(self, conn: socket.socket, peer: tuple) -> None:
+        try:
+            self._handshake(conn, peer)
+        finally:
+            self._admitting.release()
+
+    def _handshake(self, conn: socket.socket, peer: tuple) -> None:
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            admitted = accept(conn, self.token)
+        except (AdmissionError, FrameError, OSError) as e:
+            conn.close()
+            if isinstance(e, AdmissionError):
+                with self.cond:
+                    self.refused += 1
+                    first = peer[0] not in self._refused_from
+                    self._refused_from.add(peer[0])
+                if first:
+                    log.warning("refused a connection from %s:%s on %s: %s (no link taken; "
+                                "later refusals from %s are not logged)", peer[0], peer[1],
+                                self.address, e, peer[0])
+            return
+        key = admitted.hello["link"]
+        now = time.monotonic()
+        with self.cond:
+            stale = [k for k, (_, _, t) in self._parked.items() if now - t > self.park_s]
+            old = [self._parked.pop(k)[0] for k in stale]
+            if key in self._parked:   # the same link dialled again: the newer one counts
+                old.append(self._parked.pop(key)[0])
+            self._parked[key] = (conn, admitted, now)
+            self.cond.notify_all()
+        for c in old:
+            c.close()
+
+    def claim(self, link: str, timeout_s: float) -> tuple[socket.socket, Admitted]:
+        """The connection admitted for ``link``, waiting for it up to ``timeout_s``.
+
+        Raises:
+            TimeoutError: it did not come within ``timeout_s``.
+        """
+        with self.cond:
+            if not self.cond.wait_for(lambda: link in self._parked, timeout_s):
+                raise TimeoutError(f"the other end of link {link} did not connect to "
+                                   f"{self.address} within {timeout_s:g} s")
+            conn, admitted, _ = self._parked.pop(link)
+        return conn, admitted
+
+    def close(self) -> None:
+        """Stop accepting; parked connections close."""
+        self._closed = True
+        self.sock.close()
+        with self.cond:
+            parked, self._parked = list(self._parked.values()), {}
+        for conn, _, _ in parked:
+            conn.close()
+
+
+_listeners: dict[tuple[str, int, bytes | None], Listener] = {}
+_lock = threading.Lock()
+
+
+def listener_at(address: str, token: bytes | None) -> Listener:
+    """This process's listener on ``address`` (``"HOST:PORT"``), started at the first call
+    (with port 0: the first call with this token).
+
+    Raises:
+        ValueError: ``address`` is malformed, or the listener there admits with another token.
+        OSError: the port cannot be bound (taken by another process).
+    """
+    host, port = parse_listen(address)
+    # Port 0 (the system picks) is one listener per token: they never meet on a port.
+    key = (host, port, None if port else token)
+    with _lock:
+        listener = _listeners.get(key)
+        if listener is None:
+            listener = _listeners[key] = Listener(host, port, token)
+        elif listener.token != token:
+            raise ValueError(f"this process listens on {address} already, with another job "
+                             "token")
+    return listener

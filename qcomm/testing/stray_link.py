@@ -1,0 +1,60 @@
+"""A process that is not of the job tries a link on a running member's port, for the admission
+tests (``tests/collectives/sockets/test_admission_processes.py``): it reads the member's
+address from the rendezvous (as anyone who can reach the port could learn it) and dials it
+naming a real link of the job, with ``--token`` (the wrong one) or none; ``--mode garbage``
+sends gossip-sized bytes with no handshake at all. It prints what happened on one line and
+exits 0 when it was refused.
+
+    QCOMM_TOKEN=wrong... python -m qcomm.testing.stray_link --port P --mode token
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+
+import torch.distributed as dist
+
+from qcomm.collectives.sockets.admission import AdmissionError, dial
+from qcomm.collectives.sockets.frames import FrameError
+from qcomm.collectives.sockets.listener import parse_listen
+
+# The link between members 0 and 1 (first incarnations, first link) of the rail "rail0".
+LINK = "qcomm/link/rail0/0.1-1.1/1/"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True, help="the rendezvous's port")
+    ap.add_argument("--mode", choices=["token", "garbage"], required=True)
+    args = ap.parse_args()
+    store = dist.TCPStore("127.0.0.1", args.port, is_master=False,
+                          timeout=datetime.timedelta(seconds=30))
+    host, port = parse_listen(store.get(f"{LINK}addr/0").decode())
+    sock = socket.create_connection((host, port), timeout=10)
+    if args.mode == "garbage":
+        sock.sendall(os.urandom(4096))
+        try:
+            answer = sock.recv(1 << 16)
+            while sock.recv(1 << 16):
+                pass
+        except OSError as e:
+            answer = str(e).encode()
+        print(f"garbage: the port answered {len(answer)} bytes and closed", flush=True)
+        return
+    token = os.environ.get("QCOMM_TOKEN")
+    try:
+        dial(sock, {"link": LINK, "member": 1, "incarnation": 1},
+             token.encode() if token else None)
+    except (AdmissionError, FrameError) as e:
+        print(f"refused: {type(e).__name__}: {e}", flush=True)
+        return
+    print("admitted", flush=True)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
