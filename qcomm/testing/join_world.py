@@ -6,7 +6,8 @@ mixing a random vector (no local update; ``--step-s`` of sleep stands for the co
 
 ``--mode member``: ``--steps`` steps, then drain, settle and sum along the ring; with ``--join``
 it joins the running job from a neighbour's state; with ``--cut-after-admit M`` its link to
-member M breaks once M admitted a joiner between them, before this one does. ``--mode host`` /
+member M breaks once M admitted a joiner between them, before this one does (M, run with
+``--admit-after`` this member, holds its admit until this one saw the joiner). ``--mode host`` /
 ``visitor``: member 0 stays while member 1 comes and goes ``--cycles`` times in one process.
 Each writes what it ends with to ``--out`` (a ``torch.save`` file).
 
@@ -86,14 +87,20 @@ def _break_link_to(g: WaitFreeGossip, peer: int) -> None:
 
 
 def _step(g: WaitFreeGossip, x: torch.Tensor, watcher: JoinWatcher, store: dist.Store,
-          member: int, step_s: float, cut: int | None = None) -> None:
+          member: int, step_s: float, cut: int | None = None,
+          admit_after: int | None = None) -> None:
     """One step: admit the members that join (the one just below a joiner hands it its
     state), then a round. ``cut``: once member ``cut`` has admitted a joiner (and retired
     its link to this member), break that link and admit the joiner here at once (this
-    member's retire never leaves: a failure before the retire exchange ends)."""
+    member's retire never leaves: a failure before the retire exchange ends).
+    ``admit_after``: admit a joiner only once member ``admit_after`` has seen it (that
+    member, cutting, then takes no step until the cut: the retire sent to it stays unread)."""
     for seq, joiner, _ in watcher.new():
         if joiner == member:
             continue
+        store.set(f"seen/{seq}/{member}", "1")
+        if admit_after is not None:
+            store.wait([f"seen/{seq}/{admit_after}"], datetime.timedelta(seconds=20))
         if cut is not None:
             store.wait([f"admitted/{seq}/{cut}"], datetime.timedelta(seconds=20))
             _break_link_to(g, cut)
@@ -138,7 +145,8 @@ def run_member(args: argparse.Namespace, store: dist.Store) -> None:
     watcher = JoinWatcher("127.0.0.1", args.port, seen=seen, poll_s=0.05)
     times = []   # wall time at the end of each step
     while g.steps < args.steps:
-        _step(g, x, watcher, store, args.member, args.step_s, args.cut_after_admit)
+        _step(g, x, watcher, store, args.member, args.step_s, args.cut_after_admit,
+              args.admit_after)
         times.append(time.time())
         if g.steps % 10 == 0:
             store.set(f"progress/{args.member}/{incarnation}", str(g.steps))
@@ -204,6 +212,9 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--step-s", type=float, default=0.01)
     ap.add_argument("--numel", type=int, default=NUMEL)
+    ap.add_argument("--admit-after", type=int, default=None,
+                    help="member that must have seen a joiner before this one admits it (the "
+                         "one that cuts its link to this one, --cut-after-admit)")
     ap.add_argument("--cut-after-admit", type=int, default=None,
                     help="member whose link to this one breaks right after both admit a "
                          "joiner between them")
