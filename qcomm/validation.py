@@ -26,9 +26,9 @@ from typing import NoReturn, TypeVar
 
 import torch
 
-__all__ = ["SEED_BITS", "SEED_MAX", "check_bucket_mb", "check_choice", "check_instance",
-           "check_int", "check_real", "check_seed", "check_tensor", "check_timeout", "describe",
-           "did_you_mean", "env_int", "fail"]
+__all__ = ["SEED_BITS", "SEED_MAX", "check_bucket_mb", "check_choice", "check_host_port",
+           "check_instance", "check_int", "check_real", "check_seed", "check_tensor",
+           "check_timeout", "describe", "did_you_mean", "env_int", "fail"]
 
 SEED_BITS = 64
 SEED_MAX = (1 << SEED_BITS) - 1
@@ -102,6 +102,21 @@ def _outside(x: float, low: float | None, high: float | None, low_open: bool,
              high_open: bool) -> bool:
     return ((low is not None and (x <= low if low_open else x < low))
             or (high is not None and (x >= high if high_open else x > high)))
+
+
+def check_host_port(name: str, address: object, what: str, *, low_port: int = 1
+                    ) -> tuple[str, int]:
+    """``"HOST:PORT"`` as ``(host, port)``, an IPv6 host's brackets dropped; ``what`` says
+    whose address it is in the error.
+
+    Raises:
+        ValueError: not of that form, or the port outside ``[low_port, 65535]``, naming
+            ``name``.
+    """
+    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not host or not port.isdigit() or not low_port <= int(port) <= 65535:
+        raise ValueError(f"{name} must be 'HOST:PORT', {what}, got {address!r}")
+    return host.strip("[]"), int(port)
 
 
 def check_int(name: str, value: object, *, low: int | None = None, high: int | None = None,

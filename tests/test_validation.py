@@ -194,3 +194,14 @@ def test_a_choice_names_the_nearest_one() -> None:
     with pytest.raises(ValueError) as info:
         check_choice("m", "x", ("a", "b"), allow_none=True)
     assert str(info.value) == "m must be one of ('a', 'b') or None, got 'x'"
+
+
+def test_host_port_is_parsed_and_a_bad_one_named() -> None:
+    from qcomm.validation import check_host_port
+
+    assert check_host_port("listen", "[::1]:29500", "x") == ("::1", 29500)
+    assert check_host_port("listen", "0.0.0.0:0", "x", low_port=0) == ("0.0.0.0", 0)
+    for bad in ("nowhere", "host:", ":80", "h:0", "h:70000", "h:8o", 29500, None):
+        with pytest.raises(ValueError, match=r"^listen must be 'HOST:PORT', the address it "
+                                             r"accepts on, got "):
+            check_host_port("listen", bad, "the address it accepts on")

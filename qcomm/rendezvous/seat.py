@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from qcomm.validation import check_int, check_timeout, env_int
+from qcomm.validation import check_host_port, check_int, check_timeout, env_int
 
 from .server import NODES_KEY
 from .threads import fit_threads, register_host
@@ -81,11 +81,7 @@ def parse_address(address: object, name: str = "rendezvous") -> tuple[str, int]:
     Raises:
         ValueError: not of that form, naming ``name``.
     """
-    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{name} must be 'HOST:PORT' (the address python -m qcomm.rendezvous "
-                         f"listens on), got {address!r}")
-    return host, int(port)
+    return check_host_port(name, address, "the address python -m qcomm.rendezvous listens on")
 
 
 def run_base() -> str | None:

@@ -18,6 +18,8 @@ import socket
 import threading
 import time
 
+from qcomm.validation import check_host_port
+
 from .admission import HANDSHAKE_TIMEOUT_S, AdmissionError, Admitted, accept
 from .frames import FrameError
 
@@ -35,11 +37,8 @@ def parse_listen(address: object, name: str = "listen") -> tuple[str, int]:
     Raises:
         ValueError: not of that form, naming ``name``.
     """
-    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
-    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{name} must be 'HOST:PORT', the address this node accepts its links "
-                         f"on (QCOMM_LISTEN), got {address!r}")
-    return host.strip("[]"), int(port)
+    return check_host_port(name, address, "the address this node accepts its links on "
+                           "(QCOMM_LISTEN)", low_port=0)
 
 
 class Listener:
