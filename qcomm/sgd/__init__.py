@@ -22,9 +22,10 @@ from qcomm.engine.gradients import NonFiniteGradientError
 from qcomm.engine.sharded import ShardedParamsError
 from qcomm.sgd.assgd import ASSGD
 from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
+from qcomm.sgd.monitor import log_stats, stats_scalars
 from qcomm.sgd.settings import ADAMW_SLOW_LINK, SLOW_LINK
 
 __all__ = ["ADAMW_SLOW_LINK", "ASSGD", "SLOW_LINK", "CheckpointError", "HierarchicalOptimizer",
            "NonFiniteGradientError", "ShardedParamsError", "UnsafeCheckpointError",
-           "checkpoint_path", "load_checkpoint", "load_sharded_checkpoint", "save_checkpoint",
-           "save_sharded_checkpoint"]
+           "checkpoint_path", "load_checkpoint", "load_sharded_checkpoint", "log_stats",
+           "save_checkpoint", "save_sharded_checkpoint", "stats_scalars"]

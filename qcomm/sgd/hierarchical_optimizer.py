@@ -38,6 +38,7 @@ from qcomm.checkpoint.optimizer import STATE_KEY, CheckpointableOptimizer
 from qcomm.collectives.topology import Topology
 from qcomm.engine import AveragingEngine, CommOptions
 from qcomm.engine.options import user_stacklevel
+from qcomm.integrations.guard import check_lightning_strategy
 from qcomm.validation import check_instance
 
 __all__ = ["STATE_KEY", "HierarchicalOptimizer"]
@@ -200,7 +201,12 @@ class HierarchicalOptimizer(Optimizer, CheckpointableOptimizer):
         Raises:
             NonFiniteGradientError: a gradient holds NaN/Inf and ``on_nonfinite="raise"``;
                 nothing was changed.
+            WrongStrategyError: with peers, Lightning steps it under a strategy other than
+                ``qcomm.integrations.lightning.QcommStrategy`` (:mod:`qcomm.integrations.guard`);
+                nothing was changed.
         """
+        if closure is not None and self.engine.distributed:
+            check_lightning_strategy(closure, self)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -1,0 +1,122 @@
+"""QcommStrategy under Lightning's DDP over Gloo: 4 processes as 2 emulated nodes of 2."""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import io
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="the lightning extra: pip install 'qcomm[lightning]'")
+
+from qcomm.integrations.lightning import QcommStrategy, rank_state_dir
+from qcomm.sgd import SLOW_LINK
+from tests.integrations.lightning_bodies import (
+    BATCH,
+    SAMPLES,
+    fit_body,
+    refused_optimizers_body,
+    wrong_strategy_body,
+)
+
+# SLOW_LINK in lockstep: a wait-free run's bits depend on when messages arrive, so no two runs
+# of it (a whole one and a resumed one) can be compared bit for bit; the lockstep form's can.
+OPTIONS = {**SLOW_LINK, "wait_free": False, "on_peer_loss": "raise", "procs_per_node": 2}
+PARAMS = 178            # the tiny module's parameters
+STEPS_PER_EPOCH = SAMPLES // BATCH // 4
+
+
+@pytest.fixture(scope="module")
+def two_epochs(gloo, tmp_path_factory):
+    """One fit of 2 epochs, its checkpoints kept: the runs the tests below look at."""
+    root = tmp_path_factory.mktemp("fit")
+    return gloo.run(fit_body, 4, args=(str(root), 2, None, OPTIONS), timeout_s=240), root
+
+
+def test_ranks_hold_one_model_after_fit_and_at_validation(two_epochs):
+    results, _ = two_epochs
+    for r in results[1:]:
+        assert torch.equal(r["params"], results[0]["params"])
+        for mine, first in zip(r["val_params"], results[0]["val_params"], strict=True):
+            assert torch.equal(mine, first)
+    assert len(results[0]["val_params"]) == 2       # validation ran once per epoch
+    # It trained: the model moved, the scheduler stepped the wrapped optimizer (lr 0.1 -> 0.05
+    # after 5 of the 16 steps, -> 0.025 after 10: StepLR steps per epoch, so 2 epochs: 0.1).
+    assert results[0]["steps"] == 2 * STEPS_PER_EPOCH
+
+
+def test_bytes_between_nodes_per_step_are_a_tenth_of_ddp(two_epochs):
+    results, _ = two_epochs
+    for r in results:
+        by_step = r["inter_by_step"]
+        assert len(by_step) == 2 * STEPS_PER_EPOCH
+        # The second epoch's training steps, after the first epoch's validation and checkpoint
+        # (whose exact averages are an evaluation's cost, not a step's): rounds at 12 and 16.
+        first, last = STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH - 1     # after steps 9 and 16
+        sent, steps = by_step[last] - by_step[first], last - first
+        assert sent > 0
+        # fp32 DDP sends at least the whole gradient every step from every rank (a ring
+        # all-reduce of 4 ranks sends 1.5x that): 4 bytes per parameter per step.
+        assert sent * 10 <= 4 * PARAMS * steps, (sent, steps)
+        assert r["stats"]["bytes_sent"]["inter"] >= by_step[-1]
+
+
+def test_stats_reach_the_logger(two_epochs):
+    results, _ = two_epochs
+    rows = list(csv.DictReader(io.StringIO(results[0]["metrics"])))
+    logged = [float(row["qcomm/bytes_inter"]) for row in rows if row.get("qcomm/bytes_inter")]
+    assert logged and logged == sorted(logged) and logged[-1] > 0
+    steps = [float(row["qcomm/steps"]) for row in rows if row.get("qcomm/steps")]
+    assert len(steps) == len(logged) and steps == sorted(steps) and steps[-1] > 0
+
+
+def test_checkpoints_hold_every_ranks_state(two_epochs):
+    results, root = two_epochs
+    assert results[0]["ckpts"] == ["epoch=0.ckpt", "epoch=0.ckpt.qcomm", "epoch=1.ckpt",
+                                   "epoch=1.ckpt.qcomm"]
+    files = sorted(p.name for p in rank_state_dir(root / "ckpt" / "epoch=0.ckpt").iterdir())
+    assert files == [f"rank{r:05d}.{ext}" for r in range(4) for ext in ("json", "pt")]
+
+
+def test_resume_from_a_lightning_checkpoint_is_bit_exact(two_epochs, gloo, tmp_path):
+    results, root = two_epochs
+    ckpt = root / "ckpt" / "epoch=0.ckpt"
+    resumed = gloo.run(fit_body, 4, args=(str(tmp_path), 2, str(ckpt), OPTIONS), timeout_s=240)
+    for mine, whole in zip(resumed, results, strict=True):
+        assert torch.equal(mine["params"], whole["params"])
+        assert mine["steps"] == whole["steps"]
+        assert mine["lr"] == whole["lr"]
+        assert mine["stats"]["gossip_rounds"] == whole["stats"]["gossip_rounds"]
+
+
+def test_lightning_ddp_with_a_qcomm_optimizer_is_refused(gloo, tmp_path):
+    errors = gloo.run(wrong_strategy_body, 4, args=(str(tmp_path),), timeout_s=180)
+    for e in errors:
+        assert e.startswith("WrongStrategyError:") and "QcommStrategy" in e, e
+
+
+def test_qcomm_or_several_optimizers_under_the_strategy_are_refused(gloo, tmp_path):
+    errors = gloo.run(refused_optimizers_body, 4, args=(str(tmp_path),), timeout_s=180)
+    for qcomm_opt, several in errors:
+        assert qcomm_opt.startswith("TypeError:") and "plain torch optimizer" in qcomm_opt
+        assert several.startswith("ValueError:") and "exactly one optimizer, got 2" in several
+
+
+def test_bad_options_are_refused_when_the_strategy_is_made():
+    with pytest.raises(TypeError, match="bitz"):
+        QcommStrategy(bitz=4)
+    with pytest.raises(ValueError, match="bits"):
+        QcommStrategy(bits=3)
+    with pytest.raises(TypeError, match="ddp_kwargs"):
+        QcommStrategy(ddp_kwargs=["find_unused_parameters"])
+
+
+def test_without_lightning_the_import_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lightning", None)
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    monkeypatch.delitem(sys.modules, "qcomm.integrations.lightning")
+    with pytest.raises(ImportError, match=r"pip install 'qcomm\[lightning\]'"):
+        importlib.import_module("qcomm.integrations.lightning")
