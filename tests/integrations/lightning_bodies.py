@@ -180,3 +180,37 @@ def refused_optimizers_body(rank: int, world_size: int, root: str) -> list[str]:
             except Exception as exc:  # the type and message are what the test checks
                 errors.append(f"{type(exc).__name__}: {exc}")
     return errors
+
+
+def killed_node_body(rank: int, world_size: int, root: str, kill_at: int, steps: int,
+                     options: dict[str, Any]) -> dict[str, Any]:
+    """2 nodes of 1; node 1 is killed (SIGKILL) after step ``kill_at``; node 0 fits on to
+    ``steps``. Returns node 0's steps, its stats and whether its parameters are finite."""
+    import signal
+
+    from lightning.pytorch.callbacks import Callback
+
+    from qcomm.integrations.lightning import QcommStrategy
+
+    seen: dict[str, Any] = {}
+
+    class Kill(Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            if rank == 1 and trainer.global_step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            seen["stats"] = trainer.strategy.qcomm_optimizer.stats()
+            seen["steps"] = trainer.global_step
+
+    with lightning_env(rank):
+        import lightning as L
+
+        module = make_module()
+        t = L.Trainer(accelerator="cpu", devices=2, strategy=QcommStrategy(**options),
+                      max_steps=steps, default_root_dir=root, enable_model_summary=False,
+                      enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                      limit_val_batches=0, callbacks=[Kill()])
+        t.fit(module, train_dataloaders=loader())
+    return {"steps": seen["steps"], "stats": seen["stats"],
+            "finite": bool(flat_params(module).isfinite().all())}

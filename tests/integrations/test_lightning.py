@@ -14,10 +14,12 @@ pytest.importorskip("lightning", reason="the lightning extra: pip install 'qcomm
 
 from qcomm.integrations.lightning import QcommStrategy, rank_state_dir
 from qcomm.sgd import SLOW_LINK
+from qcomm.testing.multiprocess import run_world
 from tests.integrations.lightning_bodies import (
     BATCH,
     SAMPLES,
     fit_body,
+    killed_node_body,
     refused_optimizers_body,
     wrong_strategy_body,
 )
@@ -90,6 +92,20 @@ def test_resume_from_a_lightning_checkpoint_is_bit_exact(two_epochs, gloo, tmp_p
         assert mine["steps"] == whole["steps"]
         assert mine["lr"] == whole["lr"]
         assert mine["stats"]["gossip_rounds"] == whole["stats"]["gossip_rounds"]
+
+
+def test_a_killed_node_does_not_end_the_fit_of_the_other(tmp_path):
+    """SLOW_LINK (wait-free, on_peer_loss="continue"), 2 nodes of 1: node 1 is killed after
+    step 8; node 0 drops it and trains on to max_steps (2.5 epochs: past epoch ends)."""
+    options = {**SLOW_LINK, "procs_per_node": 1, "timeout_s": 5.0}
+    out = run_world(killed_node_body, 2, args=(str(tmp_path), 8, 40, options), timeout_s=240,
+                    allow_exit={1})
+    survivor = out[0]
+    assert survivor["steps"] == 40 and survivor["finite"]
+    assert survivor["stats"]["live_nodes"] == 1 and survivor["stats"]["dropped_ranks"] == [1]
+    # It gossiped before the loss (a round every 4 steps) and went on stepping after it.
+    assert survivor["stats"]["bytes_sent"]["inter"] > 0
+    assert survivor["stats"]["steps"] == 40
 
 
 def test_lightning_ddp_with_a_qcomm_optimizer_is_refused(gloo, tmp_path):
