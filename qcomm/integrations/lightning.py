@@ -253,7 +253,8 @@ class QcommStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Any = None) -> None:
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if self._qcomm is not None:
+        # save_weights_only: no optimizer state in the file, none beside it.
+        if self._qcomm is not None and "optimizer_states" in checkpoint:
             # Every rank its own file (collective over the rail with wait_free: it drains).
             save_checkpoint(rank_state_dir(filepath), self._qcomm)
 

@@ -214,3 +214,34 @@ def killed_node_body(rank: int, world_size: int, root: str, kill_at: int, steps:
         t.fit(module, train_dataloaders=loader())
     return {"steps": seen["steps"], "stats": seen["stats"],
             "finite": bool(flat_params(module).isfinite().all())}
+
+
+def foreign_checkpoints_body(rank: int, world_size: int, root: str, ckpt: str,
+                             options: dict[str, Any]) -> list[str]:
+    """Resume (to the epoch already done: nothing to train) from ``ckpt`` without its ranks'
+    qcomm directory, then from a copy whose optimizer state is a plain torch one (as a DDP run
+    writes): the first error, and what the optimizer holds after the second."""
+    from qcomm.checkpoint.optimizer import STATE_KEY
+    from qcomm.integrations.lightning import QcommStrategy
+
+    out = Path(root)
+    lone, plain = out / "lone.ckpt", out / "plain.ckpt"
+    if rank == 0:
+        state = torch.load(ckpt, weights_only=False)
+        torch.save(state, lone)
+        for opt_state in state["optimizer_states"]:
+            opt_state.pop(STATE_KEY)
+        torch.save(state, plain)
+    torch.distributed.barrier()
+    seen: list[str] = []
+    with lightning_env(rank):
+        for path in (lone, plain):
+            strategy = QcommStrategy(**options)
+            t = trainer(strategy, out, 1, logger=False, enable_checkpointing=False)
+            try:
+                t.fit(make_module(), train_dataloaders=loader(), ckpt_path=path)
+                held = t.optimizers[0].state.values()
+                seen.append(f"loaded: momentum buffers {sum('momentum_buffer' in v for v in held)}")
+            except Exception as exc:  # the type and message are what the test checks
+                seen.append(f"{type(exc).__name__}: {exc}")
+    return seen

@@ -19,6 +19,7 @@ from tests.integrations.lightning_bodies import (
     BATCH,
     SAMPLES,
     fit_body,
+    foreign_checkpoints_body,
     killed_node_body,
     refused_optimizers_body,
     wrong_strategy_body,
@@ -92,6 +93,18 @@ def test_resume_from_a_lightning_checkpoint_is_bit_exact(two_epochs, gloo, tmp_p
         assert mine["steps"] == whole["steps"]
         assert mine["lr"] == whole["lr"]
         assert mine["stats"]["gossip_rounds"] == whole["stats"]["gossip_rounds"]
+
+
+def test_a_checkpoint_without_its_ranks_state_is_refused_and_a_plain_one_loads(two_epochs,
+                                                                              gloo, tmp_path):
+    _, root = two_epochs
+    ckpt = root / "ckpt" / "epoch=0.ckpt"
+    seen = gloo.run(foreign_checkpoints_body, 4, args=(str(tmp_path), str(ckpt), OPTIONS),
+                    timeout_s=180)
+    for lone, plain in seen:
+        assert lone.startswith("CheckpointError:") and "lone.ckpt.qcomm" in lone, lone
+        # SGD's momentum of rank 0 for each of the 4 parameter tensors; the gossip fresh.
+        assert plain == "loaded: momentum buffers 4", plain
 
 
 def test_a_killed_node_does_not_end_the_fit_of_the_other(tmp_path):
