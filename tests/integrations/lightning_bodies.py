@@ -123,6 +123,7 @@ def fit_body(rank: int, world_size: int, root: str, epochs: int, resume: str | N
             seen["stats"] = opt.stats()
             seen["steps"] = trainer.global_step
             seen["lr"] = opt.param_groups[0]["lr"]
+            seen["bar"] = dict(trainer.progress_bar_metrics)
 
     out = Path(root)
     with lightning_env(rank):
@@ -135,7 +136,7 @@ def fit_body(rank: int, world_size: int, root: str, epochs: int, resume: str | N
               ckpt_path=resume)
     return {"params": flat_params(module), "val_params": seen.get("val_params", []),
             "stats": seen["stats"], "steps": seen["steps"], "lr": seen["lr"],
-            "inter_by_step": seen["inter"],
+            "inter_by_step": seen["inter"], "bar": seen["bar"],
             "ckpts": sorted(p.name for p in (out / "ckpt").iterdir()),
             "metrics": ((out / "logs" / "version_0" / "metrics.csv").read_text()
                         if rank == 0 else None)}

@@ -76,6 +76,21 @@ def test_stats_reach_the_logger(two_epochs):
     assert len(steps) == len(logged) and steps == sorted(steps) and steps[-1] > 0
 
 
+def test_the_progress_bar_shows_the_mb_between_nodes(two_epochs):
+    results, _ = two_epochs
+    bar = results[0]["bar"]          # rank 0 runs the progress bar
+    shown = bar["qcomm/MB_inter"]
+    # Set in the last training step, before that step's round: at most the final count.
+    assert 0 < shown <= results[0]["stats"]["bytes_sent"]["inter"] / 1e6
+
+
+def test_the_node_size_is_lightnings_devices_unless_given():
+    devices = [torch.device("cpu")] * 3
+    assert QcommStrategy(parallel_devices=devices).layout_options().procs_per_node == 3
+    given = QcommStrategy(parallel_devices=devices, procs_per_node=1, bits=4)
+    assert given.layout_options().procs_per_node == 1 and given.layout_options().bits == 4
+
+
 def test_checkpoints_hold_every_ranks_state(two_epochs):
     results, root = two_epochs
     assert results[0]["ckpts"] == ["epoch=0.ckpt", "epoch=0.ckpt.qcomm", "epoch=1.ckpt",
