@@ -48,7 +48,7 @@ from qcomm.checkpoint.optimizer import STATE_KEY
 from qcomm.engine import CommOptions
 from qcomm.integrations.guard import OWNED_FLAG
 from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
-from qcomm.sgd.monitor import log_stats, stats_scalars
+from qcomm.sgd.monitor import stats_scalars
 
 __all__ = ["QcommStrategy", "rank_state_dir"]
 
@@ -230,16 +230,20 @@ class QcommStrategy(DDPStrategy):
         return out
 
     def _report(self) -> None:
+        """Every ``log_every_n_steps``: rank 0's figures to the loggers and the progress bar
+        (between reports the bar keeps the last; no step pays for ``stats()`` otherwise)."""
         assert self._qcomm is not None and self.lightning_module is not None
         trainer = self.lightning_module.trainer
         step = trainer.global_step
-        if step % max(1, trainer.log_every_n_steps) == 0 and self.is_global_zero:
+        if step % max(1, trainer.log_every_n_steps) != 0:
+            return
+        scalars = stats_scalars(self._qcomm.stats())
+        if self.is_global_zero:
             # Straight to the loggers, in float64: Lightning's log() would store byte counts
             # in float32, exact only to 16 MB.
             for logger in trainer.loggers:
-                log_stats(self._qcomm, logger, step)
+                logger.log_metrics(scalars, step)
         if trainer.progress_bar_callback is not None:
-            scalars = stats_scalars(self._qcomm.stats())
             for name in _BAR:
                 if name in scalars:
                     value = scalars[name] / 1e6 if name.endswith("bytes_inter") else scalars[name]
