@@ -159,8 +159,8 @@ def wrong_strategy_body(rank: int, world_size: int, root: str) -> str:
 
 
 def refused_optimizers_body(rank: int, world_size: int, root: str) -> list[str]:
-    """configure_optimizers returning a qcomm optimizer, then two optimizers, under
-    QcommStrategy: the errors, by type and message."""
+    """configure_optimizers returning a qcomm optimizer, then two optimizers, then
+    sync_batchnorm=True, under QcommStrategy: the errors, by type and message."""
     from qcomm.integrations.lightning import QcommStrategy
     from qcomm.sgd import ASSGD
 
@@ -180,6 +180,13 @@ def refused_optimizers_body(rank: int, world_size: int, root: str) -> list[str]:
                 errors.append("no error")
             except Exception as exc:  # the type and message are what the test checks
                 errors.append(f"{type(exc).__name__}: {exc}")
+        t = trainer(QcommStrategy(procs_per_node=2), Path(root), 1, logger=False,
+                    enable_checkpointing=False, sync_batchnorm=True)
+        try:
+            t.fit(make_module(), train_dataloaders=loader())
+            errors.append("no error")
+        except Exception as exc:  # the type and message are what the test checks
+            errors.append(f"{type(exc).__name__}: {exc}")
     return errors
 
 

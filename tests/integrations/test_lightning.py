@@ -142,9 +142,10 @@ def test_lightning_ddp_with_a_qcomm_optimizer_is_refused(gloo, tmp_path):
         assert e.startswith("WrongStrategyError:") and "QcommStrategy" in e, e
 
 
-def test_qcomm_or_several_optimizers_under_the_strategy_are_refused(gloo, tmp_path):
+def test_qcomm_or_several_optimizers_or_sync_batchnorm_are_refused(gloo, tmp_path):
     errors = gloo.run(refused_optimizers_body, 4, args=(str(tmp_path),), timeout_s=180)
-    for qcomm_opt, several in errors:
+    for qcomm_opt, several, sync_bn in errors:
+        assert sync_bn.startswith("ValueError: sync_batchnorm=True under QcommStrategy"), sync_bn
         assert qcomm_opt.startswith("TypeError:") and "plain torch optimizer" in qcomm_opt
         assert several.startswith("ValueError:") and "exactly one optimizer, got 2" in several
 
