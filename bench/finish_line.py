@@ -51,6 +51,7 @@ class Variant:
     outer_momentum: float = 0.0
     knobs: tuple[tuple[str, Callable[[float], float]], ...] = ()
     own_progress: bool = False
+    lr_by_progress: bool = False
     about: str = ""
 
 
@@ -94,6 +95,11 @@ VARIANTS: dict[str, Variant] = {
                                    about="SLOW_LINK given the run's length, each member's "
                                          "outer step annealed by its own steps rather than "
                                          "the job's progress (what the library did before)"),
+    "slow-link-total-job-lr": Variant("gossip", {"total_steps": True}, lr_by_progress=True,
+                                      about="SLOW_LINK given the run's length, each member's "
+                                            "learning-rate schedule driven by the job's "
+                                            "progress (opt.progress()) rather than its own "
+                                            "steps"),
     "one-peer": Variant("gossip", {"graph": "one-peer-exp"}, wait_free=False,
                         about="the lockstep form on the one-peer exponential graph (one "
                               "partner per round, i XOR 2^(t mod log2 N))"),
@@ -215,7 +221,8 @@ def run(name: str, seed: int, args: argparse.Namespace, data: Path) -> dict:
             for i, m in enumerate(members):
                 if step % periods[i]:
                     continue
-                schedules[i](done[i])
+                # a schedule by the job's progress: a slow member decays with the others
+                schedules[i](gossips[i].progress() if v.lr_by_progress else done[i])
                 if gossips:
                     gossips[i].prepare()
                 m.step(done[i])
