@@ -255,9 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # many tiny ops: threads only add overhead
     cases = [("lock-step", n, g) for n in args.nodes for g in args.graphs]
-    # The wait-free members keep static links: no time-varying graph there yet.
-    cases += [("wait-free", n, g) for n in args.wait_free_nodes for g in args.graphs
-              if g not in TIME_VARYING_GRAPHS]
+    cases += [("wait-free", n, g) for n in args.wait_free_nodes for g in args.graphs]
     rows = []
     for kind, n, graph in cases:
         rows.append(case_row(kind, n, graph, args))

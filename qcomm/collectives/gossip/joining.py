@@ -38,6 +38,8 @@ def join_state(g: WaitFreeGossip) -> dict:
     Raises:
         RuntimeError: ``g`` has not sent a round yet (nothing to start from).
     """
+    if g.time_varying:   # the one-peer graph's (.one_peer_wait_free)
+        return g.join_state()
     if g._hat_own is None:
         raise RuntimeError("join_state() before this member's first round: a joiner starts "
                            "from a member that has gossiped")
@@ -58,6 +60,9 @@ def start_joined(g: WaitFreeGossip, state: dict, device: torch.device | str = "c
             gamma, named); nothing is changed.
         RuntimeError: ``g`` has gossiped already.
     """
+    if g.time_varying:
+        g.start_joined(state, device)
+        return
     if not isinstance(state, dict) or "config" not in state or "hat_own" not in state:
         raise ValueError("state must be a dict from WaitFreeGossip.join_state()")
     mine, theirs = g._config(), dict(state["config"])
@@ -106,5 +111,9 @@ def start_without(g: WaitFreeGossip, absent: set[int]) -> None:
 
 def admit(g: WaitFreeGossip, member: int) -> None:
     """``member`` joins: call it on every running member ``g``
-    (:meth:`.membership.Membership.admit`: the ring opens to it next to it)."""
+    (:meth:`.membership.Membership.admit`: the ring opens to it next to it; on the one-peer
+    graph its peers open new links to it)."""
+    if g.time_varying:
+        g.admit(member)
+        return
     g._apply(g.membership.admit(member, g._own()))
