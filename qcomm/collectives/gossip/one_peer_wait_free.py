@@ -42,7 +42,7 @@ from .config import GossipConfig
 from .integrity import bad_messages, seal_
 from .member import GossipMember
 from .one_peer_links import PeerLink, message_nbytes, read_header, write_header
-from .one_peer_state import check_join_state, load_links_state, links_state
+from .one_peer_state import check_join_state, links_state, load_links_state
 from .schedules import one_peer_gamma, one_peer_partner, one_peer_peers
 from .wait_free_message import GOODBYE_ROUND, MARKER_ROUND, MessageLayout
 
