@@ -4,7 +4,8 @@ member over a :class:`~qcomm.collectives.gloo.pair_group.PairGroup` of the rende
 (``--transport sockets``: a :class:`~qcomm.collectives.sockets.SocketGroup` on a port of its own),
 mixing a random vector (no local update; ``--step-s`` of sleep stands for the compute).
 
-``--mode member``: ``--steps`` steps, then drain, settle and sum along the ring; with ``--join``
+``--mode member``: ``--steps`` steps, then drain, settle and sum along the ring (on
+``--graph one-peer-exp`` no sum: the caller compares the members' x); with ``--join``
 it joins the running job from a neighbour's state; with ``--cut-after-admit M`` its link to
 member M breaks once M admitted a joiner between them, before this one does (M, run with
 ``--admit-after`` this member, holds its admit until this one saw the joiner). ``--mode host`` /
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from qcomm.collectives.gloo.pair_group import PairGroup
 from qcomm.collectives.gossip import WaitFreeGossip
 from qcomm.collectives.gossip.joining import admit, join_state, start_joined
+from qcomm.collectives.gossip.one_peer_wait_free import OnePeerWaitFree
 from qcomm.collectives.sockets import SocketGroup
 from qcomm.compress import QuantSpec
 from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
@@ -57,6 +59,10 @@ def _gossip(args: argparse.Namespace, store: dist.Store) -> tuple[WaitFreeGossip
                                        timeout_s=20, listen="127.0.0.1:0")
     else:
         group = PairGroup(f"127.0.0.1:{args.port}", args.member, args.size, timeout_s=20)
+    if args.graph == "one-peer-exp":   # the one-peer graph's own default gamma
+        return OnePeerWaitFree(list(range(args.size)), group, args.numel, graph=args.graph,
+                               spec=QuantSpec(4, 128, "stochastic"), fragments=2,
+                               on_peer_loss="continue", timeout_s=10), incarnation
     g = WaitFreeGossip(list(range(args.size)), group, args.numel,
                        spec=QuantSpec(4, 128, "stochastic"), gamma=0.3, fragments=2,
                        on_peer_loss="continue", timeout_s=10)
@@ -106,7 +112,9 @@ def _step(g: WaitFreeGossip, x: torch.Tensor, watcher: JoinWatcher, store: dist.
             _break_link_to(g, cut)
         admit(g, joiner)
         store.set(f"admitted/{seq}/{member}", "1")
-        if g.membership.nearest_live(1) == joiner:
+        # the ring: the joiner's nearest live member below; the one-peer graph: each of its
+        # peers (the first offer is taken)
+        if (joiner in g.peers if g.time_varying else g.membership.nearest_live(1) == joiner):
             offer_state(store, seq, _state_bytes(x, g), token=_token())
     g.prepare()
     g.end_step(x)
@@ -152,11 +160,17 @@ def run_member(args: argparse.Namespace, store: dist.Store) -> None:
             store.set(f"progress/{args.member}/{incarnation}", str(g.steps))
     g.drain()
     g.settle(x)
-    total, live = g.survivors_sum(x)
+    if g.time_varying:   # no sum along a ring there: the caller compares the members' x;
+        # per link (its last, to a member that joined again), the peer's messages applied
+        total, live = None, None
+        peers = {p: link.received for p, link in sorted(g.links.items())}
+    else:
+        total, live = g.survivors_sum(x)
+        peers = sorted(g.peers[k] for k in g.membership.live_links())
     torch.save({"x": x, "sum": total, "live": live, "lost": sorted(g.lost),
                 "losses": len(g.losses), "incarnation": incarnation, "times": times,
-                "events": events, "first_step": g.steps - len(times),
-                "peers": sorted(g.peers[k] for k in g.membership.live_links())}, args.out)
+                "events": events, "first_step": g.steps - len(times), "peers": peers,
+                "bytes_sent": sum(g.stats.bytes_sent.values())}, args.out)
     watcher.close()
     g.close()
 
@@ -219,6 +233,8 @@ def main() -> None:
                     help="member whose link to this one breaks right after both admit a "
                          "joiner between them")
     ap.add_argument("--transport", choices=["pairs", "sockets"], default="pairs")
+    ap.add_argument("--graph", choices=["ring", "one-peer-exp"], default="ring",
+                    help="the gossip graph (one-peer-exp: OnePeerWaitFree)")
     args = ap.parse_args()
     # torch starts its intra-op pool threads lazily, at the first op that goes parallel: start
     # them now, so that a thread count measures this process, not when torch first needed one

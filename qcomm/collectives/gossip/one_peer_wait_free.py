@@ -180,13 +180,17 @@ class OnePeerWaitFree(GossipMember):
             f"message {link.received}", [link.rank], self.level, bad[0][1])
 
     def _fail(self, p: int, err: PeerError) -> None:
-        """``p``'s link failed: raise, or (``"continue"``) drop it for good."""
-        if self.on_peer_loss == "raise":
+        """``p``'s link failed: raise, or (``"continue"``) drop it for good. A link whose
+        peer said goodbye (it left at its end) and then closed is no loss."""
+        streams, link = self._streams_now(), self.links[p]
+        left = streams.ended(self._k(p))
+        if self.on_peer_loss == "raise" and not left:
             raise err
-        link = self.links[p]
         link.live = False
         self.lost.add(p)
-        self._streams_now().drop(self._k(p))
+        streams.drop(self._k(p))
+        if left:
+            return
         self.losses.append({"rank": link.rank, "member": p, "step": self.steps,
                             "round": self.rounds_started, "time": time.time(),
                             "error": type(err).__name__, "detail": str(err)})
