@@ -62,7 +62,7 @@ def _gossip(args: argparse.Namespace, store: dist.Store) -> tuple[WaitFreeGossip
     if args.graph == "one-peer-exp":   # the one-peer graph's own default gamma
         return OnePeerWaitFree(list(range(args.size)), group, args.numel, graph=args.graph,
                                spec=QuantSpec(4, 128, "stochastic"), fragments=2,
-                               on_peer_loss="continue", timeout_s=10), incarnation
+                               on_peer_loss="continue", timeout_s=args.timeout_s), incarnation
     g = WaitFreeGossip(list(range(args.size)), group, args.numel,
                        spec=QuantSpec(4, 128, "stochastic"), gamma=0.3, fragments=2,
                        on_peer_loss="continue", timeout_s=10)
@@ -150,6 +150,11 @@ def run_member(args: argparse.Namespace, store: dist.Store) -> None:
     seen = 0
     if args.join:
         x, seen = _join(g, store, args.member, incarnation, events)
+    elif args.start_together:   # every member's links made before anyone steps (and dies)
+        store.add("started", 1)
+        deadline = time.monotonic() + 300
+        while int(store.add("started", 0)) < args.size and time.monotonic() < deadline:
+            time.sleep(0.05)
     watcher = JoinWatcher("127.0.0.1", args.port, seen=seen, poll_s=0.05)
     times = []   # wall time at the end of each step
     while g.steps < args.steps:
@@ -235,6 +240,10 @@ def main() -> None:
     ap.add_argument("--transport", choices=["pairs", "sockets"], default="pairs")
     ap.add_argument("--graph", choices=["ring", "one-peer-exp"], default="ring",
                     help="the gossip graph (one-peer-exp: OnePeerWaitFree)")
+    ap.add_argument("--timeout-s", type=float, default=10.0,
+                    help="the one-peer gossip's silence bound (many processes on few cores)")
+    ap.add_argument("--start-together", action="store_true",
+                    help="wait for every member's start before the first step")
     args = ap.parse_args()
     # torch starts its intra-op pool threads lazily, at the first op that goes parallel: start
     # them now, so that a thread count measures this process, not when torch first needed one

@@ -43,7 +43,7 @@ from .integrity import bad_messages, seal_
 from .member import GossipMember
 from .one_peer_links import PeerLink, message_nbytes, read_header, write_header
 from .one_peer_state import check_join_state, links_state, load_links_state
-from .schedules import one_peer_gamma, one_peer_partner, one_peer_peers
+from .schedules import WAIT_FREE_ONE_PEER_GAMMA, one_peer_partner, one_peer_peers
 from .wait_free_message import GOODBYE_ROUND, MARKER_ROUND, MessageLayout
 
 __all__ = ["OnePeerWaitFree"]
@@ -51,9 +51,10 @@ __all__ = ["OnePeerWaitFree"]
 
 class OnePeerWaitFree(GossipMember):
     """Wait-free compressed gossip on ``graph="one-peer-exp"`` (module docstring). Arguments as
-    :class:`~.wait_free.WaitFreeGossip`; ``gamma=None`` takes
-    :func:`~.schedules.one_peer_gamma` of the staleness (a term weighs ``gamma / 4``: its own
-    and its mirror add ``gamma / 2`` per exchange, lockstep's weight)."""
+    :class:`~.wait_free.WaitFreeGossip` (``staleness`` is not used: a term takes the latest
+    copy that arrived); ``gamma=None`` takes :data:`~.schedules.WAIT_FREE_ONE_PEER_GAMMA` (a
+    term weighs ``gamma / 4``: its own and its mirror add ``gamma / 2`` per exchange,
+    lockstep's weight)."""
 
     changes_agree_across_rails = False
     lockstep = False
@@ -67,8 +68,8 @@ class OnePeerWaitFree(GossipMember):
         config = GossipConfig.of(config, settings)
         self._set_hyperparameters(numel, config, stats=stats, seed=seed, first_step=first_step,
                                   clock=clock)
-        if config.gamma is None:
-            self.gamma = one_peer_gamma(self.staleness)
+        if config.gamma is None:   # measured: .schedules
+            self.gamma = WAIT_FREE_ONE_PEER_GAMMA
         self.group = resolve_group(group)
         self.group_ranks, self.member = _check_group(group_ranks, self.group)
         self.size = len(self.group_ranks)
