@@ -87,8 +87,12 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
                          for i in range(args.members)])
     end = torch.stack([r["x"] for r in res])
     spread = lambda v: float((v - v.mean(0)).norm())
+    joiner = res[k]
     return {"members": args.members, "steps": args.steps, "numel": args.numel,
             "killed": k, "wall_s": time.time() - t0,
+            "joiner": {"announced_s": joiner["events"]["announced"] - t0,
+                       "started_s": joiner["events"]["started"] - t0,
+                       "first_step": joiner["first_step"]},
             "end_spread_over_start": spread(end) / spread(start),
             "per_member": [{"member": i, "incarnation": r["incarnation"],
                             "losses": r["losses"], "steps_taken": len(r["times"]),
@@ -115,6 +119,9 @@ def main() -> int:
     print(f"{args.members} members, {args.steps} steps, member {args.kill} killed and "
           f"rejoined; end spread / start spread = {out['end_spread_over_start']:.2e}; "
           f"wall {out['wall_s']:.0f} s ({os.cpu_count()} cores)")
+    j = out["joiner"]
+    print(f"member {args.kill}'s new process announced its join at {j['announced_s']:.0f} s, "
+          f"started from a peer's state at {j['started_s']:.0f} s, at step {j['first_step']}")
     print("| member | incarnation | losses seen | steps taken | bytes per step |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -197,11 +197,12 @@ def test_threads_at_different_speeds_drain_and_close_cleanly() -> None:
         g = OnePeerWaitFree(list(range(n)), world.group(list(range(n)), rank), NUMEL,
                             spec=SPEC, graph=GRAPH, timeout_s=20)
         x = torch.full((NUMEL,), float(rank))
-        deadline = time.monotonic() + 0.6
-        while time.monotonic() < deadline:
+        # rank 0 slow: a fifth of the rounds, each after a longer sleep (counts, not speeds:
+        # a loaded machine schedules threads as it likes)
+        for _ in range(8 if rank == 0 else 40):
             g.prepare()
             g.end_step(x)
-            time.sleep(0.03 if rank == 0 else 0.005)
+            time.sleep(0.02 if rank == 0 else 0.002)
         g.drain()
         g.settle(x)
         out = (g.rounds_started, {p: lk.sent for p, lk in g.links.items()},
@@ -210,8 +211,7 @@ def test_threads_at_different_speeds_drain_and_close_cleanly() -> None:
         return out
 
     res = world.run(body, timeout_s=30)
-    rounds = [r[0] for r in res]
-    assert min(rounds[1:]) > 2 * rounds[0]   # the fast ones ran ahead
+    assert [r[0] for r in res] == [8, 40, 40, 40]
     for rank, (_, _, received, _) in enumerate(res):
         assert received == {p: res[p][1][rank] for p in received}
     mean = torch.stack([r[3] for r in res]).double().mean(0)
