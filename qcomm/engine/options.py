@@ -74,9 +74,8 @@ class CommOptions:
             but not with ``on_peer_loss="continue"``); None (default): chosen by the node
             count when the run starts
             (:func:`~qcomm.collectives.gossip.graph_choice.choose_graph`: the ring below 7
-            nodes and the one-peer graph from 7 in lockstep, below 6 and from 6 wait-free,
-            the ring wait-free with ``on_peer_loss="continue"``), and said in the layout log
-            line.
+            nodes and the one-peer graph from 7, in both modes, but the ring wait-free with
+            ``on_peer_loss="continue"``), and said in the layout log line.
         mixing: ``"uniform"`` or ``"metropolis"`` mixing weights.
         staleness: gossip rounds in flight: a round is applied when the round ``staleness``
             rounds later starts (>= 0; 0 is synchronous).

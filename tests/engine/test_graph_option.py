@@ -1,7 +1,7 @@
 """The gossip graph as an option of the engine: ``graph="one-peer-exp"`` through the optimizers'
 keyword (lockstep), over Gloo with the bits and bytes of the in-memory world, one message per
 node and round; the graph chosen by the node count when none is named (the ring, bit for bit,
-up to 6 nodes; the one-peer graph from 7; wait-free from 6), said in the layout line; bad values
+up to 6 nodes; the one-peer graph from 7, in both modes), said in the layout line; bad values
 refused before anything is built."""
 
 from __future__ import annotations
@@ -13,11 +13,7 @@ import pytest
 import torch
 
 from qcomm.collectives.gossip.choco import CompressedGossip
-from qcomm.collectives.gossip.graph_choice import (
-    ONE_PEER_FROM,
-    WAIT_FREE_ONE_PEER_FROM,
-    choose_graph,
-)
+from qcomm.collectives.gossip.graph_choice import ONE_PEER_FROM, choose_graph
 from qcomm.collectives.gossip.integrity import SEAL_NBYTES
 from qcomm.collectives.gossip.one_peer_choco import OnePeerGossip
 from qcomm.collectives.gossip.one_peer_wait_free import OnePeerWaitFree
@@ -144,11 +140,10 @@ def test_choose_graph_by_node_count_and_mode() -> None:
     why = choose_graph(None, 8, False)[1]
     assert why == ("8 nodes: one message per node and round, rounds to consensus grow as "
                    "log2 N (the ring's as N^2)")
-    # wait-free: the one-peer graph from 6 nodes, but the ring where the run goes on without
-    # lost nodes (its exact average over the survivors runs along the ring)
-    assert [choose_graph(None, n, True)[0] for n in (2, 5)] == ["ring"] * 2
-    assert WAIT_FREE_ONE_PEER_FROM == 6
-    assert [choose_graph(None, n, True)[0] for n in (6, 64)] == ["one-peer-exp"] * 2
+    # wait-free: the same, but the ring where the run goes on without lost nodes (its exact
+    # average over the survivors runs along the ring)
+    assert [choose_graph(None, n, True)[0] for n in (2, 6)] == ["ring"] * 2
+    assert [choose_graph(None, n, True)[0] for n in (7, 64)] == ["one-peer-exp"] * 2
     assert choose_graph(None, 64, True, survivable=True)[0] == "ring"
     assert choose_graph("exponential", 64, False) == ("exponential", "as the options name it")
     assert choose_graph("ring", 64, False)[0] == "ring"

@@ -6,13 +6,13 @@ the node count is known (the engine's first distributed step):
 * bounded staleness (lockstep), up to ``ONE_PEER_FROM - 1`` nodes: ``"ring"``, as before;
 * bounded staleness from :data:`ONE_PEER_FROM` nodes: ``"one-peer-exp"`` (:mod:`.schedules`),
   one message per node and round, whose rounds to consensus grow as log2 N (the ring's as N^2);
-* wait-free, the same from :data:`WAIT_FREE_ONE_PEER_FROM` nodes
-  (:class:`~.one_peer_wait_free.OnePeerWaitFree`), unless the run goes on without lost nodes
+* wait-free, the same (:class:`~.one_peer_wait_free.OnePeerWaitFree` from
+  :data:`ONE_PEER_FROM` nodes), unless the run goes on without lost nodes
   (``on_peer_loss="continue"``): its exact average over the survivors runs along the ring,
   which the one-peer graph does not keep, so such a run keeps the ring (and refuses the
   one-peer graph by name).
 
-The thresholds are measured (docs/gossip_tuning.md, "The default graph by node count").
+The threshold is measured (docs/gossip_tuning.md, "The default graph by node count").
 """
 
 from __future__ import annotations
@@ -22,19 +22,16 @@ from qcomm.validation import check_choice, check_int
 from .graphs import GRAPHS, TIME_VARYING_GRAPHS
 from .schedules import ALL_GRAPHS
 
-__all__ = ["ONE_PEER_FROM", "WAIT_FREE_ONE_PEER_FROM", "check_option_graph", "choose_graph",
-           "option_graphs"]
+__all__ = ["ONE_PEER_FROM", "check_option_graph", "choose_graph", "option_graphs"]
 
 # Rounds to 1e-3 from independent starts, 4-bit stochastic codes, staleness 1 (the default),
 # 1024 floats, seed 0, in the simulator: ring 38 / 56 / 76 / 99 at 5 / 6 / 7 / 8 nodes,
 # one-peer-exp 76 / 60 / 43 / 28 (and 23 against 24 at 4 nodes). The one-peer graph sends half
-# the ring's bytes per round; it takes fewer rounds from 7 nodes on.
+# the ring's bytes per round; it takes fewer rounds from 7 nodes on. Wait-free (every member
+# at one pace, messages visible one tick later, the one-peer graph at its gamma 0.4): ring 23 /
+# 38 / 56 / 76 / 99 at 4 / 5 / 6 / 7 / 8 nodes, one-peer-exp 22 / 81 / 63 / 43 / 33 (381
+# against 46 at 16): fewer rounds from 7 nodes on too.
 ONE_PEER_FROM = 7
-
-# The same, wait-free (every member at one pace, messages visible one tick later): ring 23 /
-# 38 / 56 / 76 / 99 at 4 / 5 / 6 / 7 / 8 nodes, one-peer-exp 27 / 46 / 41 / 42 / 41 (381
-# against 62 at 16). Fewer rounds from 6 nodes on.
-WAIT_FREE_ONE_PEER_FROM = 6
 
 
 def option_graphs(wait_free: bool, survivable: bool = False) -> tuple[str, ...]:
@@ -76,9 +73,8 @@ def choose_graph(graph: str | None, num_nodes: int, wait_free: bool,
     if wait_free and survivable:
         return "ring", ("the default of a wait-free run that goes on without lost nodes: its "
                         "exact average over the survivors runs along the ring")
-    start = WAIT_FREE_ONE_PEER_FROM if wait_free else ONE_PEER_FROM
-    if num_nodes < start:
-        return "ring", (f"{num_nodes} nodes: the default below {start}, where it "
+    if num_nodes < ONE_PEER_FROM:
+        return "ring", (f"{num_nodes} nodes: the default below {ONE_PEER_FROM}, where it "
                         "reaches consensus in as few rounds as the one-peer graph")
     return "one-peer-exp", (f"{num_nodes} nodes: one message per node and round, rounds to "
                             "consensus grow as log2 N (the ring's as N^2)")
