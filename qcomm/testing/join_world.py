@@ -4,8 +4,8 @@ member over a :class:`~qcomm.collectives.gloo.pair_group.PairGroup` of the rende
 (``--transport sockets``: a :class:`~qcomm.collectives.sockets.SocketGroup` on a port of its own),
 mixing a random vector (no local update; ``--step-s`` of sleep stands for the compute).
 
-``--mode member``: ``--steps`` steps, then drain, settle and sum along the ring (on
-``--graph one-peer-exp`` no sum: the caller compares the members' x); with ``--join``
+``--mode member``: ``--steps`` steps, then drain, settle and sum over the live members; with
+``--join``
 it joins the running job from a neighbour's state; with ``--cut-after-admit M`` its link to
 member M breaks once M admitted a joiner between them, before this one does (M, run with
 ``--admit-after`` this member, holds its admit until this one saw the joiner). ``--mode host`` /
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from qcomm.collectives.gloo.pair_group import PairGroup
 from qcomm.collectives.gossip import WaitFreeGossip
-from qcomm.collectives.gossip.joining import admit, join_state, start_joined
+from qcomm.collectives.gossip.joining import admit, join_state, offers_state, start_joined
 from qcomm.collectives.gossip.one_peer_wait_free import OnePeerWaitFree
 from qcomm.collectives.sockets import SocketGroup
 from qcomm.compress import QuantSpec
@@ -112,9 +112,8 @@ def _step(g: WaitFreeGossip, x: torch.Tensor, watcher: JoinWatcher, store: dist.
             _break_link_to(g, cut)
         admit(g, joiner)
         store.set(f"admitted/{seq}/{member}", "1")
-        # the ring: the joiner's nearest live member below; the one-peer graph: each of its
-        # peers (the first offer is taken)
-        if (joiner in g.peers if g.time_varying else g.membership.nearest_live(1) == joiner):
+        if offers_state(g, joiner):   # the ring: its nearest live member below; one-peer:
+            # each of its peers (the first offer is taken)
             offer_state(store, seq, _state_bytes(x, g), token=_token())
     g.prepare()
     g.end_step(x)
@@ -165,12 +164,11 @@ def run_member(args: argparse.Namespace, store: dist.Store) -> None:
             store.set(f"progress/{args.member}/{incarnation}", str(g.steps))
     g.drain()
     g.settle(x)
-    if g.time_varying:   # no sum along a ring there: the caller compares the members' x;
-        # per link (its last, to a member that joined again), the peer's messages applied
-        total, live = None, None
+    total, live = g.survivors_sum(x)
+    if g.time_varying:   # per link (its last, to a member that joined again), the peer's
+        # messages applied
         peers = {p: link.received for p, link in sorted(g.links.items())}
     else:
-        total, live = g.survivors_sum(x)
         peers = sorted(g.peers[k] for k in g.membership.live_links())
     torch.save({"x": x, "sum": total, "live": live, "lost": sorted(g.lost),
                 "losses": len(g.losses), "incarnation": incarnation, "times": times,

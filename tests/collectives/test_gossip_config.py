@@ -54,7 +54,7 @@ def test_the_default_options_give_the_default_settings() -> None:
     assert CommOptions(wait_free=True).gossip_config(64) == GossipConfig(wait_free=True,
                                                                          graph="one-peer-exp")
     assert CommOptions(wait_free=True, on_peer_loss="continue").gossip_config(64) == \
-        GossipConfig(wait_free=True, on_peer_loss="continue")
+        GossipConfig(wait_free=True, on_peer_loss="continue", graph="one-peer-exp")
     with pytest.raises(ValueError, match="num_nodes must be given when graph is None"):
         CommOptions().gossip_config()
     assert CommOptions(graph="ring").gossip_config(64) == GossipConfig()   # named: kept

@@ -227,3 +227,40 @@ def test_bad_arguments_name_themselves(name: str, value: object, match: str) -> 
     with pytest.raises(ValueError, match=match):
         OnePeerWaitFree([0, 1], world.group([0, 1], 0), NUMEL, spec=SPEC,
                         **{"graph": GRAPH, name: value})
+
+
+def test_the_survivors_sum_floods_the_links_and_gives_every_live_member_the_same_bits() -> None:
+    n, lost = 8, 5
+    world = MemoryWorld(n, timeout_s=30)
+    ranks = list(range(n))
+
+    def body(rank: int) -> tuple[torch.Tensor, torch.Tensor, int, list[int]] | None:
+        group = world.group(ranks, rank)
+        g = OnePeerWaitFree(ranks, group, NUMEL, spec=SPEC, graph=GRAPH, timeout_s=5,
+                            on_peer_loss="continue")
+        x = _start(n)[rank].clone()
+        for step in range(30):
+            if rank == lost and step == 10:
+                group.mailboxes.kill(lost)   # dies: its links break
+                return None
+            g.prepare()
+            g.end_step(x)
+            time.sleep(0.002)
+        g.drain()
+        g.settle(x)
+        total, count = g.survivors_sum(x)
+        out = (x.clone(), total, count, sorted(g.lost))
+        g.close()
+        return out
+
+    res = world.run(body, timeout_s=60)
+    live = [i for i in range(n) if i != lost]
+    assert res[lost] is None
+    xs = [res[i][0] for i in live]
+    want = xs[0].clone()
+    for x in xs[1:]:
+        want.add_(x)   # in member order, as the sum runs
+    for i in live:
+        assert res[i][2] == n - 1
+        assert torch.equal(res[i][1], want), i
+        assert res[i][3] == [lost]   # every live member learnt the loss

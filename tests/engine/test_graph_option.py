@@ -107,11 +107,13 @@ def test_eight_nodes_choose_the_one_peer_graph_keep_the_mean_and_reach_consensus
     assert drift <= 2 * steps * 2.0**-24 * float(start.abs().max())
 
 
+@pytest.mark.parametrize("loss", ["raise", "continue"])
 def test_eight_wait_free_nodes_choose_the_one_peer_graph_and_their_exact_average_is_the_mean(
-        ) -> None:
+        loss: str) -> None:
+    # "continue": the average and the distance sum over the survivors (flooding the links)
     n, steps = 8, 40
     res = _in_memory(n, lambda r, layout: _consensus(r, layout, steps, average=True,
-                                                     wait_free=True))
+                                                     wait_free=True, on_peer_loss=loss))
     start = torch.stack([torch.cat([p.detach().reshape(-1) for p in mlp(r).parameters()])
                          for r in range(n)])
     assert all(r["kind"] is OnePeerWaitFree and r["graph"] is None for r in res)
@@ -133,22 +135,17 @@ def test_the_default_graph_up_to_four_nodes_is_the_ring_bit_for_bit(n: int) -> N
 
 
 def test_choose_graph_by_node_count_and_mode() -> None:
-    assert [choose_graph(None, n, False)[0] for n in (1, 2, 4, 6)] == ["ring"] * 4
+    # both modes alike
+    assert [choose_graph(None, n)[0] for n in (1, 2, 4, 6)] == ["ring"] * 4
     assert ONE_PEER_FROM == 7
-    assert [choose_graph(None, n, False)[0] for n in (7, 8, 1024)] == ["one-peer-exp"] * 3
-    assert choose_graph(None, 8, False)[0] == "one-peer-exp"
-    why = choose_graph(None, 8, False)[1]
+    assert [choose_graph(None, n)[0] for n in (7, 8, 1024)] == ["one-peer-exp"] * 3
+    why = choose_graph(None, 8)[1]
     assert why == ("8 nodes: one message per node and round, rounds to consensus grow as "
                    "log2 N (the ring's as N^2)")
-    # wait-free: the same, but the ring where the run goes on without lost nodes (its exact
-    # average over the survivors runs along the ring)
-    assert [choose_graph(None, n, True)[0] for n in (2, 6)] == ["ring"] * 2
-    assert [choose_graph(None, n, True)[0] for n in (7, 64)] == ["one-peer-exp"] * 2
-    assert choose_graph(None, 64, True, survivable=True)[0] == "ring"
-    assert choose_graph("exponential", 64, False) == ("exponential", "as the options name it")
-    assert choose_graph("ring", 64, False)[0] == "ring"
+    assert choose_graph("exponential", 64) == ("exponential", "as the options name it")
+    assert choose_graph("ring", 64)[0] == "ring"
     with pytest.raises(ValueError, match="num_nodes must be an int >= 1, got 0"):
-        choose_graph(None, 0, False)
+        choose_graph(None, 0)
 
 
 @pytest.mark.parametrize(("n", "text"), [
@@ -178,18 +175,14 @@ def test_a_named_graph_is_said_as_named() -> None:
                             False, 10)
     assert "over a one-peer-exp graph (8 nodes: one message per node and round" in line
     assert "wait-free on the one-peer graph" in line
-    _, line = topology_line(Topology(1, rank=0, world_size=8),
-                            CommOptions(wait_free=True, on_peer_loss="continue"), False, 10)
-    assert ("over a ring graph (the default of a wait-free run that goes on without lost "
-            "nodes: its exact average over the survivors runs along the ring)") in line
+    _, line = topology_line(Topology(1, rank=0, world_size=6), CommOptions(wait_free=True),
+                            False, 10)
+    assert "over a ring graph (6 nodes: the default below 7" in line
 
 
 @pytest.mark.parametrize(("comm", "match"), [
     (dict(graph="star"), r"graph must be one of \('ring', 'exponential', 'complete', "
                          r"'one-peer-exp'\) or None, got 'star'"),
-    (dict(graph="one-peer-exp", wait_free=True, on_peer_loss="continue"),
-     r"graph must be one of \('ring', 'exponential', 'complete'\) or None with "
-     r"wait_free=True and on_peer_loss='continue', got 'one-peer-exp'"),
 ])
 def test_a_bad_graph_is_refused_by_the_optimizer_before_anything_is_built(comm: dict,
                                                                          match: str) -> None:

@@ -1,16 +1,13 @@
 """Which gossip graph a run uses: the one its options name, or one chosen by the node count.
 
 ``CommOptions(graph=None)`` (the default) leaves the choice to :func:`choose_graph`, made when
-the node count is known (the engine's first distributed step):
+the node count is known (the engine's first distributed step), in both modes alike (bounded
+staleness: :class:`~.one_peer_choco.OnePeerGossip` on the one-peer graph; wait-free:
+:class:`~.one_peer_wait_free.OnePeerWaitFree`):
 
-* bounded staleness (lockstep), up to ``ONE_PEER_FROM - 1`` nodes: ``"ring"``, as before;
-* bounded staleness from :data:`ONE_PEER_FROM` nodes: ``"one-peer-exp"`` (:mod:`.schedules`),
-  one message per node and round, whose rounds to consensus grow as log2 N (the ring's as N^2);
-* wait-free, the same (:class:`~.one_peer_wait_free.OnePeerWaitFree` from
-  :data:`ONE_PEER_FROM` nodes), unless the run goes on without lost nodes
-  (``on_peer_loss="continue"``): its exact average over the survivors runs along the ring,
-  which the one-peer graph does not keep, so such a run keeps the ring (and refuses the
-  one-peer graph by name).
+* up to ``ONE_PEER_FROM - 1`` nodes: ``"ring"``, as before;
+* from :data:`ONE_PEER_FROM` nodes: ``"one-peer-exp"`` (:mod:`.schedules`), one message per
+  node and round, whose rounds to consensus grow as log2 N (the ring's as N^2).
 
 The threshold is measured (docs/gossip_tuning.md, "The default graph by node count").
 """
@@ -19,10 +16,9 @@ from __future__ import annotations
 
 from qcomm.validation import check_choice, check_int
 
-from .graphs import GRAPHS, TIME_VARYING_GRAPHS
 from .schedules import ALL_GRAPHS
 
-__all__ = ["ONE_PEER_FROM", "check_option_graph", "choose_graph", "option_graphs"]
+__all__ = ["ONE_PEER_FROM", "check_option_graph", "choose_graph"]
 
 # Rounds to 1e-3 from independent starts, 4-bit stochastic codes, staleness 1 (the default),
 # 1024 floats, seed 0, in the simulator: ring 38 / 56 / 76 / 99 at 5 / 6 / 7 / 8 nodes,
@@ -34,45 +30,27 @@ __all__ = ["ONE_PEER_FROM", "check_option_graph", "choose_graph", "option_graphs
 ONE_PEER_FROM = 7
 
 
-def option_graphs(wait_free: bool, survivable: bool = False) -> tuple[str, ...]:
-    """The graphs a run of that mode takes: every graph, but the static ones only for a
-    wait-free run that goes on without lost nodes (``survivable``)."""
-    return GRAPHS if wait_free and survivable else ALL_GRAPHS
+def check_option_graph(graph: object) -> str | None:
+    """``graph`` if it names a graph (:data:`~.schedules.ALL_GRAPHS`, both modes take every
+    one), or None (chosen by the node count); else ValueError naming ``graph`` and the allowed
+    values."""
+    return check_choice("graph", graph, ALL_GRAPHS, allow_none=True)  # type: ignore
 
 
-def check_option_graph(graph: object, wait_free: bool, survivable: bool = False) -> str | None:
-    """``graph`` if a run of that mode (``wait_free``: bool; ``survivable``: it goes on without
-    lost nodes) takes it, or None (chosen by the node count); else ValueError naming ``graph``
-    and the allowed values."""
-    if wait_free and survivable and isinstance(graph, str) and graph in TIME_VARYING_GRAPHS:
-        raise ValueError(f"graph must be one of {GRAPHS} or None with wait_free=True and "
-                         f"on_peer_loss='continue', got {graph!r}: the exact average over the "
-                         "survivors runs along a ring, which the one-peer graph does not keep")
-    return check_choice("graph", graph, option_graphs(wait_free, survivable),  # type: ignore
-                        allow_none=True)
-
-
-def choose_graph(graph: str | None, num_nodes: int, wait_free: bool,
-                 survivable: bool = False) -> tuple[str, str]:
+def choose_graph(graph: str | None, num_nodes: int) -> tuple[str, str]:
     """The graph a run of ``num_nodes`` (int >= 1) nodes gossips over, and why, in words for
     the layout log line.
 
     Args:
-        graph: the options' graph; None: chosen here by the node count and the mode.
+        graph: the options' graph; None: chosen here by the node count.
         num_nodes: the nodes of the run (the members of a rail).
-        wait_free: the run's mode.
-        survivable: whether the run goes on without lost nodes (``on_peer_loss="continue"``).
 
     Returns:
         ``(graph, why)``: a name of :data:`~.schedules.ALL_GRAPHS`, and a phrase.
     """
     check_int("num_nodes", num_nodes, low=1)
     if graph is not None:
-        return (check_option_graph(graph, wait_free, survivable),  # type: ignore[return-value]
-                "as the options name it")
-    if wait_free and survivable:
-        return "ring", ("the default of a wait-free run that goes on without lost nodes: its "
-                        "exact average over the survivors runs along the ring")
+        return check_option_graph(graph), "as the options name it"  # type: ignore[return-value]
     if num_nodes < ONE_PEER_FROM:
         return "ring", (f"{num_nodes} nodes: the default below {ONE_PEER_FROM}, where it "
                         "reaches consensus in as few rounds as the one-peer graph")

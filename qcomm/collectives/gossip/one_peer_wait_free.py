@@ -42,7 +42,8 @@ from .config import GossipConfig
 from .integrity import bad_messages, seal_
 from .member import GossipMember
 from .one_peer_links import PeerLink, message_nbytes, read_header, write_header
-from .one_peer_state import check_join_state, links_state, load_links_state
+from .one_peer_state import links_state, load_links_state
+from .one_peer_sum import flood_sum
 from .schedules import WAIT_FREE_ONE_PEER_GAMMA, one_peer_partner, one_peer_peers
 from .wait_free_message import GOODBYE_ROUND, MARKER_ROUND, MessageLayout
 
@@ -325,57 +326,20 @@ class OnePeerWaitFree(GossipMember):
             self._streams.close(self._control.control(GOODBYE_ROUND))
             self._streams = None
 
-    # -----------------------------------------------------------------------------------------
-    # joins
-
-    def join_state(self) -> dict:
-        """What a member joining the running gossip starts from: this member's clock, the
-        members it knows lost, its config and gamma, its outer step's anchor and momentum."""
-        cpu = lambda t: None if t is None else t.detach().to("cpu", copy=True)
-        return {"config": self._config(), "gamma": self.gamma, "steps": self.steps,
-                "rounds_started": self.rounds_started, "drains": self._drains,
-                "lost": sorted(self.lost), "anchor": cpu(self._anchor),
-                "momentum": cpu(self._momentum)}
-
-    def start_joined(self, state: dict, device: torch.device | str = "cpu") -> None:
-        """Start as a member joining from a live member's :meth:`join_state` (before the
-        first round): its clock and lost members; links to the live peers, from zero."""
-        check_join_state(self, state)
-        on = lambda t: None if t is None else t.to(device, dtype=torch.float32, copy=True)
-        self.steps, self.rounds_started = int(state["steps"]), int(state["rounds_started"])
-        self._drains = int(state["drains"])
-        self.lost = {int(m) for m in state["lost"]} - {self.member}
-        self._anchor, self._momentum = on(state["anchor"]), on(state["momentum"])
-        self._open = [p for p in self.peers if p not in self.lost]
-        self._ensure(torch.device(device))
-        for link in self.links.values():
-            link.markers = self._drains   # its peers count markers from the same drains
-
-    def admit(self, member: int) -> None:
-        """``member`` joins again (a new process): a peer of it drops the link to its old
-        process, when still live, and opens a new one, both copies from zero."""
-        if not 0 <= member < self.size or member == self.member:
-            raise ValueError(f"member must be another member of the {self.size}, got {member}")
-        if any(e["member"] == member for e in self.losses):
-            self.returns.append({"rank": self.group_ranks[member], "member": member,
-                                 "step": self.steps, "time": time.time()})
-        self.lost.discard(member)
-        if member not in self.peers:
-            return
-        if self._streams is None:
-            if member not in self._open:
-                self._open.append(member)
-            return
-        streams = self._streams
-        old = self.links.get(member)
-        if old is not None and old.live:
-            old.live = False
-            streams.drop(self._k(member))
-        self._stream_peer.append(member)
-        k = streams.open(member, self.group_ranks[member])
-        assert k == len(self._stream_peer) - 1, "streams and links disagree on the count"
-        link = self._new_link(member)
-        link.markers = self._drains   # the joiner counts its markers from the same drains
+    def survivors_sum(self, t: torch.Tensor, op: str = "sum") -> tuple[torch.Tensor, int]:
+        """The sum (``op="max"``: maximum) of ``t`` (any dtype and shape) over the live
+        members, and their count, the same bits on each; collective, after :meth:`drain`
+        (:func:`.one_peer_sum.flood_sum`, each part awaited ``2 timeout_s``). Raises
+        PeerError when a member was lost during the sum (another call sums the rest)."""
+        if self._owed is None and self.size > 1:
+            self._ensure(t.device)   # the links, before any round
+        if not self.live_links():
+            return t.clone(), 1
+        total, count, told = flood_sum(
+            self.member, self.size, lambda: [(p, self._k(p)) for p in self.live_links()],
+            self._streams_now(), t, op, self.lost, 2 * self.timeout_s, self._fail)
+        self.lost |= told - set(self.live_links()) - {self.member}
+        return total, count
 
     # -----------------------------------------------------------------------------------------
     # statistics and checkpoints
