@@ -9,8 +9,9 @@ vector from independent starts, ``--steps`` steps with ``--step-s`` of sleep eac
 ``--kill`` is SIGKILLed once every member has taken 100 steps (they start together: every
 link is made first) and started again as a new process that joins (from a peer's state, on
 new links) once member 0 has taken 100 more. Reported: each
-member's incarnation, losses seen, steps taken, bytes sent per step (payload, header, seal,
-the drain's markers), and the spread of the members' final vectors over their start's.
+member's incarnation, losses seen, steps taken, bytes sent per step (payload, header and
+seal of its rounds, before the final drain and sum), the spread of the members' final vectors
+over their start's, and whether the survivors' sum is the same bits on every member.
 
 Every wait is bounded (a member's silence ``timeout_s``, the whole run ``--timeout-s``): a
 hang fails the run. Wall times on a machine with fewer cores than members say nothing of
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
                          for i in range(args.members)])
     end = torch.stack([r["x"] for r in res])
     spread = lambda v: float((v - v.mean(0)).norm())
+    same_sum = all(torch.equal(r["sum"], res[0]["sum"]) for r in res)
     joiner = res[k]
     return {"members": args.members, "steps": args.steps, "numel": args.numel,
             "killed": k, "wall_s": time.time() - t0,
@@ -94,6 +96,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
                        "started_s": joiner["events"]["started"] - t0,
                        "first_step": joiner["first_step"]},
             "end_spread_over_start": spread(end) / spread(start),
+            "survivors_sum_same_bits": same_sum, "live_counted": [r["live"] for r in res],
             "per_member": [{"member": i, "incarnation": r["incarnation"],
                             "losses": r["losses"], "steps_taken": len(r["times"]),
                             "links": {int(p): int(n) for p, n in r["peers"].items()},
@@ -118,6 +121,8 @@ def main() -> int:
     rows = out["per_member"]
     print(f"{args.members} members, {args.steps} steps, member {args.kill} killed and "
           f"rejoined; end spread / start spread = {out['end_spread_over_start']:.2e}; "
+          f"survivors' sum the same bits on every member: {out['survivors_sum_same_bits']}, "
+          f"members counted {sorted(set(out['live_counted']))}; "
           f"wall {out['wall_s']:.0f} s ({os.cpu_count()} cores)")
     j = out["joiner"]
     print(f"member {args.kill}'s new process announced its join at {j['announced_s']:.0f} s, "

@@ -162,6 +162,7 @@ def run_member(args: argparse.Namespace, store: dist.Store) -> None:
         times.append(time.time())
         if g.steps % 10 == 0:
             store.set(f"progress/{args.member}/{incarnation}", str(g.steps))
+    stepped_bytes = sum(g.stats.bytes_sent.values())   # the steps' (not the end's sum)
     g.drain()
     g.settle(x)
     total, live = g.survivors_sum(x)
@@ -173,7 +174,7 @@ def run_member(args: argparse.Namespace, store: dist.Store) -> None:
     torch.save({"x": x, "sum": total, "live": live, "lost": sorted(g.lost),
                 "losses": len(g.losses), "incarnation": incarnation, "times": times,
                 "events": events, "first_step": g.steps - len(times), "peers": peers,
-                "bytes_sent": sum(g.stats.bytes_sent.values())}, args.out)
+                "bytes_sent": stepped_bytes}, args.out)
     watcher.close()
     g.close()
 

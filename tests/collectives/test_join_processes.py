@@ -171,7 +171,7 @@ def test_on_the_one_peer_graph_a_killed_member_restarted_rejoins_on_new_links(
     """Four processes wait-free on the one-peer graph (OnePeerWaitFree over Gloo's pairs):
     member 1 is killed, its peers (0 and 3) drop it and sit out its rounds, it starts again
     as a new process and joins from a peer's state on new links; every member ends on all its
-    links with one model."""
+    links with one model, and the survivors' sum is the same bits on each."""
     port, store = rendezvous
     size, steps = 4, 1000   # the joiner (a new process) joins before the others end
     outs = [tmp_path / f"m{i}.pt" for i in range(size)]
@@ -194,6 +194,9 @@ def test_on_the_one_peer_graph_a_killed_member_restarted_rejoins_on_new_links(
     assert all(n > 0 for r in res for n in r["peers"].values()), [r["peers"] for r in res]
     assert res[0]["peers"][1] < res[0]["peers"][2] and res[3]["peers"][1] < res[3]["peers"][2]
     assert [r["losses"] for r in res] == [1, 0, 0, 1]   # 1's peers saw it die
+    # the survivors' sum (flooding the links) counts the 4 and is the same bits on each
+    assert [r["live"] for r in res] == [size] * size
+    assert all(torch.equal(r["sum"], res[0]["sum"]) for r in res)
     start = torch.stack([torch.randn(4096, generator=torch.Generator().manual_seed(i))
                          for i in range(size)])
     end = torch.stack([r["x"] for r in res])
