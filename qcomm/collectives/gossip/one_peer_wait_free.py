@@ -17,9 +17,10 @@ not yet added), against ``degree + 2`` copies on a static graph.
 
 Losses (``on_peer_loss="continue"``): a failed link drops its peer for good; the rounds
 scheduled with a lost member are sat out (the schedule keeps the members' numbers: nobody has
-to agree on who is live). Joins: a member that was lost starts again from a live member's
-:meth:`join_state`; every member is told (:meth:`admit`) and a peer of the joiner opens a new
-link to it, both copies from zero.
+to agree on who is live); the exact sum over the survivors floods the links
+(:mod:`.one_peer_sum`). Joins (:mod:`.one_peer_joins`, through :mod:`.joining`): a member
+that was lost starts again from a live peer's join state, and its peers open new links to it,
+both copies from zero.
 """
 
 from __future__ import annotations
