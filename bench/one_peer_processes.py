@@ -106,15 +106,19 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--members", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--step-s", type=float, default=0.01)
-    ap.add_argument("--numel", type=int, default=4096)
+    ap.add_argument("--members", type=int, default=16, help="member processes (default 16).")
+    ap.add_argument("--steps", type=int, default=2500,
+                    help="steps per member (default 2500: the joiner, a new process, joins "
+                         "well before the others end, also on a loaded machine).")
+    ap.add_argument("--step-s", type=float, default=0.01,
+                    help="seconds of sleep per step, standing for the compute (default 0.01).")
+    ap.add_argument("--numel", type=int, default=4096, help="floats per member (default 4096).")
     ap.add_argument("--kill", type=int, default=5, help="the member killed and restarted")
-    ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--timeout-s", type=float, default=1800.0,
+                    help="the whole run's bound in seconds (default 1800); past it, it fails.")
     ap.add_argument("--silence-s", type=float, default=30.0,
                     help="a member's silence bound (timeout_s; loaded cores stall processes)")
-    ap.add_argument("--json", default="")
+    ap.add_argument("--json", default="", help="also write the outcome to this JSON file.")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = run(args, Path(tmp))
