@@ -264,3 +264,29 @@ def test_the_survivors_sum_floods_the_links_and_gives_every_live_member_the_same
         assert res[i][2] == n - 1
         assert torch.equal(res[i][1], want), i
         assert res[i][3] == [lost]   # every live member learnt the loss
+
+
+def test_a_seat_taken_late_is_sat_out_until_it_joins_then_linked() -> None:
+    # member 7 absent at the start (a seat the job may grow into): its peers sit out its
+    # rounds; it joins from member 6's state and every peer links to it
+    from qcomm.collectives.gossip.joining import admit, join_state, start_joined, start_without
+
+    n = 8
+    sim = WaitFreeSimulator(n, NUMEL, graph=GRAPH, spec=SPEC, delay=1, on_peer_loss="continue")
+    sim.kill(7)
+    for i in range(7):
+        start_without(sim.members[i], {7})
+    xs = _start(n)
+    sim.run(xs, 12)
+    assert all(7 not in sim.members[i].links for i in range(7))
+    assert sim.members[3].rounds_started == 12 and sim.members[3].links[2].sent == 4
+    sim.boxes.revive(7)
+    sim.killed.discard(7)
+    start_joined(sim.members[7], join_state(sim.members[6]))
+    xs[7].copy_(xs[6])
+    for i in range(7):
+        admit(sim.members[i], 7)
+    sim.run(xs, 40)
+    xs = _settled(sim, xs)
+    assert _links_exact(sim.members) == n * hops(n)
+    assert all(sim.members[p].links[7].received > 0 for p in sim.members[7].peers)

@@ -65,9 +65,11 @@ def admit(g: OnePeerWaitFree, member: int) -> None:
     g.lost.discard(member)
     if member not in g.peers:
         return
-    if g._streams is None:   # no stream yet: opened with the others at the first round
+    if g._streams is None:   # no stream yet: opened with the others at the first send
         if member not in g._open:
             g._open.append(member)
+        if g._owed is not None and member not in g.links:   # links made, streams not yet
+            g._new_link(member)
         return
     old = g.links.get(member)
     if old is not None and old.live:
