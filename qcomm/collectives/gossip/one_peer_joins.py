@@ -51,6 +51,7 @@ def start_joined(g: OnePeerWaitFree, state: dict, device: torch.device | str = "
     g._ensure(torch.device(device))
     for link in g.links.values():
         link.markers = g._drains   # its peers count markers from the same drains
+    g._streams_now()   # its links now, while its peers (told by the rendezvous) make theirs
 
 
 def admit(g: OnePeerWaitFree, member: int) -> None:
