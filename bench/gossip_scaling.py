@@ -76,14 +76,16 @@ def random_starts(n: int, numel: int, seed: int) -> list[torch.Tensor]:
 
 
 def make_simulator(kind: str, n: int, numel: int, graph: str, seed: int,
-                   staleness: int = STALENESS) -> GossipSimulator | WaitFreeSimulator:
-    """A simulator of n members: 4-bit stochastic codes, ``staleness`` (default 1), the
-    default gamma (none passed; the one-peer graph has its own). ``wait-free``: every member
+                   staleness: int = STALENESS, gamma: float | None = None
+                   ) -> GossipSimulator | WaitFreeSimulator:
+    """A simulator of n members: 4-bit stochastic codes, ``staleness`` (default 1), ``gamma``
+    (None: the member's default; the one-peer graph has its own). ``wait-free``: every member
     at one pace, messages visible one tick later."""
     if kind == "lock-step":
-        return GossipSimulator(n, numel, graph=graph, spec=SPEC, staleness=staleness, seed=seed)
+        return GossipSimulator(n, numel, graph=graph, spec=SPEC, staleness=staleness, seed=seed,
+                               gamma=gamma)
     return WaitFreeSimulator(n, numel, graph=graph, delay=1, spec=SPEC, staleness=staleness,
-                             seed=seed)
+                             seed=seed, gamma=gamma)
 
 
 def graph_shape(graph: str, n: int) -> tuple[int, float]:
@@ -133,14 +135,15 @@ def bytes_per_round(sim: GossipSimulator | WaitFreeSimulator, rounds: int) -> fl
 
 
 def run_to_tol(kind: str, n: int, graph: str, numel: int, tol: float, max_rounds: int,
-               seed: int = 0, stop_early: bool = True, staleness: int = STALENESS) -> dict:
+               seed: int = 0, stop_early: bool = True, staleness: int = STALENESS,
+               gamma: float | None = None) -> dict:
     """One case: rounds until ``distance <= tol x distance at the start``. Returns the JSON row
     without the all-reduce columns: ``rounds`` (int, None if not reached), ``outcome``
     ("reached", "max-rounds", "stopped early" or "diverged"), ``rounds_run``,
     ``projected_rounds`` (when stopped early), ``final_rel_distance``,
     ``gossip_bytes_per_round`` (mean per member), ``gamma``."""
     xs = random_starts(n, numel, seed)
-    sim = make_simulator(kind, n, numel, graph, seed, staleness)
+    sim = make_simulator(kind, n, numel, graph, seed, staleness, gamma)
     d0 = sim.consensus_distance(xs)
     target = math.log(tol * d0)
     log_d, outcome, projection = [math.log(d0)], "max-rounds", None
@@ -177,7 +180,7 @@ def case_row(kind: str, n: int, graph: str, args: argparse.Namespace) -> dict:
     """The full JSON row of one case: the graph's shape, the gossip run, the all-reduce costs."""
     t0 = time.perf_counter()
     run = run_to_tol(kind, n, graph, args.numel, args.tol, args.max_rounds, args.seed,
-                     args.stop_early, args.staleness)
+                     args.stop_early, args.staleness, args.gamma)
     per_round = run["gossip_bytes_per_round"]
     degree, gap = graph_shape(graph, n)
     return {
@@ -247,6 +250,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "they cost about 8 s).")
     p.add_argument("--staleness", type=int, default=STALENESS,
                    help=f"Rounds a round is applied late, every case (default {STALENESS}).")
+    p.add_argument("--gamma", type=float, default=None,
+                   help="Consensus step of every case (default: each member's own default).")
     p.add_argument("--json", default="", help="Also write the rows to this JSON file.")
     return p.parse_args(argv)
 
@@ -255,9 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # many tiny ops: threads only add overhead
     cases = [("lock-step", n, g) for n in args.nodes for g in args.graphs]
-    # The wait-free members keep static links: no time-varying graph there yet.
-    cases += [("wait-free", n, g) for n in args.wait_free_nodes for g in args.graphs
-              if g not in TIME_VARYING_GRAPHS]
+    cases += [("wait-free", n, g) for n in args.wait_free_nodes for g in args.graphs]
     rows = []
     for kind, n, graph in cases:
         rows.append(case_row(kind, n, graph, args))

@@ -34,7 +34,13 @@ from typing import Any
 
 import torch
 
-from qcomm.collectives.gossip.joining import admit, join_state, start_joined, start_without
+from qcomm.collectives.gossip.joining import (
+    admit,
+    join_state,
+    offers_state,
+    start_joined,
+    start_without,
+)
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.topology import Topology
 from qcomm.engine.agreement import check_agreement, check_job_agreement
@@ -261,7 +267,8 @@ class NodeJoins:
             self._watcher = JoinWatcher(host, port, seen=self._seen, prefix=self.prefix)
             # a neighbour that retires its link to this rank for a joiner not seen yet (this
             # rank between steps, in a drain or the final average): look now
-            self.node.gossip.membership.on_unknown_join = self.admit_now
+            if not self.node.gossip.time_varying:   # the ring's retire protocol only
+                self.node.gossip.membership.on_unknown_join = self.admit_now
 
     def admit_now(self) -> None:
         """:meth:`admit_new` after a poll of the rendezvous in this thread."""
@@ -271,7 +278,9 @@ class NodeJoins:
 
     def admit_new(self) -> None:
         """Admit the members that announced a join since the last call; offer the state to the
-        ones this rank is the nearest live member below of. Before the step's round."""
+        ones this rank offers to (:func:`~qcomm.collectives.gossip.joining.offers_state`: the
+        nearest live member below on a static graph, every peer on the one-peer graph). Before
+        the step's round."""
         if self._watcher is None:
             return
         g = self.node.gossip
@@ -279,7 +288,7 @@ class NodeJoins:
             if member == self.seat.node:
                 continue
             admit(g, member)
-            if g.membership.nearest_live(1) == member and g.rounds_started:
+            if offers_state(g, member) and g.rounds_started:
                 try:
                     offer_state(self.store, seq, self._payload(), token=self._token())
                 except RuntimeError as e:   # the rendezvous: down, or it dropped us

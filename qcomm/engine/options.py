@@ -70,11 +70,11 @@ class CommOptions:
         block_size: elements per quantization scale, a power of two in [32, 4096].
         rounding: ``"stochastic"`` (unbiased) or ``"nearest"``.
         graph: gossip graph between nodes: ``"ring"``, ``"exponential"``, ``"complete"``, or
-            ``"one-peer-exp"`` (one peer per round, changing with the round: bounded
-            staleness only, not with ``wait_free``); None (default): chosen by the node count
-            when the run starts (:func:`~qcomm.collectives.gossip.graph_choice.choose_graph`:
-            the ring below 7 nodes, the one-peer graph from 7 in lockstep, the ring
-            wait-free), and said in the layout log line.
+            ``"one-peer-exp"`` (one peer per round, changing with the round; in both modes);
+            None (default): chosen by the node count when the run starts
+            (:func:`~qcomm.collectives.gossip.graph_choice.choose_graph`: the ring below 7
+            nodes and the one-peer graph from 7, in both modes), and said in the layout log
+            line.
         mixing: ``"uniform"`` or ``"metropolis"`` mixing weights.
         staleness: gossip rounds in flight: a round is applied when the round ``staleness``
             rounds later starts (>= 0; 0 is synchronous).
@@ -180,7 +180,7 @@ class CommOptions:
             check(getattr(self, name))
         check_instance("wait_free", self.wait_free, bool, what="True or False")
         # Before the graph: which graphs a run takes depends on its mode.
-        check_option_graph(self.graph, self.wait_free)
+        check_option_graph(self.graph)
         check_int("sync_every", self.sync_every, low=1)
         check_fragments(self.fragments, self.sync_every, "sync_every")
         check_choice("intra_bits", self.intra_bits, SUPPORTED_BITS, allow_none=True)
@@ -243,7 +243,7 @@ class CommOptions:
         """The graph a run of ``num_nodes`` (int >= 1) nodes gossips over and why, in words:
         :attr:`graph`, or the one chosen by the node count when it is None
         (:func:`~qcomm.collectives.gossip.graph_choice.choose_graph`)."""
-        return choose_graph(self.graph, num_nodes, self.wait_free)
+        return choose_graph(self.graph, num_nodes)
 
     def gossip_config(self, num_nodes: int | None = None) -> GossipConfig:
         """The gossip's settings, built from these options: the one mapping from the options

@@ -80,8 +80,7 @@ def _check_wire(state: dict, options: CommOptions, num_nodes: int) -> None:
     saved = {k: comm.get(k) for k in WIRE_FIELDS}
     mine = {k: getattr(options, k) for k in WIRE_FIELDS}
     saved_nodes = max(1, state["world_size"] // state["procs_per_node"])
-    saved["graph"] = choose_graph(comm.get("graph"), saved_nodes,
-                                  bool(comm.get("wait_free", False)))[0]
+    saved["graph"] = choose_graph(comm.get("graph"), saved_nodes)[0]
     mine["graph"] = options.chosen_graph(num_nodes)[0]
     if saved != mine:
         raise ValueError(f"checkpoint was saved with communication options {saved}, "

@@ -4,7 +4,8 @@ member over a :class:`~qcomm.collectives.gloo.pair_group.PairGroup` of the rende
 (``--transport sockets``: a :class:`~qcomm.collectives.sockets.SocketGroup` on a port of its own),
 mixing a random vector (no local update; ``--step-s`` of sleep stands for the compute).
 
-``--mode member``: ``--steps`` steps, then drain, settle and sum along the ring; with ``--join``
+``--mode member``: ``--steps`` steps, then drain, settle and sum over the live members; with
+``--join``
 it joins the running job from a neighbour's state; with ``--cut-after-admit M`` its link to
 member M breaks once M admitted a joiner between them, before this one does (M, run with
 ``--admit-after`` this member, holds its admit until this one saw the joiner). ``--mode host`` /
@@ -29,7 +30,8 @@ import torch.distributed as dist
 
 from qcomm.collectives.gloo.pair_group import PairGroup
 from qcomm.collectives.gossip import WaitFreeGossip
-from qcomm.collectives.gossip.joining import admit, join_state, start_joined
+from qcomm.collectives.gossip.joining import admit, join_state, offers_state, start_joined
+from qcomm.collectives.gossip.one_peer_wait_free import OnePeerWaitFree
 from qcomm.collectives.sockets import SocketGroup
 from qcomm.compress import QuantSpec
 from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
@@ -56,7 +58,13 @@ def _gossip(args: argparse.Namespace, store: dist.Store) -> tuple[WaitFreeGossip
         group: PairGroup = SocketGroup(f"127.0.0.1:{args.port}", args.member, args.size,
                                        timeout_s=20, listen="127.0.0.1:0")
     else:
-        group = PairGroup(f"127.0.0.1:{args.port}", args.member, args.size, timeout_s=20)
+        # (a link is made within the silence bound: many processes on few cores are slow)
+        group = PairGroup(f"127.0.0.1:{args.port}", args.member, args.size,
+                          timeout_s=max(20.0, args.timeout_s))
+    if args.graph == "one-peer-exp":   # the one-peer graph's own default gamma
+        return OnePeerWaitFree(list(range(args.size)), group, args.numel, graph=args.graph,
+                               spec=QuantSpec(4, 128, "stochastic"), fragments=2,
+                               on_peer_loss="continue", timeout_s=args.timeout_s), incarnation
     g = WaitFreeGossip(list(range(args.size)), group, args.numel,
                        spec=QuantSpec(4, 128, "stochastic"), gamma=0.3, fragments=2,
                        on_peer_loss="continue", timeout_s=10)
@@ -106,7 +114,8 @@ def _step(g: WaitFreeGossip, x: torch.Tensor, watcher: JoinWatcher, store: dist.
             _break_link_to(g, cut)
         admit(g, joiner)
         store.set(f"admitted/{seq}/{member}", "1")
-        if g.membership.nearest_live(1) == joiner:
+        if offers_state(g, joiner):   # the ring: its nearest live member below; one-peer:
+            # each of its peers (the first offer is taken)
             offer_state(store, seq, _state_bytes(x, g), token=_token())
     g.prepare()
     g.end_step(x)
@@ -142,6 +151,11 @@ def run_member(args: argparse.Namespace, store: dist.Store) -> None:
     seen = 0
     if args.join:
         x, seen = _join(g, store, args.member, incarnation, events)
+    elif args.start_together:   # every member's links made before anyone steps (and dies)
+        store.add("started", 1)
+        deadline = time.monotonic() + 300
+        while int(store.add("started", 0)) < args.size and time.monotonic() < deadline:
+            time.sleep(0.05)
     watcher = JoinWatcher("127.0.0.1", args.port, seen=seen, poll_s=0.05)
     times = []   # wall time at the end of each step
     while g.steps < args.steps:
@@ -150,13 +164,19 @@ def run_member(args: argparse.Namespace, store: dist.Store) -> None:
         times.append(time.time())
         if g.steps % 10 == 0:
             store.set(f"progress/{args.member}/{incarnation}", str(g.steps))
+    stepped_bytes = sum(g.stats.bytes_sent.values())   # the steps' (not the end's sum)
     g.drain()
     g.settle(x)
     total, live = g.survivors_sum(x)
+    if g.time_varying:   # per link (its last, to a member that joined again), the peer's
+        # messages applied
+        peers = {p: link.received for p, link in sorted(g.links.items())}
+    else:
+        peers = sorted(g.peers[k] for k in g.membership.live_links())
     torch.save({"x": x, "sum": total, "live": live, "lost": sorted(g.lost),
                 "losses": len(g.losses), "incarnation": incarnation, "times": times,
-                "events": events, "first_step": g.steps - len(times),
-                "peers": sorted(g.peers[k] for k in g.membership.live_links())}, args.out)
+                "events": events, "first_step": g.steps - len(times), "peers": peers,
+                "bytes_sent": stepped_bytes}, args.out)
     watcher.close()
     g.close()
 
@@ -219,6 +239,12 @@ def main() -> None:
                     help="member whose link to this one breaks right after both admit a "
                          "joiner between them")
     ap.add_argument("--transport", choices=["pairs", "sockets"], default="pairs")
+    ap.add_argument("--graph", choices=["ring", "one-peer-exp"], default="ring",
+                    help="the gossip graph (one-peer-exp: OnePeerWaitFree)")
+    ap.add_argument("--timeout-s", type=float, default=10.0,
+                    help="the one-peer gossip's silence bound (many processes on few cores)")
+    ap.add_argument("--start-together", action="store_true",
+                    help="wait for every member's start before the first step")
     args = ap.parse_args()
     # torch starts its intra-op pool threads lazily, at the first op that goes parallel: start
     # them now, so that a thread count measures this process, not when torch first needed one

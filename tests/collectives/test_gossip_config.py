@@ -50,7 +50,11 @@ def test_the_default_options_give_the_default_settings() -> None:
     for n in (1, 2, 3, 4, 6):
         assert CommOptions().gossip_config(n) == GossipConfig()
     assert CommOptions().gossip_config(7) == GossipConfig(graph="one-peer-exp")
-    assert CommOptions(wait_free=True).gossip_config(64) == GossipConfig(wait_free=True)
+    assert CommOptions(wait_free=True).gossip_config(6) == GossipConfig(wait_free=True)
+    assert CommOptions(wait_free=True).gossip_config(64) == GossipConfig(wait_free=True,
+                                                                         graph="one-peer-exp")
+    assert CommOptions(wait_free=True, on_peer_loss="continue").gossip_config(64) == \
+        GossipConfig(wait_free=True, on_peer_loss="continue", graph="one-peer-exp")
     with pytest.raises(ValueError, match="num_nodes must be given when graph is None"):
         CommOptions().gossip_config()
     assert CommOptions(graph="ring").gossip_config(64) == GossipConfig()   # named: kept

@@ -13,6 +13,7 @@ from qcomm.collectives.gossip.config import GossipConfig
 from qcomm.collectives.gossip.factory import build_gossip
 from qcomm.collectives.gossip.integrity import SEAL_NBYTES
 from qcomm.collectives.gossip.one_peer_choco import OnePeerGossip
+from qcomm.collectives.gossip.one_peer_wait_free import OnePeerWaitFree
 from qcomm.collectives.gossip.schedules import hops, one_peer_partner
 from qcomm.collectives.memory import GossipSimulator, MemoryWorld
 from qcomm.compress import QuantSpec, packed_nbytes
@@ -109,21 +110,21 @@ def test_flush_and_a_member_that_sits_out() -> None:
         assert m.rounds_applied == m.rounds_started == 2
 
 
-def test_factory_and_what_is_not_taken_yet() -> None:
+def test_factory_and_what_the_static_members_refuse() -> None:
     world = MemoryWorld(4, clock=lambda: 0.0)
     group = world.group([0, 1, 2, 3], 0)
     m = build_gossip(GossipConfig(graph="one-peer-exp"), [0, 1, 2, 3], group, NUMEL)
     assert isinstance(m, OnePeerGossip) and m.peers == [1, 2]
+    w = build_gossip(GossipConfig(graph="one-peer-exp", wait_free=True), [0, 1, 2, 3], group,
+                     NUMEL)
+    assert type(w) is OnePeerWaitFree and w.peers == [1, 2]
     with pytest.raises(ValueError, match=r"graph must be one of \('one-peer-exp',\)"):
         OnePeerGossip([0, 1, 2, 3], group, NUMEL, graph="ring")
-    # the static member names the one that takes it, rather than mixing as if it were static
-    with pytest.raises(ValueError, match="only the lockstep OnePeerGossip takes yet"):
+    # the static members name the ones that take it, rather than mixing as if it were static
+    with pytest.raises(ValueError, match=r"OnePeerGossip \(lockstep\) and OnePeerWaitFree"):
         CompressedGossip([0, 1, 2, 3], group, NUMEL, graph="one-peer-exp")
-    with pytest.raises(ValueError, match="graph must be one of"):
+    with pytest.raises(ValueError, match=r"OnePeerGossip \(lockstep\) and OnePeerWaitFree"):
         WaitFreeGossip([0, 1, 2, 3], group, NUMEL, graph="one-peer-exp")
-    with pytest.raises(ValueError, match="graph must be one of"):
-        build_gossip(GossipConfig(graph="one-peer-exp", wait_free=True), [0, 1, 2, 3], group,
-                     NUMEL)
 
 
 @pytest.mark.parametrize(("n", "tau", "outer"), [(8, 1, False), (6, 2, False), (8, 1, True)])

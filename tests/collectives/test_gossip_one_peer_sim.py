@@ -9,6 +9,7 @@ import torch
 
 from qcomm.collectives.gossip import CompressedGossip, WaitFreeGossip
 from qcomm.collectives.gossip.integrity import SEAL_NBYTES
+from qcomm.collectives.gossip.one_peer_wait_free import OnePeerWaitFree
 from qcomm.collectives.gossip.schedules import hops, one_peer_partner
 from qcomm.collectives.memory import GossipSimulator, MemoryWorld, WaitFreeSimulator
 from qcomm.collectives.memory.one_peer import ONE_PEER_GAMMA
@@ -152,18 +153,17 @@ GRAPH_REFUSED = r"graph must be one of \('ring', 'exponential', 'complete'\) her
                 r"'one-peer-exp'"
 
 
-def test_the_wait_free_mode_refuses_the_graph() -> None:
+def test_the_static_members_refuse_the_graph_and_both_modes_take_it() -> None:
     world = MemoryWorld(4, clock=lambda: 0.0)
     group = world.group([0, 1, 2, 3], 0)
-    # The lockstep OnePeerGossip takes it (test_gossip_one_peer_choco.py), the static member
-    # does not.
+    # The lockstep OnePeerGossip takes it (test_gossip_one_peer_choco.py), and wait-free
+    # OnePeerWaitFree (test_gossip_one_peer_wait_free.py); the static members do not.
     with pytest.raises(ValueError, match=GRAPH_REFUSED):
         CompressedGossip([0, 1, 2, 3], group, NUMEL, graph="one-peer-exp")
     with pytest.raises(ValueError, match=GRAPH_REFUSED):
         WaitFreeGossip([0, 1, 2, 3], group, NUMEL, graph="one-peer-exp")
-    with pytest.raises(ValueError, match=GRAPH_REFUSED):
-        WaitFreeSimulator(4, NUMEL, graph="one-peer-exp")
-    with pytest.raises(ValueError, match=r"graph must be one of .* with wait_free=True"):
-        CommOptions(graph="one-peer-exp", wait_free=True)
+    sim = WaitFreeSimulator(4, NUMEL, graph="one-peer-exp")
+    assert all(type(m) is OnePeerWaitFree for m in sim.members)
+    assert CommOptions(graph="one-peer-exp", wait_free=True).graph == "one-peer-exp"
     with pytest.raises(ValueError, match="graph must be one of"):
         GossipSimulator(4, NUMEL, graph="one-peer")

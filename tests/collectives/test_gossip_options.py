@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import re
 from collections.abc import Callable
 from dataclasses import fields
 
@@ -117,15 +116,14 @@ def test_graph_is_refused_with_the_graphs_each_one_takes(value: object) -> None:
     assert type(got) is ValueError
     assert str(got).startswith(f"graph must be one of {EVERY} or None, got {value!r}")
     got = _refusal(lambda: CommOptions(graph=value, wait_free=True))
-    assert str(got).startswith(f"graph must be one of {STATIC} or None, got {value!r}")
+    assert str(got).startswith(f"graph must be one of {EVERY} or None, got {value!r}")
 
 
-def test_graph_one_peer_exp_is_an_option_of_the_lockstep_mode_only() -> None:
+def test_graph_one_peer_exp_is_an_option_of_both_modes() -> None:
     assert CommOptions(graph="one-peer-exp").graph == "one-peer-exp"
+    assert CommOptions(graph="one-peer-exp", wait_free=True,
+                       on_peer_loss="continue").graph == "one-peer-exp"
     assert CommOptions().graph is None   # chosen by the node count
-    with pytest.raises(ValueError, match=rf"graph must be one of {re.escape(STATIC)} or None "
-                                         r"with wait_free=True, got 'one-peer-exp'"):
-        CommOptions(graph="one-peer-exp", wait_free=True)
 
 
 def test_a_default_gamma_is_still_taken_from_bits_and_staleness() -> None:

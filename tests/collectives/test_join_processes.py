@@ -25,10 +25,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _worker(member: int, port: int, steps: int, out: Path, *extra: str, size: int = 3,
-            transport: str = "pairs", env: dict[str, str] | None = None) -> subprocess.Popen:
+            transport: str = "pairs", env: dict[str, str] | None = None,
+            graph: str = "ring") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "qcomm.testing.join_world", "--member", str(member),
            "--size", str(size), "--port", str(port), "--steps", str(steps), "--out", str(out),
-           "--transport", transport]
+           "--transport", transport, "--graph", graph]
     return subprocess.Popen([*cmd, *extra], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -157,6 +158,44 @@ def test_a_retired_link_that_breaks_before_its_retire_exchange_ends_is_no_loss(
         assert r["peers"] == sorted(ring), (i, r["peers"])
     # the only losses: 2's death, on 1 and 3 (the joiner and the others saw none)
     assert [r["losses"] for r in res] == [0, 1, 0, 1] + [0] * (size - 4)
+    assert all(torch.equal(r["sum"], res[0]["sum"]) for r in res)
+    start = torch.stack([torch.randn(4096, generator=torch.Generator().manual_seed(i))
+                         for i in range(size)])
+    end = torch.stack([r["x"] for r in res])
+    spread = lambda v: float((v - v.mean(0)).norm())
+    assert spread(end) < 1e-2 * spread(start), (spread(end), spread(start))
+
+
+def test_on_the_one_peer_graph_a_killed_member_restarted_rejoins_on_new_links(
+        tmp_path: Path, rendezvous: tuple[int, dist.Store]) -> None:
+    """Four processes wait-free on the one-peer graph (OnePeerWaitFree over Gloo's pairs):
+    member 1 is killed, its peers (0 and 3) drop it and sit out its rounds, it starts again
+    as a new process and joins from a peer's state on new links; every member ends on all its
+    links with one model, and the survivors' sum is the same bits on each."""
+    port, store = rendezvous
+    size, steps = 4, 1000   # the joiner (a new process) joins before the others end
+    outs = [tmp_path / f"m{i}.pt" for i in range(size)]
+    procs = [_worker(i, port, steps, outs[i], size=size, graph="one-peer-exp")
+             for i in range(size)]
+    try:
+        wait_progress(store, "progress/1/1", 100, 60)
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(10)
+        wait_progress(store, "progress/0/1", 200, 60)   # its peers went on without it
+        procs[1] = _worker(1, port, steps, outs[1], "--join", size=size, graph="one-peer-exp")
+    finally:
+        logs = _finish(procs, 150)
+    assert [p.returncode for p in procs] == [0] * size, "\n".join(map(str, logs))
+    res = [torch.load(o, weights_only=True) for o in outs]
+    assert res[1]["incarnation"] == 2
+    # every member took messages on every link of its schedule (1's peers are 0 and 3:
+    # 1 XOR 1, 1 XOR 2), 0 and 3 on their new links to the joiner
+    assert [sorted(r["peers"]) for r in res] == [[1, 2], [0, 3], [0, 3], [1, 2]]
+    assert all(n > 0 for r in res for n in r["peers"].values()), [r["peers"] for r in res]
+    assert res[0]["peers"][1] < res[0]["peers"][2] and res[3]["peers"][1] < res[3]["peers"][2]
+    assert [r["losses"] for r in res] == [1, 0, 0, 1]   # 1's peers saw it die
+    # the survivors' sum (flooding the links) counts the 4 and is the same bits on each
+    assert [r["live"] for r in res] == [size] * size
     assert all(torch.equal(r["sum"], res[0]["sum"]) for r in res)
     start = torch.stack([torch.randn(4096, generator=torch.Generator().manual_seed(i))
                          for i in range(size)])

@@ -1,8 +1,8 @@
 """The gossip graph as an option of the engine: ``graph="one-peer-exp"`` through the optimizers'
 keyword (lockstep), over Gloo with the bits and bytes of the in-memory world, one message per
 node and round; the graph chosen by the node count when none is named (the ring, bit for bit,
-up to 6 nodes; the one-peer graph from 7), said in the layout line; bad values refused before
-anything is built."""
+up to 6 nodes; the one-peer graph from 7, in both modes), said in the layout line; bad values
+refused before anything is built."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from qcomm.collectives.gossip.choco import CompressedGossip
 from qcomm.collectives.gossip.graph_choice import ONE_PEER_FROM, choose_graph
 from qcomm.collectives.gossip.integrity import SEAL_NBYTES
 from qcomm.collectives.gossip.one_peer_choco import OnePeerGossip
+from qcomm.collectives.gossip.one_peer_wait_free import OnePeerWaitFree
 from qcomm.collectives.memory import GossipSimulator, MemoryWorld
 from qcomm.collectives.topology import Topology
 from qcomm.compress import QuantSpec, packed_nbytes
@@ -74,8 +75,9 @@ def test_four_nodes_over_gloo_give_the_bits_and_bytes_of_the_in_memory_world(glo
                                                    strict=True))
 
 
-def _consensus(rank: int, layout: Topology, steps: int, **comm) -> dict:
-    """lr 0: the gossip alone moves the parameters (the optimizer's own step is zero)."""
+def _consensus(rank: int, layout: Topology, steps: int, average: bool = False, **comm) -> dict:
+    """lr 0: the gossip alone moves the parameters (the optimizer's own step is zero).
+    ``average``: end with the exact average (drained, what is owed settled)."""
     torch.set_num_threads(1)
     model = mlp(rank)
     opt = ASSGD(model.parameters(), layout=layout, **{**KW, "lr": 0.0, **comm})
@@ -85,6 +87,8 @@ def _consensus(rank: int, layout: Topology, steps: int, **comm) -> dict:
         opt.step()
     kind = type(opt.engine._runtime.node.gossip)
     st = opt.stats(consensus=True)
+    if average:
+        opt.average_parameters()
     opt.close()
     return {"end": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "kind": kind, "distance": st["consensus_distance"], "graph": opt.comm.graph}
@@ -103,6 +107,23 @@ def test_eight_nodes_choose_the_one_peer_graph_keep_the_mean_and_reach_consensus
     assert drift <= 2 * steps * 2.0**-24 * float(start.abs().max())
 
 
+@pytest.mark.parametrize("loss", ["raise", "continue"])
+def test_eight_wait_free_nodes_choose_the_one_peer_graph_and_their_exact_average_is_the_mean(
+        loss: str) -> None:
+    # "continue": the average and the distance sum over the survivors (flooding the links)
+    n, steps = 8, 40
+    res = _in_memory(n, lambda r, layout: _consensus(r, layout, steps, average=True,
+                                                     wait_free=True, on_peer_loss=loss))
+    start = torch.stack([torch.cat([p.detach().reshape(-1) for p in mlp(r).parameters()])
+                         for r in range(n)])
+    assert all(r["kind"] is OnePeerWaitFree and r["graph"] is None for r in res)
+    assert res[0]["distance"] < 0.05 * GossipSimulator.consensus_distance(list(start))
+    # the mirrors owed settled, the drained average is the start's: mixing moved no mass
+    drift = float((res[0]["end"].double() - start.double().mean(0)).abs().max())
+    assert drift <= 2 * steps * 2.0**-24 * float(start.abs().max())
+    assert all(torch.equal(r["end"], res[0]["end"]) for r in res)
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_the_default_graph_up_to_four_nodes_is_the_ring_bit_for_bit(n: int) -> None:
     default = _in_memory(n, lambda r, layout: _train(r, layout, STEPS))
@@ -114,18 +135,17 @@ def test_the_default_graph_up_to_four_nodes_is_the_ring_bit_for_bit(n: int) -> N
 
 
 def test_choose_graph_by_node_count_and_mode() -> None:
-    assert [choose_graph(None, n, False)[0] for n in (1, 2, 4, 6)] == ["ring"] * 4
+    # both modes alike
+    assert [choose_graph(None, n)[0] for n in (1, 2, 4, 6)] == ["ring"] * 4
     assert ONE_PEER_FROM == 7
-    assert [choose_graph(None, n, False)[0] for n in (7, 8, 1024)] == ["one-peer-exp"] * 3
-    assert choose_graph(None, 8, False)[0] == "one-peer-exp"
-    why = choose_graph(None, 8, False)[1]
+    assert [choose_graph(None, n)[0] for n in (7, 8, 1024)] == ["one-peer-exp"] * 3
+    why = choose_graph(None, 8)[1]
     assert why == ("8 nodes: one message per node and round, rounds to consensus grow as "
                    "log2 N (the ring's as N^2)")
-    assert choose_graph(None, 64, True)[0] == "ring"   # wait-free: no time-varying graph
-    assert choose_graph("exponential", 64, False) == ("exponential", "as the options name it")
-    assert choose_graph("ring", 64, False)[0] == "ring"
+    assert choose_graph("exponential", 64) == ("exponential", "as the options name it")
+    assert choose_graph("ring", 64)[0] == "ring"
     with pytest.raises(ValueError, match="num_nodes must be an int >= 1, got 0"):
-        choose_graph(None, 0, False)
+        choose_graph(None, 0)
 
 
 @pytest.mark.parametrize(("n", "text"), [
@@ -153,15 +173,16 @@ def test_a_named_graph_is_said_as_named() -> None:
     assert "over a exponential graph (as the options name it)" in line
     _, line = topology_line(Topology(1, rank=0, world_size=8), CommOptions(wait_free=True),
                             False, 10)
-    assert "over a ring graph (the wait-free mode's default at any node count)" in line
+    assert "over a one-peer-exp graph (8 nodes: one message per node and round" in line
+    assert "wait-free on the one-peer graph" in line
+    _, line = topology_line(Topology(1, rank=0, world_size=6), CommOptions(wait_free=True),
+                            False, 10)
+    assert "over a ring graph (6 nodes: the default below 7" in line
 
 
 @pytest.mark.parametrize(("comm", "match"), [
     (dict(graph="star"), r"graph must be one of \('ring', 'exponential', 'complete', "
                          r"'one-peer-exp'\) or None, got 'star'"),
-    (dict(graph="one-peer-exp", wait_free=True),
-     r"graph must be one of \('ring', 'exponential', 'complete'\) or None with "
-     r"wait_free=True, got 'one-peer-exp'"),
 ])
 def test_a_bad_graph_is_refused_by_the_optimizer_before_anything_is_built(comm: dict,
                                                                          match: str) -> None:

@@ -1,6 +1,7 @@
 """The gossip member for a mode: the one place that picks :class:`~.choco.CompressedGossip`
 (bounded staleness, lockstep; :class:`~.one_peer_choco.OnePeerGossip` on a time-varying
-graph) or :class:`~.wait_free.WaitFreeGossip` from a :class:`~.config.GossipConfig`.
+graph) or :class:`~.wait_free.WaitFreeGossip` (:class:`~.one_peer_wait_free.OnePeerWaitFree`
+on a time-varying graph) from a :class:`~.config.GossipConfig`.
 
 Whoever holds a member asks it, never its mode: both classes answer the same calls
 (:class:`~.member.GossipMember`: ``lockstep``, ``leave``, ``before_state_dict``,
@@ -18,6 +19,7 @@ from .config import GossipConfig
 from .graphs import TIME_VARYING_GRAPHS
 from .member import GossipMember
 from .one_peer_choco import OnePeerGossip
+from .one_peer_wait_free import OnePeerWaitFree
 from .wait_free import WaitFreeGossip
 
 __all__ = ["build_gossip", "gossip_class", "mode_class"]
@@ -26,9 +28,10 @@ __all__ = ["build_gossip", "gossip_class", "mode_class"]
 def gossip_class(config: GossipConfig) -> type[GossipMember]:
     """The member class of ``config``'s mode and graph (also before any member exists: its
     class-level answers, ``lockstep``, ``idle_stats`` and ``mode_words``, need none)."""
+    one_peer = config.graph in TIME_VARYING_GRAPHS
     if config.wait_free:
-        return WaitFreeGossip   # refuses a time-varying graph by name
-    return OnePeerGossip if config.graph in TIME_VARYING_GRAPHS else CompressedGossip
+        return OnePeerWaitFree if one_peer else WaitFreeGossip
+    return OnePeerGossip if one_peer else CompressedGossip
 
 
 def mode_class(wait_free: bool) -> type[GossipMember]:

@@ -38,8 +38,8 @@ def check_graph(graph: object) -> str:
     naming the argument and the allowed values; a time-varying graph gets its own reason."""
     if isinstance(graph, str) and graph in TIME_VARYING_GRAPHS:
         raise ValueError(f"graph must be one of {GRAPHS} here, got {graph!r}: a time-varying "
-                         f"graph changes its peers every round, which only the lockstep "
-                         f"OnePeerGossip takes yet (build_gossip picks it)")
+                         f"graph changes its peers every round, which OnePeerGossip (lockstep) "
+                         f"and OnePeerWaitFree take (build_gossip picks them)")
     return check_choice("graph", graph, GRAPHS)  # type: ignore[return-value]
 
 

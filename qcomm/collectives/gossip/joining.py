@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import one_peer_joins
 from .copies import link_rows
 
 if TYPE_CHECKING:
     from .wait_free import WaitFreeGossip
 
-__all__ = ["admit", "join_state", "start_joined", "start_without"]
+__all__ = ["admit", "join_state", "offers_state", "start_joined", "start_without"]
 
 
 def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -38,6 +39,8 @@ def join_state(g: WaitFreeGossip) -> dict:
     Raises:
         RuntimeError: ``g`` has not sent a round yet (nothing to start from).
     """
+    if g.time_varying:   # the one-peer graph's (.one_peer_joins)
+        return one_peer_joins.join_state(g)
     if g._hat_own is None:
         raise RuntimeError("join_state() before this member's first round: a joiner starts "
                            "from a member that has gossiped")
@@ -58,6 +61,9 @@ def start_joined(g: WaitFreeGossip, state: dict, device: torch.device | str = "c
             gamma, named); nothing is changed.
         RuntimeError: ``g`` has gossiped already.
     """
+    if g.time_varying:
+        one_peer_joins.start_joined(g, state, device)
+        return
     if not isinstance(state, dict) or "config" not in state or "hat_own" not in state:
         raise ValueError("state must be a dict from WaitFreeGossip.join_state()")
     mine, theirs = g._config(), dict(state["config"])
@@ -98,6 +104,9 @@ def start_without(g: WaitFreeGossip, absent: set[int]) -> None:
     Raises:
         RuntimeError: ``g`` has gossiped already.
     """
+    if g.time_varying:
+        one_peer_joins.start_without(g, absent)
+        return
     if g._streams is not None or g.rounds_started or g._hat_own is not None:
         raise RuntimeError("start_without() must come before this member's first round")
     g.membership.start_without({int(m) for m in absent})
@@ -106,5 +115,18 @@ def start_without(g: WaitFreeGossip, absent: set[int]) -> None:
 
 def admit(g: WaitFreeGossip, member: int) -> None:
     """``member`` joins: call it on every running member ``g``
-    (:meth:`.membership.Membership.admit`: the ring opens to it next to it)."""
+    (:meth:`.membership.Membership.admit`: the ring opens to it next to it; on the one-peer
+    graph its peers open new links to it)."""
+    if g.time_varying:
+        one_peer_joins.admit(g, member)
+        return
     g._apply(g.membership.admit(member, g._own()))
+
+
+def offers_state(g: WaitFreeGossip, member: int) -> bool:
+    """Whether running member ``g`` offers its state to ``member`` joining: on a static graph
+    its nearest live member below (the ring opens there), on the one-peer graph each of its
+    peers (:func:`.one_peer_joins.offers_state`; the rendezvous takes the first offer)."""
+    if g.time_varying:
+        return one_peer_joins.offers_state(g, member)
+    return g.membership.nearest_live(1) == member

@@ -177,5 +177,5 @@ OPTION_CHECKS: dict[str, Callable[[object], object]] = {
 """The options that a member and ``CommOptions`` both take and check by value alone, with the
 one function that checks each (``fragments`` is checked against what it divides, which
 differs: :func:`check_fragments`; ``graph`` against what takes it, which differs too: a member
-takes the graphs of its class, ``CommOptions`` every graph its mode takes, or None,
+takes the graphs of its class, ``CommOptions`` every graph, or None,
 :func:`~.graph_choice.check_option_graph`)."""

@@ -20,8 +20,9 @@ from collections.abc import Callable
 import torch
 
 from qcomm.collectives.gossip.choco import CompressedGossip
-from qcomm.collectives.gossip.graphs import TIME_VARYING_GRAPHS, check_graph
+from qcomm.collectives.gossip.graphs import TIME_VARYING_GRAPHS
 from qcomm.collectives.gossip.joining import admit, join_state, start_joined
+from qcomm.collectives.gossip.one_peer_wait_free import OnePeerWaitFree
 from qcomm.collectives.gossip.schedules import check_any_graph
 from qcomm.collectives.gossip.wait_free import WaitFreeGossip
 from qcomm.collectives.stats import CommStats
@@ -117,13 +118,15 @@ class WaitFreeSimulator:
         sim.drain()                     # every message delivered and applied
         sim.kill(2); sim.run(xs, 50); sim.join(2, xs)   # lost, then back: the ring opens
 
-    Keyword arguments go to WaitFreeGossip (``round_period``, ``gamma``, ``fragments``, ...).
+    Keyword arguments go to WaitFreeGossip (``round_period``, ``gamma``, ``fragments``, ...);
+    ``graph="one-peer-exp"`` makes the members
+    :class:`~qcomm.collectives.gossip.one_peer_wait_free.OnePeerWaitFree` s.
     """
 
     def __init__(self, n: int, numel: int, *, graph: str = "ring",
                  periods: list[int] | None = None, delay: int | Callable[[int, int], int] = 0,
                  max_backlog: int = 64, **kwargs) -> None:
-        check_graph(graph)
+        check_any_graph(graph)
         self.n = n
         self.periods = list(periods) if periods is not None else [1] * n
         if len(self.periods) != n or not all(isinstance(p, int) and p >= 1
@@ -136,7 +139,8 @@ class WaitFreeSimulator:
         self._groups = [self.world.group(ranks, i) for i in range(n)]
         self.boxes = self._groups[0].mailboxes  # the group's queues, shared by every member
         self.stats = [CommStats() for _ in range(n)]
-        self._make = lambda i: WaitFreeGossip(ranks, self._groups[i], numel, graph=graph,
+        cls = OnePeerWaitFree if graph in TIME_VARYING_GRAPHS else WaitFreeGossip
+        self._make = lambda i: cls(ranks, self._groups[i], numel, graph=graph,
                                               stats=self.stats[i], max_backlog=max_backlog,
                                               **kwargs)
         self.members = [self._make(i) for i in range(n)]
