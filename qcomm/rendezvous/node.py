@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from qcomm.validation import check_int
+from qcomm.collectives.sockets.token import job_token
+from qcomm.validation import check_int, env_int
 
 from .refusals import RefusedError, refusal_of_this_run
 from .seat import (
@@ -43,6 +44,7 @@ from .seat import (
 )
 from .server import MAX_NODES_KEY, NODES_KEY
 from .threads import fit_threads, register_host
+from .tunnel import store_client
 
 __all__ = ["LinkedSeat", "init_node", "linked_seat"]
 
@@ -87,8 +89,7 @@ class LinkedSeat:
     def store(self) -> dist.Store:
         """A new connection to the rendezvous."""
         host, port = parse_address(self.rendezvous)
-        return dist.TCPStore(host, port, is_master=False,
-                             timeout=datetime.timedelta(seconds=self.timeout_s))
+        return store_client(host, port, datetime.timedelta(seconds=self.timeout_s))
 
 
 def linked_seat() -> LinkedSeat | None:
@@ -164,7 +165,8 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
             Gloo's, which need every port open between the nodes.
         token: the job token every link proves it holds (at least 16 characters); None
             reads ``QCOMM_TOKEN``. With one, the links are TCP ones even without ``listen``
-            (this node then dials all its links: its peers listen).
+            (this node then dials all its links: its peers listen), and the rendezvous is
+            reached through an admitted, encrypted connection (:mod:`.tunnel`).
 
     Returns:
         this process's :class:`LinkedSeat`.
@@ -173,13 +175,15 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
         RefusedError: this torchrun run was refused by the job before (its options or model
         differ; a restart runs the same), raised before taking a seat;
         ValueError: a bad argument or environment variable (named), no seat free;
+        AdmissionError: the rendezvous refused this node's token (or its lack of one);
         TimeoutError: the rendezvous or this node's first rank did not answer within
         ``timeout_s``; RuntimeError: torch.distributed initialized already.
     """
     global _seat, _seat_group
-    address, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_node")
-    listen = _listen_of(listen, local_rank)
-    token = token if token is not None else os.environ.get("QCOMM_TOKEN") or None
+    secret = job_token(token)   # named error for a short one, before any connection
+    token = None if secret is None else secret.decode()
+    listen = _listen_of(listen, env_int("LOCAL_RANK", 0) or 0)
+    address, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_node", secret)
     refused = refusal_of_this_run(store)
     if refused is not None:   # before the seat: a restart that cannot be admitted takes none
         raise RefusedError(f"{refused} (this torchrun run was refused by the job before, and "

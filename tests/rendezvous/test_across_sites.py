@@ -22,7 +22,7 @@ def test_the_two_site_recipe_trains_loses_a_node_and_takes_it_back(tmp_path) -> 
             {"QCOMM_TOKEN": TOKEN, "QCOMM_LISTEN": f"127.0.0.1:{ports[1]}"},
             {"QCOMM_TOKEN": TOKEN}]
     assert "QCOMM_LISTEN" not in os.environ
-    job = Job(tmp_path, 3)
+    job = Job(tmp_path, 3, env={"QCOMM_TOKEN": TOKEN})   # the rendezvous admits only them
     try:
         for node in range(3):
             job.start(node, LINKED, restarts=1, node_id=True, env=envs[node])

@@ -136,7 +136,9 @@ class PairGroup(CommGroup):
             raise RuntimeError(str(e)) from e
 
     def _connect(self, peer: int) -> PairChannel:
-        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
+        from qcomm.rendezvous.tunnel import store_client
+
+        store = store_client(self.host, self.port, self.timeout)
         me = (self.rank, self._incarnation(store, self.rank))
         other = (peer, self._incarnation(store, peer))
         with self._lock:

@@ -23,9 +23,10 @@ import struct
 
 from .frames import FrameError, recv_exact
 
-__all__ = ["HANDSHAKE_TIMEOUT_S", "AdmissionError", "Admitted", "accept", "dial"]
+__all__ = ["HANDSHAKE_TIMEOUT_S", "MAGIC", "AdmissionError", "Admitted", "accept", "dial"]
 
 _MAGIC = b"qcomm/1\0"
+MAGIC = _MAGIC   # what an accepting end's greeting starts with (a probe tells a gate by it)
 _NONCE = 32
 _MAC = 32
 _HELLO_MAX = 4096
