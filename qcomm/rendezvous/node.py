@@ -24,8 +24,9 @@ local_rank`` of ``nodes * procs_per_node``, as under one torchrun for the whole 
 from __future__ import annotations
 
 import datetime
+import hmac
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
@@ -46,7 +47,7 @@ from .server import MAX_NODES_KEY, NODES_KEY
 from .threads import fit_threads, register_host
 from .tunnel import store_client
 
-__all__ = ["LinkedSeat", "init_node", "linked_seat"]
+__all__ = ["LinkedSeat", "init_node", "linked_seat", "listen_of", "with_options"]
 
 _PREFIX = "qcomm/linked/"
 _seat: LinkedSeat | None = None   # this process's seat, once init_node() took it
@@ -121,7 +122,7 @@ def _take(store: dist.Store, nodes: int, token: str, node_id: int | None) -> int
                      "restarted by its own torchrun, which keeps its seat)")
 
 
-def _listen_of(listen: str | None, local_rank: int) -> str | None:
+def listen_of(listen: str | None, local_rank: int) -> str | None:
     """Where this process accepts its links: ``listen`` (else ``QCOMM_LISTEN``), its port
     moved up by the local rank (each process of a node has a port of its own: PORT to
     PORT + procs_per_node - 1; port 0 stays 0, the system picks); None when neither is set.
@@ -139,6 +140,27 @@ def _listen_of(listen: str | None, local_rank: int) -> str | None:
         raise ValueError(f"{where} must be 'HOST:PORT', the address this node accepts its "
                          f"links on, got {listen!r}")
     return f"{host}:{int(port) + local_rank if int(port) else 0}"
+
+
+def with_options(seat: LinkedSeat, listen: str | None, token: str | None) -> LinkedSeat:
+    """``seat`` with the optimizer's ``listen`` and ``token`` (CommOptions') where they are
+    set: ``listen`` moved up by the local rank as :func:`listen_of` does.
+
+    Raises:
+        ValueError: ``token`` is not the one the seat was taken with (the rendezvous is
+            reached with that one), without showing either.
+    """
+    changes: dict[str, str | None] = {}
+    if listen is not None:
+        changes["listen"] = listen_of(listen, seat.local_rank)
+    if token is not None:
+        if seat.token is not None and not hmac.compare_digest(seat.token.encode(),
+                                                              token.encode()):
+            raise ValueError("token (the optimizer's) is not the job token init_node took "
+                             "(its token= or QCOMM_TOKEN), with which this node reached the "
+                             "rendezvous: pass the same one, or set it in one place")
+        changes["token"] = token
+    return replace(seat, **changes) if changes else seat
 
 
 def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
@@ -182,7 +204,7 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
     global _seat, _seat_group
     secret = job_token(token)   # named error for a short one, before any connection
     token = None if secret is None else secret.decode()
-    listen = _listen_of(listen, env_int("LOCAL_RANK", 0) or 0)
+    listen = listen_of(listen, env_int("LOCAL_RANK", 0) or 0)
     address, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_node", secret)
     refused = refusal_of_this_run(store)
     if refused is not None:   # before the seat: a restart that cannot be admitted takes none

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["MIN_TOKEN_CHARS", "job_token"]
+__all__ = ["MIN_TOKEN_CHARS", "check_token", "job_token"]
 
 # Shortest token accepted: a recorded handshake lets an eavesdropper try tokens offline.
 MIN_TOKEN_CHARS = 16
@@ -23,7 +23,16 @@ def job_token(token: str | None) -> bytes | None:
         token, where = os.environ.get("QCOMM_TOKEN") or None, "QCOMM_TOKEN"
     if token is None:
         return None
+    return check_token(where, token).encode()
+
+
+def check_token(name: str, token: object) -> str:
+    """``token`` when it is a string of at least :data:`MIN_TOKEN_CHARS` characters.
+
+    Raises:
+        ValueError: it is not, naming ``name`` and never showing the value.
+    """
     if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS:
-        raise ValueError(f"{where} must be a string of at least {MIN_TOKEN_CHARS} characters "
+        raise ValueError(f"{name} must be a string of at least {MIN_TOKEN_CHARS} characters "
                          "(e.g. python -c 'import secrets; print(secrets.token_hex(16))')")
-    return token.encode()
+    return token
