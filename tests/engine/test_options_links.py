@@ -58,3 +58,30 @@ def test_the_options_take_the_place_of_init_nodes_on_a_linked_seat() -> None:
     with pytest.raises(ValueError, match="is not the job token init_node took") as info:
         with_options(_seat(0, TOKEN), None, "another-token-0123456789")
     assert TOKEN not in str(info.value) and "another-token" not in str(info.value)
+
+
+@pytest.mark.parametrize(("listen", "token", "encrypt", "words"), [
+    (None, None, "1", "links between nodes: Gloo, a group of two per link made through the "
+                      "rendezvous, every port open between the nodes; gossip"),
+    ("0.0.0.0:7000", TOKEN, "1", "links between nodes: one-port TCP, accepting on "
+                                 "0.0.0.0:7000 and dialling the peers that accept less; job "
+                                 "token checked, encrypted (AES-256-GCM), the rendezvous "
+                                 "through an encrypted tunnel"),
+    (None, TOKEN, "0", "one-port TCP, dialling every link (this node accepts none); job token "
+                       "checked, in clear"),
+    ("0.0.0.0:7000", None, "1", "one-port TCP, accepting on 0.0.0.0:7000 and dialling the "
+                                "peers that accept less; no job token, in clear"),
+])
+def test_the_layout_line_says_what_the_links_between_nodes_run_over(
+        monkeypatch: pytest.MonkeyPatch, listen: str | None, token: str | None, encrypt: str,
+        words: str) -> None:
+    from qcomm.collectives.linked_world import LinkedWorld
+    from qcomm.collectives.topology import Topology
+    from qcomm.engine.report import topology_line
+
+    monkeypatch.setenv("QCOMM_ENCRYPT", encrypt)
+    seat = with_options(_seat(0, None), listen, token)
+    topo = Topology(2, rank=seat.rank, world_size=6, world=LinkedWorld(seat))
+    _, line = topology_line(topo, CommOptions(wait_free=True), False, 1000)
+    assert words in line, line
+    assert TOKEN not in line

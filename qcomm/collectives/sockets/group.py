@@ -103,7 +103,7 @@ class SocketGroup(PairGroup):
         sock.settimeout(timeout_s)
         log.info("link to %s: TCP, %s%s%s", peer, how,
                  ", token checked" if self.token is not None else "",
-                 ", encrypted" if self.encrypt else "")
+                 ", encrypted" if self.encrypt else ", in clear")
         if self.encrypt:
             sealer, opener = link_keys(self.token, admitted, dialler)
             return SocketChannel(sock, peer, sealer, opener)
