@@ -13,12 +13,11 @@ why (never the token); later ones from it are only counted.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import sys
 import threading
 
-from qcomm.collectives.sockets.admission import HANDSHAKE_TIMEOUT_S, AdmissionError, accept
+from qcomm.collectives.sockets.admission import HANDSHAKE_TIMEOUT_S, AdmissionError, accept, cut
 from qcomm.collectives.sockets.aead import link_keys
 from qcomm.collectives.sockets.frames import FrameError
 
@@ -34,11 +33,6 @@ _MAX_ADMITTING = 64
 
 def _say(line: str) -> None:
     print(f"qcomm rendezvous: {line}", file=sys.stderr, flush=True)
-
-
-def _cut(conn: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        conn.shutdown(socket.SHUT_RDWR)
 
 
 class Gate:
@@ -89,7 +83,7 @@ class Gate:
     def _admit(self, conn: socket.socket, peer: tuple) -> None:
         # A read waits through socket timeouts (frames.recv_exact): the deadline of a handshake
         # is this timer, which cuts a connection that has not finished by then.
-        deadline = threading.Timer(HANDSHAKE_TIMEOUT_S, _cut, args=(conn,))
+        deadline = threading.Timer(HANDSHAKE_TIMEOUT_S, cut, args=(conn,))
         deadline.start()
         try:
             conn.settimeout(HANDSHAKE_TIMEOUT_S)

@@ -21,6 +21,7 @@ from qcomm.collectives.sockets.admission import (
     HANDSHAKE_TIMEOUT_S,
     MAGIC,
     AdmissionError,
+    cut,
     dial,
 )
 from qcomm.collectives.sockets.aead import AeadOpener, AeadSealer, link_keys
@@ -30,11 +31,6 @@ from .gate import HELLO
 from .relay import relay
 
 __all__ = ["Tunnel", "gated", "open_tunnel", "route", "store_client"]
-
-
-def _cut(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
 
 
 class Tunnel:
@@ -64,7 +60,7 @@ class Tunnel:
             raise ConnectionError(f"no rendezvous at {where}: {e}") from e
         # A read waits through socket timeouts (frames.recv_exact): a rendezvous that greets
         # nobody (one without a token: torch's store speaks when spoken to) is cut by this.
-        deadline = threading.Timer(HANDSHAKE_TIMEOUT_S, _cut, args=(sock,))
+        deadline = threading.Timer(HANDSHAKE_TIMEOUT_S, cut, args=(sock,))
         deadline.start()
         try:
             admitted = dial(sock, HELLO, self.token)
