@@ -218,9 +218,12 @@ def main() -> None:
     ap.add_argument("--link", action="append", default=None, metavar="RATE[:DELAY_MS]",
                     help="An emulated link, e.g. 100mbit or 100mbit:50 (50 ms more each "
                          "way); repeat for more. Root only. Default: loopback.")
-    ap.add_argument("--member", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--host", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--member", type=int, default=None,
+                    help="Run one member's part (0 or 1), as this script starts them itself.")
+    ap.add_argument("--rendezvous", default=None,
+                    help="With --member: HOST:PORT of the rendezvous (member 0 serves it).")
+    ap.add_argument("--host", default=None,
+                    help="With --member: the address this member accepts its links on.")
     a = ap.parse_args()
     if a.rounds < 4 or a.nbytes < 2 or a.reps < 1:
         ap.error(f"--rounds must be >= 4, --nbytes >= 2 and --reps >= 1, got {a.rounds}, "
