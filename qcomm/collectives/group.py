@@ -151,3 +151,8 @@ class World(ABC):
     def control_device(self) -> torch.device:
         """Where small control tensors (votes, agreement rows) must live for this world's
         groups to move them."""
+
+    def links(self) -> str | None:
+        """What the links between nodes run over, in words, for the layout log line (None:
+        nothing to say)."""
+        return None

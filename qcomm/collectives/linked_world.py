@@ -5,6 +5,7 @@ and no group spans the job."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -62,6 +63,19 @@ class LinkedWorld(TorchWorld):
                 out.append(PairGroup(seat.rendezvous, seat.node, seat.nodes, ranks=ranks,
                                      name=f"rail{seat.local_rank}", timeout_s=seat.timeout_s))
         return out
+
+    def links(self) -> str:
+        seat = self.seat
+        if seat.listen is None and seat.token is None:
+            return ("Gloo, a group of two per link made through the rendezvous, every port "
+                    "open between the nodes")
+        port = (f"accepting on {seat.listen} and dialling the peers that accept less"
+                if seat.listen else "dialling every link (this node accepts none)")
+        encrypt = seat.token is not None and os.environ.get("QCOMM_ENCRYPT", "1") != "0"
+        token = ("job token checked, " + ("encrypted (AES-256-GCM)" if encrypt else "in clear")
+                 + ", the rendezvous through an encrypted tunnel") if seat.token else \
+            "no job token, in clear"
+        return f"one-port TCP, {port}; {token} (each link's own line says which)"
 
     def whole(self, rank: int) -> Any:
         raise RuntimeError("no process group spans a job of linked nodes (its nodes come and "

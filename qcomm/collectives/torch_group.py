@@ -177,6 +177,12 @@ class TorchWorld(World):
             return torch.device("cpu")
         return torch.device("cuda", torch.cuda.current_device())
 
+    def links(self) -> str | None:
+        if not _initialized():
+            return None
+        return (f"torch.distributed's process groups ({dist.get_backend_config()}), every "
+                "port open between the nodes")
+
     def __repr__(self) -> str:
         return "TorchWorld()"
 

@@ -11,18 +11,20 @@ import os
 import sys
 import warnings
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from qcomm.collectives.gossip.config import GossipConfig
 from qcomm.collectives.gossip.graph_choice import check_option_graph, choose_graph
 from qcomm.collectives.gossip.options import GRAPHS, MIXINGS, OPTION_CHECKS, check_fragments
 from qcomm.collectives.gossip.options import ON_PEER_LOSS as PEER_LOSS_MODES
+from qcomm.collectives.sockets.token import check_token
 from qcomm.compress import QuantSpec
 from qcomm.kernels.wire_format import SUPPORTED_BITS
 from qcomm.validation import (
     check_bucket_mb,
     check_choice,
+    check_host_port,
     check_instance,
     check_int,
     did_you_mean,
@@ -125,6 +127,15 @@ class CommOptions:
             that hands it its parameters, ``"fresh"`` empty, as a new optimizer's (the join
             then moves only the parameters and the gossip's state: Adam's state is twice the
             parameters' bytes). Parameters FSDP2 shards start fresh either way.
+        listen: ``"HOST:PORT"`` this node accepts its links to the other nodes on (nodes
+            linked through :func:`qcomm.rendezvous.init_node`; local rank r takes PORT + r;
+            PORT 0: the system picks), instead of ``init_node(listen=)`` / ``QCOMM_LISTEN``;
+            None (default): theirs.
+        token: the job token (a string of at least 16 characters) every link between nodes
+            proves it holds, instead of ``init_node(token=)`` / ``QCOMM_TOKEN`` (the
+            rendezvous is reached with init_node's, so the two must be the same where both
+            are set); None (default): theirs. Never shown in the options' repr, never saved
+            in a checkpoint or a pickle.
     """
 
     bits: int = 4
@@ -149,6 +160,8 @@ class CommOptions:
     max_backlog: int = 64
     on_peer_loss: str = "raise"
     join_optimizer_state: str = "copy"
+    listen: str | None = None
+    token: str | None = field(default=None, repr=False)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CommOptions:
         # Before the generated __init__, whose TypeError for an unknown keyword names no
@@ -188,6 +201,11 @@ class CommOptions:
         check_bucket_mb(self.bucket_mb)
         check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_MODES)
         check_choice("join_optimizer_state", self.join_optimizer_state, JOIN_OPTIMIZER_STATES)
+        if self.listen is not None:
+            check_host_port("listen", self.listen, "the address this node accepts its links "
+                            "on (or None)", low_port=0)
+        if self.token is not None:
+            check_token("token", self.token)
         if self.on_peer_loss == "continue" and not self.wait_free:
             raise ValueError("on_peer_loss='continue' needs wait_free=True: a node that waits "
                              "for its neighbours' rounds cannot go on without one")
@@ -237,7 +255,19 @@ class CommOptions:
         return self.sync_every // self.fragments
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The options by name, as a checkpoint keeps them: the token left out (it never
+        goes where a checkpoint goes)."""
+        out = asdict(self)
+        del out["token"]
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled optimizer or engine travels and is stored: without the token, which an
+        # unpickled one takes from its own process again (init_node's, QCOMM_TOKEN).
+        return {k: v for k, v in self.__dict__.items() if k != "token"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)   # token: the class's default, None
 
     def chosen_graph(self, num_nodes: int) -> tuple[str, str]:
         """The graph a run of ``num_nodes`` (int >= 1) nodes gossips over and why, in words:

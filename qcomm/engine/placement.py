@@ -19,7 +19,7 @@ from qcomm.collectives.linked_world import LinkedWorld
 from qcomm.collectives.topology import Topology
 from qcomm.engine.options import CommOptions
 from qcomm.engine.sharded import check_sharding
-from qcomm.rendezvous.node import LinkedSeat, linked_seat
+from qcomm.rendezvous.node import LinkedSeat, linked_seat, with_options
 
 __all__ = ["Placement", "check_not_differentiable", "geometry"]
 
@@ -59,7 +59,8 @@ class Placement:
                  linked: bool = True) -> None:
         self.options = options
         self.linked: LinkedSeat | None = linked_seat() if topology is None and linked else None
-        if self.linked is not None:
+        if self.linked is not None:   # the options' port and token over init_node's
+            self.linked = with_options(self.linked, options.listen, options.token)
             seat = self.linked
             topology = Topology(seat.procs_per_node, rank=seat.rank,
                                 world_size=seat.world_size, world=LinkedWorld(seat))

@@ -61,10 +61,12 @@ def topology_line(topology: Topology, options: CommOptions, ddp_intra: bool, gos
     if N > 1:
         share = "" if sharded else f", each local rank carrying 1/{L} of them on its rail"
         graph, why = options.chosen_graph(N)
+        links = topology.world.links()
+        links = "" if links is None else f"; links between nodes: {links}"
         return logging.INFO, (
             f"qcomm: {_count(N, 'node')} x {_count(L, 'rank')}; gradients averaged inside "
             f"each node ({intra}); {carried} in {options.bits}-bit messages over a "
-            f"{graph} graph ({why}){share}; {_schedule(options, gamma, N)}")
+            f"{graph} graph ({why}){share}{links}; {_schedule(options, gamma, N)}")
     return logging.WARNING, (
         f"qcomm: 1 node x {_count(L, 'rank')}: gradients are averaged inside the node "
         f"({intra}) and nothing is compressed, since no link between nodes exists. To emulate "

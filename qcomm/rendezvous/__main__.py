@@ -13,7 +13,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m qcomm.rendezvous",
         description="The rendezvous of a qcomm job: a process of its own that outlives every "
                     "node. Start it first, on a machine that stays up; every node names it "
-                    "with QCOMM_RENDEZVOUS=HOST:PORT.",
+                    "with QCOMM_RENDEZVOUS=HOST:PORT. With QCOMM_TOKEN set (in the "
+                    "environment, never on a command line) only the nodes that hold the same "
+                    "token get in, and what they say to it is encrypted.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--host", default="0.0.0.0", help="Address to listen on.")
     ap.add_argument("--port", type=int, default=29400, help="TCP port to listen on.")

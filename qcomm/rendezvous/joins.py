@@ -25,6 +25,7 @@ import threading
 import torch.distributed as dist
 
 from .sealed_state import open_state, seal_state
+from .tunnel import store_client
 from .waiting import wait_keys
 
 __all__ = ["JoinWatcher", "announce", "await_state", "offer_state"]
@@ -155,8 +156,7 @@ class JoinWatcher:
 
     def _poll(self) -> None:
         if self._store is None:
-            store = dist.TCPStore(self.host, self.port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=5))
+            store = store_client(self.host, self.port, datetime.timedelta(seconds=5))
             self._store = dist.PrefixStore(self.prefix, store) if self.prefix else store
         joins = int(self._store.add(JOINS_KEY, 0))
         for seq in range(self._seen + 1, joins + 1):

@@ -24,12 +24,14 @@ local_rank`` of ``nodes * procs_per_node``, as under one torchrun for the whole 
 from __future__ import annotations
 
 import datetime
+import hmac
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
-from qcomm.validation import check_int
+from qcomm.collectives.sockets.token import job_token
+from qcomm.validation import check_int, env_int
 
 from .refusals import RefusedError, refusal_of_this_run
 from .seat import (
@@ -43,8 +45,9 @@ from .seat import (
 )
 from .server import MAX_NODES_KEY, NODES_KEY
 from .threads import fit_threads, register_host
+from .tunnel import store_client
 
-__all__ = ["LinkedSeat", "init_node", "linked_seat"]
+__all__ = ["LinkedSeat", "init_node", "linked_seat", "listen_of", "with_options"]
 
 _PREFIX = "qcomm/linked/"
 _seat: LinkedSeat | None = None   # this process's seat, once init_node() took it
@@ -87,8 +90,7 @@ class LinkedSeat:
     def store(self) -> dist.Store:
         """A new connection to the rendezvous."""
         host, port = parse_address(self.rendezvous)
-        return dist.TCPStore(host, port, is_master=False,
-                             timeout=datetime.timedelta(seconds=self.timeout_s))
+        return store_client(host, port, datetime.timedelta(seconds=self.timeout_s))
 
 
 def linked_seat() -> LinkedSeat | None:
@@ -120,7 +122,7 @@ def _take(store: dist.Store, nodes: int, token: str, node_id: int | None) -> int
                      "restarted by its own torchrun, which keeps its seat)")
 
 
-def _listen_of(listen: str | None, local_rank: int) -> str | None:
+def listen_of(listen: str | None, local_rank: int) -> str | None:
     """Where this process accepts its links: ``listen`` (else ``QCOMM_LISTEN``), its port
     moved up by the local rank (each process of a node has a port of its own: PORT to
     PORT + procs_per_node - 1; port 0 stays 0, the system picks); None when neither is set.
@@ -138,6 +140,27 @@ def _listen_of(listen: str | None, local_rank: int) -> str | None:
         raise ValueError(f"{where} must be 'HOST:PORT', the address this node accepts its "
                          f"links on, got {listen!r}")
     return f"{host}:{int(port) + local_rank if int(port) else 0}"
+
+
+def with_options(seat: LinkedSeat, listen: str | None, token: str | None) -> LinkedSeat:
+    """``seat`` with the optimizer's ``listen`` and ``token`` (CommOptions') where they are
+    set: ``listen`` moved up by the local rank as :func:`listen_of` does.
+
+    Raises:
+        ValueError: ``token`` is not the one the seat was taken with (the rendezvous is
+            reached with that one), without showing either.
+    """
+    changes: dict[str, str | None] = {}
+    if listen is not None:
+        changes["listen"] = listen_of(listen, seat.local_rank)
+    if token is not None:
+        if seat.token is not None and not hmac.compare_digest(seat.token.encode(),
+                                                              token.encode()):
+            raise ValueError("token (the optimizer's) is not the job token init_node took "
+                             "(its token= or QCOMM_TOKEN), with which this node reached the "
+                             "rendezvous: pass the same one, or set it in one place")
+        changes["token"] = token
+    return replace(seat, **changes) if changes else seat
 
 
 def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
@@ -164,7 +187,8 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
             Gloo's, which need every port open between the nodes.
         token: the job token every link proves it holds (at least 16 characters); None
             reads ``QCOMM_TOKEN``. With one, the links are TCP ones even without ``listen``
-            (this node then dials all its links: its peers listen).
+            (this node then dials all its links: its peers listen), and the rendezvous is
+            reached through an admitted, encrypted connection (:mod:`.tunnel`).
 
     Returns:
         this process's :class:`LinkedSeat`.
@@ -173,13 +197,15 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
         RefusedError: this torchrun run was refused by the job before (its options or model
         differ; a restart runs the same), raised before taking a seat;
         ValueError: a bad argument or environment variable (named), no seat free;
+        AdmissionError: the rendezvous refused this node's token (or its lack of one);
         TimeoutError: the rendezvous or this node's first rank did not answer within
         ``timeout_s``; RuntimeError: torch.distributed initialized already.
     """
     global _seat, _seat_group
-    address, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_node")
-    listen = _listen_of(listen, local_rank)
-    token = token if token is not None else os.environ.get("QCOMM_TOKEN") or None
+    secret = job_token(token)   # named error for a short one, before any connection
+    token = None if secret is None else secret.decode()
+    listen = listen_of(listen, env_int("LOCAL_RANK", 0) or 0)
+    address, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_node", secret)
     refused = refusal_of_this_run(store)
     if refused is not None:   # before the seat: a restart that cannot be admitted takes none
         raise RefusedError(f"{refused} (this torchrun run was refused by the job before, and "

@@ -24,16 +24,22 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from qcomm.collectives.sockets.admission import HANDSHAKE_TIMEOUT_S, AdmissionError
+from qcomm.collectives.sockets.token import job_token
 from qcomm.validation import check_host_port, check_int, check_timeout, env_int
 
 from .server import NODES_KEY
 from .threads import fit_threads, register_host
+from .tunnel import gated, open_tunnel, store_client
 from .waiting import wait_keys
 
 __all__ = ["ENV_VAR", "INCARNATION_KEY", "Seat", "claim_incarnation", "connect",
            "init_process_group", "init_torchrun_group", "parse_address"]
 
 ENV_VAR = "QCOMM_RENDEZVOUS"
+# How long a node without a token waits for the rendezvous to greet as a gate before it
+# connects as torch's client (a plain store says nothing: this is what every start waits).
+_PROBE_S = 0.5
 INCARNATION_KEY = "qcomm/incarnation/{member}"
 
 
@@ -120,11 +126,13 @@ def _claim(store: dist.Store, nodes: int, token: str, node_id: int | None) -> in
 
 
 
-def connect(rendezvous: str | None, timeout_s: float, caller: str
+def connect(rendezvous: str | None, timeout_s: float, caller: str, token: bytes | None = None
             ) -> tuple[str, dist.Store, int, int]:
     """What every way of starting a node does first: the rendezvous's address (``rendezvous``,
     else ``QCOMM_RENDEZVOUS``) checked, torch.distributed not initialized yet, the node's size
-    and this rank's place in it (torchrun's ``LOCAL_*``), a connection to the rendezvous.
+    and this rank's place in it (torchrun's ``LOCAL_*``), a connection to the rendezvous:
+    with the job ``token``, through this process's tunnel to it (:mod:`.tunnel`; every later
+    store connection to it goes through the same).
 
     Returns:
         (its ``"HOST:PORT"``, store, procs_per_node, local_rank).
@@ -132,7 +140,9 @@ def connect(rendezvous: str | None, timeout_s: float, caller: str
     Raises:
         ValueError: a bad address, argument or environment variable (named); TimeoutError:
             no rendezvous within ``timeout_s``; RuntimeError: torch.distributed initialized
-            already (``caller``, the function to call in its place, is named).
+            already (``caller``, the function to call in its place, is named);
+        AdmissionError: the rendezvous refused ``token``, or admits only a token's holders
+            and this process has none (or the other way round).
     """
     address = rendezvous if rendezvous is not None else os.environ.get(ENV_VAR)
     if address is None:
@@ -148,10 +158,19 @@ def connect(rendezvous: str | None, timeout_s: float, caller: str
     local_rank = env_int("LOCAL_RANK", 0) or 0
     if local_rank >= ppn:
         raise ValueError(f"LOCAL_RANK {local_rank} must be below LOCAL_WORLD_SIZE {ppn}")
+    gate = AdmissionError(f"the rendezvous at {host}:{port} admits only the holders of the job "
+                          "token: set QCOMM_TOKEN (the same as the rendezvous's)")
     try:
-        store = dist.TCPStore(host, port, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        if token is not None:
+            open_tunnel(host, port, token, timeout_s)
+        elif gated(host, port, _PROBE_S):
+            raise gate
+        store = store_client(host, port, datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, OSError) as e:
+        if isinstance(e, AdmissionError):
+            raise
+        if token is None and gated(host, port, HANDSHAKE_TIMEOUT_S):   # a slow gate
+            raise gate from None
         raise TimeoutError(f"no rendezvous at {host}:{port} within {timeout_s:g} s ({e}); "
                            "start it first: python -m qcomm.rendezvous") from e
     return f"{host}:{port}", store, ppn, local_rank
@@ -179,7 +198,8 @@ def init_process_group(rendezvous: str | None = None, *, backend: str = "gloo",
             ``procs_per_node`` differ; TimeoutError: the rendezvous or a node did not come
             within ``timeout_s``; RuntimeError: torch.distributed already initialized.
     """
-    address, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_process_group")
+    address, store, ppn, local_rank = connect(rendezvous, timeout_s, "init_process_group",
+                                              job_token(None))
     timeout = datetime.timedelta(seconds=timeout_s)
     nodes = int(store.get(NODES_KEY))
     if node_id is not None:

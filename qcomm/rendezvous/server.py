@@ -4,8 +4,10 @@
 
 It is torch's ``TCPStore`` server and nothing else (no consensus of its own): the nodes take
 their seats and build their process groups through it (:mod:`.seat`). It holds the job's size
-under ``qcomm/nodes``. Stopping it (SIGTERM, SIGINT) does not stop nodes that are running: they
-need it only while they start.
+under ``qcomm/nodes``. With a job token (``QCOMM_TOKEN``) the store listens on localhost only
+and the public port is the front of :mod:`.gate`: only the token's holders get in, encrypted.
+Stopping it (SIGTERM, SIGINT) does not stop nodes that are running: they need it only while
+they start.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import threading
 
 import torch.distributed as dist
 
+from qcomm.collectives.sockets.token import job_token
 from qcomm.validation import check_int
+
+from .gate import Gate
 
 __all__ = ["MAX_NODES_KEY", "NODES_KEY", "serve"]
 
@@ -25,7 +30,8 @@ MAX_NODES_KEY = "qcomm/max_nodes"  # ... and may grow to (nodes linked through i
 
 
 def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
-          ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+          ready: threading.Event | None = None, stop: threading.Event | None = None,
+          token: str | None = None) -> None:
     """Serve the rendezvous of a job of ``nodes`` nodes on ``host:port`` until SIGTERM or
     SIGINT (or ``stop`` is set).
 
@@ -39,6 +45,8 @@ def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
         ready: set once the store listens (for callers in the same process).
         stop: set it to stop serving (for callers in the same process; signals are handled
             only in the main thread).
+        token: the job token (at least 16 characters); None reads ``QCOMM_TOKEN`` (unset:
+            none, anyone who reaches the port is served, in clear).
 
     Raises:
         ValueError: a bad argument, named; RuntimeError: the port is taken.
@@ -49,9 +57,13 @@ def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
                           what=f"an int >= nodes ({nodes})")
     if not isinstance(host, str) or not host:
         raise ValueError(f"host must be a non-empty string, got {host!r}")
+    secret = job_token(token)
     try:
-        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+        # With a token, the store is reachable from this machine only; the gate is the port.
+        store = dist.TCPStore("127.0.0.1" if secret else host, 0 if secret else port,
+                              is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=30))
+        gate = Gate(host, port, store.port, secret) if secret else None
     except (RuntimeError, OSError) as e:
         raise RuntimeError(f"the rendezvous cannot listen on {host}:{port}: {e}") from e
     store.set(NODES_KEY, str(nodes))
@@ -61,10 +73,14 @@ def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     grows = f" (up to {max_nodes})" if max_nodes > nodes else ""
-    print(f"qcomm rendezvous: listening on {host}:{port} for a job of {nodes} nodes{grows}",
-          flush=True)
+    admits = (", admitting only the job token's holders, encrypted" if secret else
+              ", admitting anyone who reaches it, in clear (no QCOMM_TOKEN)")
+    print(f"qcomm rendezvous: listening on {host}:{port} for a job of {nodes} nodes{grows}"
+          f"{admits}", flush=True)
     if ready is not None:
         ready.set()
     while not stop.wait(0.5):
         pass
+    if gate is not None:
+        gate.close()
     del store

@@ -38,7 +38,7 @@ def test_a_name_far_from_every_option_gets_no_suggestion(build: str) -> None:
     with pytest.raises(TypeError) as info:
         BUILDS[build]("topology")
     assert "did you mean" not in str(info.value)
-    assert str(info.value).endswith("timeout_s, total_steps, wait_free")
+    assert str(info.value).endswith("timeout_s, token, total_steps, wait_free")
 
 
 def test_known_names_build_as_before() -> None:

@@ -22,7 +22,7 @@ def test_the_two_site_recipe_trains_loses_a_node_and_takes_it_back(tmp_path) -> 
             {"QCOMM_TOKEN": TOKEN, "QCOMM_LISTEN": f"127.0.0.1:{ports[1]}"},
             {"QCOMM_TOKEN": TOKEN}]
     assert "QCOMM_LISTEN" not in os.environ
-    job = Job(tmp_path, 3)
+    job = Job(tmp_path, 3, env={"QCOMM_TOKEN": TOKEN})   # the rendezvous admits only them
     try:
         for node in range(3):
             job.start(node, LINKED, restarts=1, node_id=True, env=envs[node])
@@ -38,4 +38,8 @@ def test_the_two_site_recipe_trains_loses_a_node_and_takes_it_back(tmp_path) -> 
     assert f"link to rank 1: TCP, accepted on 127.0.0.1:{ports[0]}, token checked, encrypted" \
         in outs[0], outs[0][-3000:]
     assert outs[2].count("TCP, dialled 127.0.0.1:") >= 2, outs[2][-3000:]
+    # the layout line says so too, and that the rendezvous was reached through the tunnel
+    assert (f"links between nodes: one-port TCP, accepting on 127.0.0.1:{ports[0]} and "
+            "dialling the peers that accept less; job token checked, encrypted (AES-256-GCM), "
+            "the rendezvous through an encrypted tunnel") in outs[0], outs[0][-3000:]
     assert "accepted on" not in outs[2], outs[2][-3000:]

@@ -31,13 +31,15 @@ pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason=f"no torchrun next
 class Job:
     """A rendezvous and one torchrun agent per node, each node's output in its own file."""
 
-    def __init__(self, tmp: Path, nodes: int, max_nodes: int | None = None) -> None:
+    def __init__(self, tmp: Path, nodes: int, max_nodes: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.tmp, self.port = tmp, free_port()
         self.address = f"127.0.0.1:{self.port}"
         grow = [] if max_nodes is None else ["--max-nodes", str(max_nodes)]
         self.rendezvous = subprocess.Popen(
             [sys.executable, "-m", "qcomm.rendezvous", "--host", "127.0.0.1", "--port",
-             str(self.port), "--nodes", str(nodes), *grow], env=ENV, stdout=subprocess.PIPE,
+             str(self.port), "--nodes", str(nodes), *grow], env=dict(ENV, **(env or {})),
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True)
         line = self.rendezvous.stdout.readline()  # it listens once it says so
         assert "listening on 127.0.0.1" in line, line

@@ -110,7 +110,7 @@ def test_a_seat_that_listens_or_has_a_token_links_over_sockets_and_hides_the_tok
     from dataclasses import replace
 
     from qcomm.collectives.sockets import SocketGroup
-    from qcomm.rendezvous.node import _listen_of
+    from qcomm.rendezvous.node import listen_of
 
     secret = "a-job-token-of-some-length"
     for seat in (replace(_seat(), listen="127.0.0.1:0"), replace(_seat(), token=secret)):
@@ -118,10 +118,10 @@ def test_a_seat_that_listens_or_has_a_token_links_over_sockets_and_hides_the_tok
         assert isinstance(rail, SocketGroup) and rail.ranks == [1, 3, 5]
         assert secret not in repr(seat)
     assert (rail.listener, rail.token) == (None, secret.encode())   # a token alone: dials out
-    assert _listen_of("0.0.0.0:29600", 2) == "0.0.0.0:29602"   # one port per local rank
-    assert _listen_of("127.0.0.1:0", 1) == "127.0.0.1:0"
+    assert listen_of("0.0.0.0:29600", 2) == "0.0.0.0:29602"   # one port per local rank
+    assert listen_of("127.0.0.1:0", 1) == "127.0.0.1:0"
     with pytest.raises(ValueError, match="listen must be 'HOST:PORT'"):
-        _listen_of("29600", 0)
+        listen_of("29600", 0)
 
 
 def test_a_pair_group_names_ranks_that_do_not_fit() -> None:

@@ -18,6 +18,7 @@ collective would wait for change while it runs: the gossip sums along its ring i
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import threading
 
@@ -34,6 +35,8 @@ from ..links import MessageStreams
 from .streams import GlooStreams
 
 __all__ = ["INCARNATION_KEY", "PairChannel", "PairGroup", "claim_incarnation"]
+
+log = logging.getLogger(__name__)
 
 
 def gloo_devices() -> list:
@@ -136,7 +139,9 @@ class PairGroup(CommGroup):
             raise RuntimeError(str(e)) from e
 
     def _connect(self, peer: int) -> PairChannel:
-        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
+        from qcomm.rendezvous.tunnel import store_client
+
+        store = store_client(self.host, self.port, self.timeout)
         me = (self.rank, self._incarnation(store, self.rank))
         other = (peer, self._incarnation(store, peer))
         with self._lock:
@@ -174,6 +179,8 @@ class PairGroup(CommGroup):
         opts._devices = gloo_devices()
         pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store),
                                    0 if me == lo else 1, 2, opts)
+        log.info("link to rank %d: Gloo, through the rendezvous at %s:%d, in clear",
+                 self.ranks[other[0]], self.host, self.port)
         return PairChannel(pg, 1 if me == lo else 0)
 
     def streams(self, peers: list[int], *, nbytes: int, max_backlog: int, timeout_s: float,

@@ -7,11 +7,25 @@ every pair of machines). The wait-free gossip's streams run on them as on Gloo's
 - :mod:`.admission`: a link's opening handshake, the job token's challenge and response.
 - :mod:`.listener`: the node's one port, routing each admitted connection to its link.
 - :mod:`.channel`: :class:`SocketChannel`, one link's tagged sends and receives.
+- :mod:`.token`: the job token, checked.
 - :mod:`.group`: :class:`SocketGroup`, the gossip group whose links these are.
 """
 
+from typing import Any
+
 from .admission import AdmissionError
 from .channel import SocketChannel
-from .group import SocketGroup, job_token
+from .token import job_token
 
 __all__ = ["AdmissionError", "SocketChannel", "SocketGroup", "job_token"]
+
+
+def __getattr__(name: str) -> Any:
+    # SocketGroup on first use: it builds on the rendezvous's PairGroup, and the rendezvous
+    # (its front, its tunnel) uses this package's admission and encryption, so importing the
+    # group here would make the two packages import each other half-made.
+    if name == "SocketGroup":
+        from .group import SocketGroup
+
+        return SocketGroup
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

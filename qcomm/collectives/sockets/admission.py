@@ -23,9 +23,11 @@ import struct
 
 from .frames import FrameError, recv_exact
 
-__all__ = ["HANDSHAKE_TIMEOUT_S", "AdmissionError", "Admitted", "accept", "dial"]
+__all__ = ["HANDSHAKE_TIMEOUT_S", "MAGIC", "AdmissionError", "Admitted", "accept", "cut",
+           "dial"]
 
 _MAGIC = b"qcomm/1\0"
+MAGIC = _MAGIC   # what an accepting end's greeting starts with (a probe tells a gate by it)
 _NONCE = 32
 _MAC = 32
 _HELLO_MAX = 4096
@@ -45,6 +47,13 @@ class Admitted:
 
     def __init__(self, hello: dict, body: bytes, nonces: bytes) -> None:
         self.hello, self.body, self.nonces = hello, body, nonces
+
+
+def cut(sock: socket.socket) -> None:
+    """End ``sock``'s connection now, waking a read that waits on it (a handshake's
+    deadline)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def _mac(token: bytes, label: bytes, nonces: bytes, hello: bytes) -> bytes:

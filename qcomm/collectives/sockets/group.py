@@ -27,32 +27,11 @@ from .aead import link_keys
 from .channel import SocketChannel
 from .frames import Opener, Sealer
 from .listener import listener_at, parse_listen
+from .token import job_token
 
 __all__ = ["SocketGroup", "job_token"]
 
 log = logging.getLogger(__name__)
-
-# Shortest token accepted: a recorded handshake lets an eavesdropper try tokens offline.
-MIN_TOKEN_CHARS = 16
-
-
-def job_token(token: str | None) -> bytes | None:
-    """The job token as bytes: ``token`` when given, else ``QCOMM_TOKEN`` (unset or empty:
-    None, links admit anyone).
-
-    Raises:
-        ValueError: shorter than 16 characters (naming where it came from, not its value).
-    """
-    where = "token"
-    if token is None:
-        token, where = os.environ.get("QCOMM_TOKEN") or None, "QCOMM_TOKEN"
-    if token is None:
-        return None
-    if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS:
-        raise ValueError(f"{where} must be a string of at least {MIN_TOKEN_CHARS} characters "
-                         "(e.g. python -c 'import secrets; print(secrets.token_hex(16))')")
-    return token.encode()
-
 
 class SocketGroup(PairGroup):
     """This member's handle on a gossip group whose links are TCP connections (module
@@ -124,7 +103,7 @@ class SocketGroup(PairGroup):
         sock.settimeout(timeout_s)
         log.info("link to %s: TCP, %s%s%s", peer, how,
                  ", token checked" if self.token is not None else "",
-                 ", encrypted" if self.encrypt else "")
+                 ", encrypted" if self.encrypt else ", in clear")
         if self.encrypt:
             sealer, opener = link_keys(self.token, admitted, dialler)
             return SocketChannel(sock, peer, sealer, opener)

@@ -20,7 +20,7 @@ import time
 
 from qcomm.validation import check_host_port
 
-from .admission import HANDSHAKE_TIMEOUT_S, AdmissionError, Admitted, accept
+from .admission import HANDSHAKE_TIMEOUT_S, AdmissionError, Admitted, accept, cut
 from .frames import FrameError
 
 __all__ = ["Listener", "listener_at", "parse_listen"]
@@ -100,6 +100,11 @@ class Listener:
     def _handshake(self, conn: socket.socket, peer: tuple) -> None:
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A read waits through socket timeouts (frames.recv_exact): the handshake's deadline is
+        # this timer, which cuts a connection that says nothing (else it held its thread and
+        # one of MAX_ADMITTING places for good).
+        deadline = threading.Timer(HANDSHAKE_TIMEOUT_S, cut, args=(conn,))
+        deadline.start()
         try:
             admitted = accept(conn, self.token)
         except (AdmissionError, FrameError, OSError) as e:
@@ -114,6 +119,8 @@ class Listener:
                                 "later refusals from %s are not logged)", peer[0], peer[1],
                                 self.address, e, peer[0])
             return
+        finally:
+            deadline.cancel()
         key = admitted.hello["link"]
         now = time.monotonic()
         with self.cond:

@@ -102,3 +102,28 @@ def test_a_node_that_cannot_prove_the_token_is_refused_by_the_dialler() -> None:
     t.join(10)
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("front", ["listener", "gate"])
+def test_a_connection_that_says_nothing_is_cut_at_the_handshake_deadline(
+        monkeypatch: pytest.MonkeyPatch, front: str) -> None:
+    """A read waits through socket timeouts, so the deadline is a timer: without it a silent
+    connection held its thread and an admission place for good."""
+    import time
+
+    from qcomm.collectives.sockets import listener as L
+    from qcomm.rendezvous import gate as G
+
+    monkeypatch.setattr(L if front == "listener" else G, "HANDSHAKE_TIMEOUT_S", 0.5)
+    server = (L.Listener("127.0.0.1", 0, b"t" * 16) if front == "listener"
+              else G.Gate("127.0.0.1", 0, 1, b"t" * 16))
+    port = server.sock.getsockname()[1]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            started = time.monotonic()
+            greeting = sock.recv(64)
+            assert greeting.startswith(b"qcomm/1\0")
+            assert sock.recv(1) == b""   # cut by the acceptor, not by this end's timeout
+            assert time.monotonic() - started < 5
+    finally:
+        server.close()
