@@ -98,7 +98,7 @@ VARIANTS: dict[str, Variant] = {
     "slow-link-total-job-lr": Variant("gossip", {"total_steps": True}, lr_by_progress=True,
                                       about="SLOW_LINK given the run's length, each member's "
                                             "learning-rate schedule driven by the job's "
-                                            "progress (opt.progress()) rather than its own "
+                                            "progress (opt.job_progress()) rather than its own "
                                             "steps"),
     "one-peer": Variant("gossip", {"graph": "one-peer-exp"}, wait_free=False,
                         about="the lockstep form on the one-peer exponential graph (one "

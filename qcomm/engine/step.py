@@ -178,6 +178,17 @@ class StepCycle:
                               self.options.timeout_s)
 
 
+def node_max(value: int, topology: Topology, timeout_s: float) -> int:
+    """The largest ``value`` over this node's ranks (collective over the node's ranks: one
+    1-element all-reduce on the fast link, nothing when alone on the node)."""
+    if topology.procs_per_node == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=topology.control_device())
+    all_reduce(t, topology.intra, "max", timeout_s=timeout_s, link="intra",
+               operation="node_max")
+    return int(t.item())
+
+
 def node_any(flag: bool, topology: Topology, timeout_s: float) -> bool:
     """True when ``flag`` is True on any rank of this node (collective over the node's ranks:
     one 1-element all-reduce on the fast link, nothing when alone on the node)."""

@@ -318,6 +318,13 @@ class HierarchicalOptimizer(Optimizer, CheckpointableOptimizer):
         :meth:`qcomm.engine.AveragingEngine.node_any`."""
         return self.engine.node_any(flag)
 
+    def job_progress(self) -> int:
+        """The job's progress in local steps as this node knows it, the same on every rank of
+        the node (collective over the node's ranks): drive a learning-rate schedule by it when
+        nodes run at different speeds, so a slow node decays with the job. See
+        :meth:`qcomm.engine.AveragingEngine.job_progress`."""
+        return self.engine.job_progress()
+
     def flush(self) -> None:
         """Wait for the gossip rounds in flight (collective: every rank at the same step); the
         parameters do not change. See :meth:`qcomm.engine.AveragingEngine.flush`."""
