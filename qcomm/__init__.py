@@ -5,6 +5,7 @@ The package in layers, top to bottom; each imports only its own layer and the la
 
     qcomm.testing      hypothesis strategies, codec property checks and multi-process
                        runners; may import every layer, and no layer imports it
+    qcomm.integrations training frameworks: Lightning's QcommStrategy (an optional extra)
     qcomm.hooks        DDP comm hooks                                  (siblings: neither
     qcomm.sgd          ASSGD and HierarchicalOptimizer, torch.optim     imports the other)
     qcomm.checkpoint   per-rank and sharded (DCP) checkpoints of an optimizer on the engine
@@ -13,6 +14,7 @@ The package in layers, top to bottom; each imports only its own layer and the la
     qcomm.compress     the codec: QuantSpec, quantize / dequantize / dequant_accumulate
     qcomm.kernels      the Triton kernels and the pure-torch reference  (siblings: neither
     qcomm.rendezvous   the job's rendezvous, one torchrun per node       imports the other)
+    qcomm.wire         frames, the job token's admission, encryption of a connection
     qcomm.seeds        the seed derivation tree (every random stream comes from it)
     qcomm.validation   the argument checks every layer shares
 

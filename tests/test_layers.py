@@ -16,6 +16,9 @@ ROOT = Path(qcomm.__file__).resolve().parent
 # Bottom to top. A module belongs to the first entry its dotted name starts with.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("qcomm.validation", "qcomm.seeds")),
+    # The bytes on a connection between sites (frames, the token's admission, encryption):
+    # the links between nodes and the rendezvous's front both use them.
+    ("wire", ("qcomm.wire",)),
     # Siblings above the foundation: the job's rendezvous and the kernels.
     ("rendezvous", ("qcomm.rendezvous",)),
     ("kernels", ("qcomm.kernels",)),
@@ -28,10 +31,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Siblings at the top of the library: neither imports the other.
     ("sgd", ("qcomm.sgd",)),
     ("hooks", ("qcomm.hooks",)),
+    # Integrations with training frameworks: on top of the optimizers.
+    ("integrations", ("qcomm.integrations",)),
     ("testing", ("qcomm.testing",)),
 ]
-RANK = {"foundation": 0, "rendezvous": 1, "kernels": 1, "compress": 2, "collectives": 3,
-        "engine": 4, "checkpoint": 5, "sgd": 6, "hooks": 6, "testing": 7}
+RANK = {"foundation": 0, "wire": 1, "rendezvous": 2, "kernels": 2, "compress": 3,
+        "collectives": 4, "engine": 5, "checkpoint": 6, "sgd": 7, "hooks": 7, "integrations": 8,
+        "testing": 9}
 
 
 def layer_of(module: str) -> str | None:

@@ -18,7 +18,6 @@ from qcomm.collectives.gossip.config import GossipConfig
 from qcomm.collectives.gossip.graph_choice import check_option_graph, choose_graph
 from qcomm.collectives.gossip.options import GRAPHS, MIXINGS, OPTION_CHECKS, check_fragments
 from qcomm.collectives.gossip.options import ON_PEER_LOSS as PEER_LOSS_MODES
-from qcomm.collectives.sockets.token import check_token
 from qcomm.compress import QuantSpec
 from qcomm.kernels.wire_format import SUPPORTED_BITS
 from qcomm.validation import (
@@ -29,6 +28,7 @@ from qcomm.validation import (
     check_int,
     did_you_mean,
 )
+from qcomm.wire.token import check_token
 
 __all__ = ["GRAPHS", "JOIN_OPTIMIZER_STATES", "MIXINGS", "NONFINITE_MODES", "PEER_LOSS_MODES",
            "WIRE_FIELDS", "CommOptions"]

@@ -3,13 +3,13 @@
 * :mod:`qcomm.integrations.lightning`: ``QcommStrategy``, a Lightning strategy (the
   ``lightning`` extra: ``pip install 'qcomm[lightning]'``); imported on demand, so that
   ``import qcomm`` never needs Lightning.
-* :mod:`qcomm.integrations.guard`: the check that refuses a qcomm optimizer stepped by another
+* :mod:`qcomm.sgd.lightning_guard`: the check that refuses a qcomm optimizer stepped by another
   Lightning strategy (no framework import).
 
 The Hugging Face Accelerate recipe needs no module of its own: docs/guide.md, "Hugging Face
 Accelerate".
 """
 
-from qcomm.integrations.guard import WrongStrategyError
+from qcomm.sgd.lightning_guard import WrongStrategyError
 
 __all__ = ["WrongStrategyError"]

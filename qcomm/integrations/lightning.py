@@ -46,8 +46,8 @@ import torch
 from qcomm.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from qcomm.checkpoint.optimizer import STATE_KEY
 from qcomm.engine import CommOptions
-from qcomm.integrations.guard import OWNED_FLAG
 from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
+from qcomm.sgd.lightning_guard import OWNED_FLAG
 from qcomm.sgd.monitor import stats_scalars
 
 __all__ = ["QcommStrategy", "rank_state_dir"]

@@ -4,8 +4,8 @@ what they say to the store is encrypted (:class:`Gate`).
 torch's ``TCPStore`` admits whoever reaches its port and speaks in clear, and it has no hook to
 change that. So with a token the store listens on localhost only, and the public port is this
 front: each connection is admitted by the job token's challenge and response (the links' own,
-:mod:`qcomm.collectives.sockets.admission`, with the hello ``{"link": "rendezvous"}``), keyed
-by it (:mod:`qcomm.collectives.sockets.aead`), and relayed to the store (:mod:`.relay`). A node
+:mod:`qcomm.wire.admission`, with the hello ``{"link": "rendezvous"}``), keyed
+by it (:mod:`qcomm.wire.aead`), and relayed to the store (:mod:`.relay`). A node
 reaches it through its local forwarder (:mod:`.tunnel`). A refused connection never reaches the
 store: it takes no seat and reads no key. The first refusal from each address is logged, with
 why (never the token); later ones from it are only counted.
@@ -17,9 +17,9 @@ import socket
 import sys
 import threading
 
-from qcomm.collectives.sockets.admission import HANDSHAKE_TIMEOUT_S, AdmissionError, accept, cut
-from qcomm.collectives.sockets.aead import link_keys
-from qcomm.collectives.sockets.frames import FrameError
+from qcomm.wire.admission import HANDSHAKE_TIMEOUT_S, AdmissionError, accept, cut
+from qcomm.wire.aead import link_keys
+from qcomm.wire.frames import FrameError
 
 from .relay import relay
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
-from qcomm.collectives.sockets.token import job_token
 from qcomm.validation import check_int, env_int
+from qcomm.wire.token import job_token
 
 from .refusals import RefusedError, refusal_of_this_run
 from .seat import (

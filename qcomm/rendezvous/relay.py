@@ -3,8 +3,8 @@
 connection.
 
 The plain side is torch's ``TCPStore`` protocol on localhost, read in chunks as they come; the
-sealed side carries each chunk as one frame (:mod:`qcomm.collectives.sockets.frames`), encrypted
-and authenticated (:mod:`qcomm.collectives.sockets.aead`). A frame that fails its
+sealed side carries each chunk as one frame (:mod:`qcomm.wire.frames`), encrypted
+and authenticated (:mod:`qcomm.wire.aead`). A frame that fails its
 authentication ends the relay, both connections closed, and says so: a changed byte never
 reaches the store.
 """
@@ -16,7 +16,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from qcomm.collectives.sockets.frames import FrameError, Opener, Sealer, recv_frame, send_frame
+from qcomm.wire.frames import FrameError, Opener, Sealer, recv_frame, send_frame
 
 __all__ = ["CHUNK", "relay"]
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from qcomm.collectives.sockets.admission import HANDSHAKE_TIMEOUT_S, AdmissionError
-from qcomm.collectives.sockets.token import job_token
 from qcomm.validation import check_host_port, check_int, check_timeout, env_int
+from qcomm.wire.admission import HANDSHAKE_TIMEOUT_S, AdmissionError
+from qcomm.wire.token import job_token
 
 from .server import NODES_KEY
 from .threads import fit_threads, register_host

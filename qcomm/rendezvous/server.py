@@ -18,8 +18,8 @@ import threading
 
 import torch.distributed as dist
 
-from qcomm.collectives.sockets.token import job_token
 from qcomm.validation import check_int
+from qcomm.wire.token import job_token
 
 from .gate import Gate
 

@@ -17,15 +17,15 @@ import threading
 
 import torch.distributed as dist
 
-from qcomm.collectives.sockets.admission import (
+from qcomm.wire.admission import (
     HANDSHAKE_TIMEOUT_S,
     MAGIC,
     AdmissionError,
     cut,
     dial,
 )
-from qcomm.collectives.sockets.aead import AeadOpener, AeadSealer, link_keys
-from qcomm.collectives.sockets.frames import FrameError
+from qcomm.wire.aead import AeadOpener, AeadSealer, link_keys
+from qcomm.wire.frames import FrameError
 
 from .gate import HELLO
 from .relay import relay

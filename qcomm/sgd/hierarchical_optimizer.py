@@ -38,7 +38,7 @@ from qcomm.checkpoint.optimizer import STATE_KEY, CheckpointableOptimizer
 from qcomm.collectives.topology import Topology
 from qcomm.engine import AveragingEngine, CommOptions
 from qcomm.engine.options import user_stacklevel
-from qcomm.integrations.guard import check_lightning_strategy
+from qcomm.sgd.lightning_guard import check_lightning_strategy
 from qcomm.validation import check_instance
 
 __all__ = ["STATE_KEY", "HierarchicalOptimizer"]
@@ -202,7 +202,7 @@ class HierarchicalOptimizer(Optimizer, CheckpointableOptimizer):
             NonFiniteGradientError: a gradient holds NaN/Inf and ``on_nonfinite="raise"``;
                 nothing was changed.
             WrongStrategyError: with peers, Lightning steps it under a strategy other than
-                ``qcomm.integrations.lightning.QcommStrategy`` (:mod:`qcomm.integrations.guard`);
+                ``qcomm.integrations.lightning.QcommStrategy`` (:mod:`qcomm.sgd.lightning_guard`);
                 nothing was changed.
         """
         if closure is not None and self.engine.distributed:

@@ -18,9 +18,9 @@ import sys
 
 import torch.distributed as dist
 
-from qcomm.collectives.sockets.admission import AdmissionError, dial
-from qcomm.collectives.sockets.frames import FrameError
 from qcomm.collectives.sockets.listener import parse_listen
+from qcomm.wire.admission import AdmissionError, dial
+from qcomm.wire.frames import FrameError
 
 # The link between members 0 and 1 (first incarnations, first link) of the rail "rail0".
 LINK = "qcomm/link/rail0/0.1-1.1/1/"

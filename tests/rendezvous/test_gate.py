@@ -14,12 +14,12 @@ import sys
 
 import pytest
 
-from qcomm.collectives.sockets.admission import dial
-from qcomm.collectives.sockets.aead import link_keys
-from qcomm.collectives.sockets.frames import send_frame
 from qcomm.rendezvous.gate import HELLO
 from qcomm.rendezvous.tunnel import Tunnel
 from qcomm.testing.multiprocess import free_port
+from qcomm.wire.admission import dial
+from qcomm.wire.aead import link_keys
+from qcomm.wire.frames import send_frame
 from tests.rendezvous.test_launch import ENV
 
 TOKEN = "the-job-token-0123456789abcdef"

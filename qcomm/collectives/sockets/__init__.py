@@ -3,19 +3,20 @@ its sites let in one port per node and no more (Gloo's links need every port ope
 every pair of machines). The wait-free gossip's streams run on them as on Gloo's
 (:class:`~qcomm.collectives.gloo.streams.GlooStreams`, with a channel of this package).
 
-- :mod:`.frames`: length-prefixed frames on one connection.
-- :mod:`.admission`: a link's opening handshake, the job token's challenge and response.
+The frames, the token's admission and the encryption are :mod:`qcomm.wire`'s (the rendezvous's
+front uses them too).
+
 - :mod:`.listener`: the node's one port, routing each admitted connection to its link.
 - :mod:`.channel`: :class:`SocketChannel`, one link's tagged sends and receives.
-- :mod:`.token`: the job token, checked.
 - :mod:`.group`: :class:`SocketGroup`, the gossip group whose links these are.
 """
 
 from typing import Any
 
-from .admission import AdmissionError
+from qcomm.wire.admission import AdmissionError
+from qcomm.wire.token import job_token
+
 from .channel import SocketChannel
-from .token import job_token
 
 __all__ = ["AdmissionError", "SocketChannel", "SocketGroup", "job_token"]
 

@@ -21,7 +21,7 @@ from collections import deque
 
 import torch
 
-from .frames import FrameError, Opener, Sealer, recv_frame, send_frame
+from qcomm.wire.frames import FrameError, Opener, Sealer, recv_frame, send_frame
 
 __all__ = ["SocketChannel"]
 

@@ -21,13 +21,14 @@ import socket
 
 import torch.distributed as dist
 
+from qcomm.wire.admission import HANDSHAKE_TIMEOUT_S, AdmissionError, Admitted, dial
+from qcomm.wire.aead import link_keys
+from qcomm.wire.frames import Opener, Sealer
+from qcomm.wire.token import job_token
+
 from ..gloo.pair_group import PairGroup
-from .admission import HANDSHAKE_TIMEOUT_S, AdmissionError, Admitted, dial
-from .aead import link_keys
 from .channel import SocketChannel
-from .frames import Opener, Sealer
 from .listener import listener_at, parse_listen
-from .token import job_token
 
 __all__ = ["SocketGroup", "job_token"]
 

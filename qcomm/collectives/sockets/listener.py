@@ -19,9 +19,8 @@ import threading
 import time
 
 from qcomm.validation import check_host_port
-
-from .admission import HANDSHAKE_TIMEOUT_S, AdmissionError, Admitted, accept, cut
-from .frames import FrameError
+from qcomm.wire.admission import HANDSHAKE_TIMEOUT_S, AdmissionError, Admitted, accept, cut
+from qcomm.wire.frames import FrameError
 
 __all__ = ["Listener", "listener_at", "parse_listen"]
 

@@ -1,4 +1,4 @@
-"""A socket link's opening handshake (:mod:`qcomm.collectives.sockets.admission`) over a
+"""A socket link's opening handshake (:mod:`qcomm.wire.admission`) over a
 connected pair of sockets: the right token is admitted on both sides with the same nonces; a
 wrong or missing token is refused by the acceptor, saying why, and a node that cannot prove it
 holds the token is refused by the dialler; the token itself never crosses the wire."""
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from qcomm.collectives.sockets.admission import AdmissionError, accept, dial
+from qcomm.wire.admission import AdmissionError, accept, dial
 
 TOKEN = b"the-job-token-0123456789"
 HELLO = {"link": "qcomm/link/rail0/0.1-1.1/1/", "member": 1, "incarnation": 1}

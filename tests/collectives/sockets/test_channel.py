@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from qcomm.collectives.sockets import SocketChannel
-from qcomm.collectives.sockets.frames import MAX_FRAME, FrameError, Opener, recv_frame
-from qcomm.collectives.sockets.frames import Sealer as PlainSealer
+from qcomm.wire.frames import MAX_FRAME, FrameError, Opener, recv_frame
+from qcomm.wire.frames import Sealer as PlainSealer
 
 WAIT = datetime.timedelta(seconds=10)
 

@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from qcomm.collectives.gloo.streams import GlooStreams
 from qcomm.collectives.sockets import AdmissionError, SocketGroup, job_token
-from qcomm.collectives.sockets.admission import dial
 from qcomm.collectives.sockets.listener import listener_at
 from qcomm.rendezvous import serve
 from qcomm.rendezvous.seat import claim_incarnation
 from qcomm.testing.multiprocess import free_ports
+from qcomm.wire.admission import dial
 
 SECRET = "s3cret-job-token-0123"
 
