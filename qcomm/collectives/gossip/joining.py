@@ -20,6 +20,7 @@ import torch
 
 from . import one_peer_joins
 from .copies import link_rows
+from .join_checks import check_same_gossip
 
 if TYPE_CHECKING:
     from .wait_free import WaitFreeGossip
@@ -66,14 +67,7 @@ def start_joined(g: WaitFreeGossip, state: dict, device: torch.device | str = "c
         return
     if not isinstance(state, dict) or "config" not in state or "hat_own" not in state:
         raise ValueError("state must be a dict from WaitFreeGossip.join_state()")
-    mine, theirs = g._config(), dict(state["config"])
-    differ = {k: (theirs.get(k), v) for k, v in mine.items()
-              if k != "member" and theirs.get(k) != v}
-    if float(state["gamma"]) != g.gamma:
-        differ["gamma"] = (float(state["gamma"]), g.gamma)
-    if differ:
-        raise ValueError("the running members' gossip differs from this one's (theirs, "
-                         f"this one's): {differ}")
+    check_same_gossip(g, state)
     if g._streams is not None or g.rounds_started or g._hat_own is not None:
         raise RuntimeError("start_joined() must come before this member's first round")
     on = lambda t: None if t is None else t.to(device, dtype=torch.float32, copy=True)

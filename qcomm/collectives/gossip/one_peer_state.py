@@ -10,6 +10,7 @@ from qcomm.compress import WIRE_FORMAT_VERSION
 from qcomm.validation import check_seed
 
 from .codec import check_state_buffer
+from .join_checks import check_same_gossip
 
 if TYPE_CHECKING:
     from .one_peer_wait_free import OnePeerWaitFree
@@ -79,13 +80,6 @@ def check_join_state(g: OnePeerWaitFree, state: object) -> None:
     but the member, the same gamma), RuntimeError when ``g`` has gossiped already."""
     if not isinstance(state, dict) or "config" not in state or "lost" not in state:
         raise ValueError("state must be a dict from OnePeerWaitFree.join_state()")
-    mine, theirs = g._config(), dict(state["config"])
-    differ = {k: (theirs.get(k), v) for k, v in mine.items()
-              if k != "member" and theirs.get(k) != v}
-    if float(state["gamma"]) != g.gamma:
-        differ["gamma"] = (float(state["gamma"]), g.gamma)
-    if differ:
-        raise ValueError("the running members' gossip differs from this one's (theirs, "
-                         f"this one's): {differ}")
+    check_same_gossip(g, state)
     if g._streams is not None or g.rounds_started or g._owed is not None:
         raise RuntimeError("start_joined() must come before this member's first round")
