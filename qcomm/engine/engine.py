@@ -29,7 +29,7 @@ from qcomm.engine.placement import Placement
 from qcomm.engine.report import engine_stats, log_topology
 from qcomm.engine.runtime import Runtime, build_runtime
 from qcomm.engine.state import EngineState
-from qcomm.engine.step import StepCycle, node_any, node_max
+from qcomm.engine.step import StepCycle, job_progress, node_any
 from qcomm.validation import check_instance
 
 __all__ = ["AveragingEngine"]
@@ -199,27 +199,19 @@ class AveragingEngine:
         self._step.synced = False
 
     def node_any(self, flag: bool) -> bool:
-        """True when ``flag`` is True on any rank of this node (collective over the node's
-        ranks). With ``wait_free`` nodes may run different numbers of steps, but a node's
-        ranks must take the same ones: end a per-node time budget with
-        ``if opt.node_any(time.monotonic() > deadline): break``."""
+        """True when ``flag`` is True on any rank of this node (collective over its ranks).
+        Wait-free nodes may run different numbers of steps, but a node's ranks take the same
+        ones: end a per-node budget with ``if opt.node_any(time.monotonic() > t): break``."""
         flag = bool(flag)
         if not self.distributed:
             return flag
         return node_any(flag, self._live().topology, self.options.timeout_s)
 
     def job_progress(self) -> int:
-        """The job's progress in local steps, as this node knows it (collective over the node's
-        ranks, like :meth:`node_any`): its own steps in lockstep or alone; with ``wait_free``
-        the most of its own steps and what its neighbours' rounds show (the count the outer
-        step anneals by), so a node slower than the others can drive its learning-rate
-        schedule by the job rather than by its own steps, and decay with the others. Every rank
-        of the node gets the same count."""
-        if not self.distributed:
-            return self.steps
-        rt = self._live()
-        own = rt.gossip.progress() if rt.gossip is not None else self.steps
-        return node_max(max(own, self.steps), rt.topology, self.options.timeout_s)
+        """The job's progress in steps as this node knows it (:func:`.step.job_progress`)."""
+        rt = self._live() if self.distributed else None
+        return self.steps if rt is None else job_progress(
+            self.steps, rt.gossip, rt.topology, self.options.timeout_s)
 
     # -----------------------------------------------------------------------------------------
     # evaluation, statistics, shutdown

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from qcomm.collectives.gossip.clock import StepClock
+from qcomm.collectives.gossip.member import GossipMember
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.topology import Topology
 from qcomm.engine.attachment import Attachment
@@ -187,6 +188,18 @@ def node_max(value: int, topology: Topology, timeout_s: float) -> int:
     all_reduce(t, topology.intra, "max", timeout_s=timeout_s, link="intra",
                operation="node_max")
     return int(t.item())
+
+
+def job_progress(steps: int, gossip: GossipMember | None, topology: Topology,
+                 timeout_s: float) -> int:
+    """The job's progress in local steps as this node knows it, the same on every rank of the
+    node (collective over the node's ranks, like :func:`node_any`): its own ``steps`` in
+    lockstep; with ``wait_free`` the most of its own steps and what its neighbours' rounds
+    show (the count the outer step anneals by, :meth:`GossipMember.progress`), so a node slower
+    than the others can drive its learning-rate schedule by the job rather than by its own
+    steps, and decay with the others."""
+    own = gossip.progress() if gossip is not None else steps
+    return node_max(max(own, steps), topology, timeout_s)
 
 
 def node_any(flag: bool, topology: Topology, timeout_s: float) -> bool:
