@@ -39,15 +39,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from qcomm.rendezvous import serve  # noqa: E402
-from qcomm.testing.join_world import wait_progress  # noqa: E402
+from qcomm.testing.join_world import member_command, wait_progress  # noqa: E402
 from qcomm.testing.multiprocess import free_port  # noqa: E402
 
 
 def _member(i: int, port: int, args: argparse.Namespace, out: Path, *extra: str
             ) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "qcomm.testing.join_world", "--member", str(i), "--size",
-           str(args.members), "--port", str(port), "--steps", str(args.steps), "--out",
-           str(out), "--step-s", str(args.step_s), "--numel", str(args.numel), *extra]
+    cmd = member_command(i, args.members, port, args.steps, out, "--step-s", str(args.step_s),
+                         "--numel", str(args.numel), *extra)
     return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

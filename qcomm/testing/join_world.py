@@ -23,7 +23,9 @@ import datetime
 import io
 import logging
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -120,6 +122,16 @@ def _step(g: WaitFreeGossip, x: torch.Tensor, watcher: JoinWatcher, store: dist.
     g.prepare()
     g.end_step(x)
     time.sleep(step_s)
+
+
+def member_command(member: int, size: int, port: int, steps: int, out: Path | str,
+                   *extra: str) -> list[str]:
+    """The command line that runs member ``member`` of a join world of ``size`` members as its
+    own process (this module as a script), its final tensor written to ``out``; ``extra``: more
+    of :func:`main`'s options (``--graph``, ``--transport``, ``--step-s``, ...)."""
+    return [sys.executable, "-m", "qcomm.testing.join_world", "--member", str(member),
+            "--size", str(size), "--port", str(port), "--steps", str(steps), "--out", str(out),
+            *extra]
 
 
 def wait_progress(store: dist.Store, key: str, at_least: int, timeout_s: float = 120.0

@@ -8,7 +8,6 @@ import datetime
 import os
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from qcomm.rendezvous import serve
-from qcomm.testing.join_world import wait_progress
+from qcomm.testing.join_world import member_command, wait_progress
 from qcomm.testing.multiprocess import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,9 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 def _worker(member: int, port: int, steps: int, out: Path, *extra: str, size: int = 3,
             transport: str = "pairs", env: dict[str, str] | None = None,
             graph: str = "ring") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "qcomm.testing.join_world", "--member", str(member),
-           "--size", str(size), "--port", str(port), "--steps", str(steps), "--out", str(out),
-           "--transport", transport, "--graph", graph]
+    cmd = member_command(member, size, port, steps, out, "--transport", transport,
+                         "--graph", graph)
     return subprocess.Popen([*cmd, *extra], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
