@@ -119,6 +119,10 @@ def main() -> int:
                     help="a member's silence bound (timeout_s; loaded cores stall processes)")
     ap.add_argument("--json", default="", help="also write the outcome to this JSON file.")
     args = ap.parse_args()
+    if args.members < 2:
+        ap.error(f"--members must be >= 2, got {args.members}")
+    if not 0 <= args.kill < args.members:
+        ap.error(f"--kill must be a member, 0 to {args.members - 1}, got {args.kill}")
     with tempfile.TemporaryDirectory() as tmp:
         out = run(args, Path(tmp))
     rows = out["per_member"]
