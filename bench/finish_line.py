@@ -315,7 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2400, help="steps per member (default 2400).")
     ap.add_argument("--marks", default=None,
                     help="steps at which the average is evaluated (default every tenth).")
-    ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3).")
+    ap.add_argument("--seeds", type=int, default=3,
+                    help="seeds K..K+N-1, K from --first-seed (default 3).")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="the first seed (default 0): more seeds of a cell run before.")
+    ap.add_argument("--summarize", default=None,
+                    help="comma list of --json files of earlier runs (of one --nodes and "
+                         "--marks): print their table, merged, and run nothing.")
     ap.add_argument("--lr", type=float, default=0.05, help="inner learning rate (0.05).")
     ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
                     help="the learning rate: constant, or 5%% warm-up then cosine to 0 (the "
@@ -345,12 +351,15 @@ def main(argv: list[str] | None = None) -> int:
                  f"variants (got {args.slow_member} with {', '.join(lockstep) or 'none'})")
     if not 0 < args.target <= 1:
         ap.error(f"--target must be an accuracy in (0, 1], got {args.target}")
-    if args.nodes < 2 or args.steps < 10 or args.seeds < 1:
-        ap.error("--nodes must be >= 2, --steps >= 10, --seeds >= 1")
+    if args.nodes < 2 or args.steps < 10 or args.seeds < 1 or args.first_seed < 0:
+        ap.error("--nodes must be >= 2, --steps >= 10, --seeds >= 1, --first-seed >= 0")
     args.marks = ([int(m) for m in args.marks.split(",") if m] if args.marks
                   else [args.steps * k // 10 for k in range(1, 11)])
     if not args.marks or max(args.marks) != args.steps or min(args.marks) < 1:
         ap.error("--marks must be steps in [1, --steps] ending at --steps")
+    if args.summarize:
+        return summarize_files(args.summarize.split(","), variants, sorted(args.marks),
+                               args.target)
     from bench.cluster import workloads as W
     from bench.common import cpu_model, load_average
 
@@ -363,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         data = Path(tmp) / "mnist1d.npz"
         W.make_data("mnist1d", data, seed=0, num_samples=args.num_samples)
         for name in variants:
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 r = run(name, seed, args, data)
                 results.append(r)
                 print(f"  {name} seed {seed}: final {100 * r['final']:.1f}%, best "
@@ -374,6 +383,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\naccuracy of the members' average (median of {args.seeds} seeds; final's "
           "[min-max]); drop: best - final in points")
     print(summarize(results, variants, sorted(args.marks), args.target))
+    return 0
+
+
+def summarize_files(paths: list[str], variants: list[str], marks: list[int],
+                    target: float) -> int:
+    """Print the table of the runs kept in ``paths`` (``--json`` files), one seed of a
+    variant once; runs of variants not in ``variants`` are left out."""
+    results, seen = [], set()
+    for path in paths:
+        for r in json.loads(Path(path).read_text()):
+            key = (r["variant"], r["seed"])
+            if r["variant"] in variants and key not in seen:
+                seen.add(key)
+                r["curve"] = {int(m): v for m, v in r["curve"].items()}   # JSON keys: str
+                results.append(r)
+    if not results:
+        print(f"no runs of {', '.join(variants)} in {', '.join(paths)}", file=sys.stderr)
+        return 2
+    seeds = sorted({r["seed"] for r in results})
+    print(f"accuracy of the members' average (median of seeds {seeds}; final's [min-max]); "
+          "drop: best - final in points")
+    print(summarize(results, variants, marks, target))
     return 0
 
 

@@ -58,10 +58,12 @@ class LinkedWorld(TorchWorld):
                 # TCP links on the node's one port (and the job token, when set)
                 out.append(SocketGroup(seat.rendezvous, seat.node, seat.nodes, ranks=ranks,
                                        name=f"rail{seat.local_rank}", timeout_s=seat.timeout_s,
+                                       join_timeout_s=seat.join_timeout_s,
                                        listen=seat.listen or "", token=seat.token))
             else:
                 out.append(PairGroup(seat.rendezvous, seat.node, seat.nodes, ranks=ranks,
-                                     name=f"rail{seat.local_rank}", timeout_s=seat.timeout_s))
+                                     name=f"rail{seat.local_rank}", timeout_s=seat.timeout_s,
+                                     join_timeout_s=seat.join_timeout_s))
         return out
 
     def links(self) -> str:

@@ -48,6 +48,7 @@ from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_sta
 from qcomm.rendezvous.node import LinkedSeat
 from qcomm.rendezvous.refusals import RefusedError, record_refusal
 from qcomm.rendezvous.seat import parse_address
+from qcomm.rendezvous.start import start_together
 from qcomm.rendezvous.threads import fit_threads
 
 __all__ = ["NodeJoins", "agree_and_join", "check_linked_options"]
@@ -254,9 +255,15 @@ class NodeJoins:
     # the running nodes
 
     def start_without_absent(self) -> None:
-        """A node of the job's start: link past the seats not taken yet (before its first
-        round)."""
+        """A node of the job's start: wait for the other starting nodes to set up
+        (:func:`~qcomm.rendezvous.start.start_together`), link past the seats not taken yet
+        (before its first round)."""
         seat = self.seat
+        ppn = seat.procs_per_node
+        start_together(self._client, seat.node, seat.starting, rail=f"rail{seat.local_rank}",
+                       ranks=[m * ppn + seat.local_rank for m in range(seat.nodes)],
+                       join_timeout_s=seat.join_timeout_s, silence_s=seat.timeout_s,
+                       where=seat.rendezvous, who=f"rank {seat.rank} (rail{seat.local_rank})")
         if seat.starting < seat.nodes:
             start_without(self.node.gossip, set(range(seat.starting, seat.nodes)))
 

@@ -6,7 +6,9 @@ a node through it.
 
 and in ``train.py``, ``qcomm.rendezvous.init_process_group()`` where
 ``torch.distributed.init_process_group()`` was. :mod:`.server` serves it, :mod:`.seat` seats a
-node. docs/guide.md, "One torchrun per node", has the launch in full.
+node, :mod:`.node` seats a linked node (one that may leave and come back), :mod:`.heartbeat`
+tells a peer slow to start from one that died, :mod:`.start` begins the starting nodes'
+gossip together. docs/guide.md, "One torchrun per node", has the launch in full.
 """
 
 from .node import LinkedSeat, init_node, linked_seat

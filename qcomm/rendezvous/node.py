@@ -30,9 +30,10 @@ from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
-from qcomm.validation import check_int, env_int
+from qcomm.validation import check_int, check_timeout, env_int
 from qcomm.wire.token import job_token
 
+from .heartbeat import start_heartbeat
 from .refusals import RefusedError, refusal_of_this_run
 from .seat import (
     _node_token,
@@ -60,7 +61,8 @@ class LinkedSeat:
     (the job starts with the first ``starting``, the others are taken by nodes that start
     later), that node's ``incarnation`` (1 at its first start, more when it came back), its
     rank among ``world_size`` (node-major), its node's ``procs_per_node``, the rendezvous
-    (``"HOST:PORT"``) and the longest wait ``timeout_s``; ``listen``, the ``"HOST:PORT"``
+    (``"HOST:PORT"``), the longest wait ``timeout_s`` and the start bound ``join_timeout_s``
+    (how long a link waits for a peer that starts and beats); ``listen``, the ``"HOST:PORT"``
     this process accepts its links to other nodes on (None: the links are Gloo's, unless a
     ``token`` is set: then they dial out), and the job ``token`` (None: none; never shown in
     the seat's repr)."""
@@ -76,6 +78,7 @@ class LinkedSeat:
     starting: int
     listen: str | None = None
     token: str | None = field(default=None, repr=False)
+    join_timeout_s: float = 600.0
 
     @property
     def local_rank(self) -> int:
@@ -165,7 +168,8 @@ def with_options(seat: LinkedSeat, listen: str | None, token: str | None) -> Lin
 
 def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
               node_id: int | None = None, timeout_s: float = 300.0,
-              listen: str | None = None, token: str | None = None) -> LinkedSeat:
+              join_timeout_s: float = 600.0, listen: str | None = None,
+              token: str | None = None) -> LinkedSeat:
     """Initialize torch.distributed over this node's ranks (its torchrun's world), take the
     node's seat through the rendezvous, and make the optimizers link to the other nodes
     through it (module docstring). Call it on every rank of every node instead of
@@ -179,8 +183,15 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
             ``"cpu:gloo,cuda:nccl"``, ...); the links between nodes are Gloo.
         node_id: the seat, 0 <= node_id < nodes; None: the one this torchrun run held, else
             the lowest never taken. Every rank of a node passes the same.
-        timeout_s: the longest wait (for the rendezvous, for a link's other end, for a
-            joiner's state); also the node group's timeout.
+        timeout_s: the longest silence: of the rendezvous, of this node's first rank, of a
+            joiner's state, of a link's other end once it started (its beat at the
+            rendezvous, :mod:`.heartbeat`); also the node group's timeout.
+        join_timeout_s: the start bound (torchrun's ``join_timeout`` has the same 600 s): how
+            long a link waits for the other node's first start and, while that node beats,
+            for it to open the link. A node slow to start (torch's import on a loaded
+            machine) is waited for, saying so every few seconds, however short
+            ``timeout_s`` is; one that died before it opened the link is given up after
+            ``timeout_s``.
         listen: ``"HOST:PORT"`` this node accepts its links to the other nodes on, one TCP
             connection per link (:mod:`qcomm.collectives.sockets`; local rank r takes PORT +
             r); None reads ``QCOMM_LISTEN``. Without it (and without a token) the links are
@@ -202,6 +213,7 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
         ``timeout_s``; RuntimeError: torch.distributed initialized already.
     """
     global _seat, _seat_group
+    join_timeout_s = check_timeout(join_timeout_s, "join_timeout_s")
     secret = job_token(token)   # named error for a short one, before any connection
     token = None if secret is None else secret.decode()
     listen = listen_of(listen, env_int("LOCAL_RANK", 0) or 0)
@@ -235,7 +247,10 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
     else:
         init_torchrun_group(backend, timeout)
     _seat_group = dist.group.WORLD
-    _seat = LinkedSeat(node, nodes, node * ppn + local_rank, nodes * ppn, ppn, incarnation,
-                       address, timeout_s, starting, listen, token)
+    seat = LinkedSeat(node, nodes, node * ppn + local_rank, nodes * ppn, ppn, incarnation,
+                      address, timeout_s, starting, listen, token, join_timeout_s)
+    host, port = parse_address(address)
+    start_heartbeat(host, port, seat.rank, incarnation, timeout_s)
+    _seat = seat
     return _seat
 

@@ -48,9 +48,10 @@ def relay(plain: socket.socket, sealed: socket.socket, sealer: Sealer, opener: O
             if ended[0]:
                 return
             ended[0] = True
-        _close(plain, sealed)
+        # said before the sockets close: whoever sees the connection end can read why
         if on_end is not None:
             on_end(why)
+        _close(plain, sealed)
 
     def outward() -> None:
         try:

@@ -290,3 +290,31 @@ def test_other_graphs_stay_connected_and_keep_the_survivors_mean(graph: str, n: 
 def test_a_bad_on_peer_loss_names_itself() -> None:
     with pytest.raises(ValueError, match="on_peer_loss"):
         _sim(2, on_peer_loss="retry")
+
+
+def test_the_sum_tells_every_member_who_took_part() -> None:
+    """A member that believes another lost (a joiner next to others, whose join it has not
+    seen yet) learns from the sum over the live ones that it took part, and tells nobody it
+    is lost: every member reports the same live members at the end."""
+    n = 5
+    world = MemoryWorld(n, timeout_s=60)
+
+    def body(rank: int) -> dict:
+        g = WaitFreeGossip(list(range(n)), world.group(list(range(n)), rank), NUMEL, spec=SPEC,
+                           gamma=0.3, timeout_s=20, on_peer_loss="continue")
+        x = torch.full((NUMEL,), float(rank + 1))
+        for _ in range(6):
+            g.prepare()
+            g.end_step(x)
+        g.drain()
+        if rank == 1:
+            g.membership.lost = {3}   # not its neighbour: its links stay 0 and 2
+        total, count = g.survivors_sum(x)
+        out = {"count": count, "lost": set(g.lost), "live": g.live_members(), "total": total}
+        g.close()
+        return out
+
+    res = world.run(body, timeout_s=60)
+    assert all(r["count"] == n and r["live"] == n and r["lost"] == set() for r in res), \
+        [(r["count"], r["live"], r["lost"]) for r in res]
+    assert all(torch.equal(r["total"], res[0]["total"]) for r in res)

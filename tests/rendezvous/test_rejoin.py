@@ -142,14 +142,14 @@ def test_nodes_of_two_ranks_linked_end_in_one_model(tmp_path: Path) -> None:
 
 def test_a_fourth_node_started_later_joins_a_job_of_three(tmp_path: Path) -> None:
     """The rendezvous with --nodes 3 --max-nodes 4: three nodes start linked past seat 3; a
-    fourth started at step 500 takes it, joins from node 2's state, and the four end with one
-    model."""
+    fourth, started once they are seated, takes it, joins from node 2's state at the step the
+    job is at, and the four end with one model. (Started at a fixed step of the others, its
+    own start, tens of seconds on a loaded machine, could outlast their run.)"""
     job = Job(tmp_path, 3, max_nodes=4)
     try:
         for node in range(3):
             job.start(node, LINKED, node_id=False)
             job.wait_for(node, r"parameters; 4 processes")   # seated: the next arrives after
-        job.wait_for(2, r"^step 500/6000")
         job.start(3, LINKED, node_id=False)
         codes = job.exit_codes([0, 1, 2, 3])
     finally:
@@ -160,7 +160,7 @@ def test_a_fourth_node_started_later_joins_a_job_of_three(tmp_path: Path) -> Non
     assert len({d for _, d in digests}) == 1, digests
     late = job.output(3)
     at = re.search(r"node 3 joined at step (\d+) from a running neighbour's state", late)
-    assert at is not None and int(at.group(1)) > 500, late[-3000:]
+    assert at is not None and int(at.group(1)) > 0, late[-3000:]   # the job's, not its own 0
     assert "offered its state to node 3" in job.output(2), job.output(2)[-3000:]
     for n in range(4):
         out = job.output(n)

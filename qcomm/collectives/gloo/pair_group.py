@@ -25,6 +25,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from qcomm.rendezvous.heartbeat import PulseWatch
 from qcomm.rendezvous.refusals import refusal_of_member
 from qcomm.rendezvous.seat import INCARNATION_KEY, claim_incarnation
 from qcomm.rendezvous.waiting import wait_keys
@@ -95,14 +96,20 @@ class PairGroup(CommGroup):
             (:func:`claim_incarnation`).
         size: members (the job's nodes).
         name: what tells this gossip's links from others' in the store (a rail: ``"rail0"``).
-        timeout_s: how long a link waits for its other end to open it, and the link groups'
-            timeout.
+        timeout_s: the link groups' timeout, and how long a link waits for its other end to
+            open it (with ``join_timeout_s``: how long that end's beat may stand still).
+        join_timeout_s: how long a link waits for its other end's first start and then for
+            it to open the link while it beats at the rendezvous
+            (:mod:`qcomm.rendezvous.heartbeat`): a peer slow to start is waited for, one that
+            died is given up after ``timeout_s``. None: ``timeout_s`` bounds the whole wait
+            (members that do not beat).
         ranks: the members' global ranks in the job, by member (default: the member
             numbers; a rail of nodes of several ranks: ``node * procs_per_node + local_rank``).
     """
 
     def __init__(self, rendezvous: str, member: int, size: int, *, name: str = "rail0",
-                 timeout_s: float = 300.0, ranks: list[int] | None = None) -> None:
+                 timeout_s: float = 300.0, ranks: list[int] | None = None,
+                 join_timeout_s: float | None = None) -> None:
         from qcomm.rendezvous.seat import parse_address
 
         self.host, self.port = parse_address(rendezvous)
@@ -114,16 +121,25 @@ class PairGroup(CommGroup):
                              f"{self.ranks}")
         self.name = name
         self.timeout = datetime.timedelta(seconds=check_timeout(timeout_s))
+        self.join_timeout_s = (None if join_timeout_s is None
+                               else check_timeout(join_timeout_s, "join_timeout_s"))
         self._opened: dict[tuple[int, int], int] = {}   # (peer, its incarnation): links opened
         self._lock = threading.Lock()
 
     def _incarnation(self, store: dist.Store, member: int) -> int:
-        """``member``'s current incarnation (waits for its first start, up to the timeout,
-        saying so every few seconds)."""
+        """``member``'s current incarnation (waits for its first start, up to the start
+        bound, saying so every few seconds)."""
         key = INCARNATION_KEY.format(member=member)
         wait_keys(store, {key: f"member {member} (rank {self.ranks[member]}) to start"},
-                  self.timeout.total_seconds(), f"{self.host}:{self.port}", who=self._who())
+                  self._open_wait_s(), f"{self.host}:{self.port}", who=self._who())
         return int(store.add(key, 0))
+
+    def _open_wait_s(self) -> float:
+        """The longest wait for a link's other end (module docstring of
+        :mod:`qcomm.rendezvous.heartbeat`)."""
+        timeout_s = self.timeout.total_seconds()
+        return timeout_s if self.join_timeout_s is None else max(timeout_s,
+                                                                 self.join_timeout_s)
 
     def _who(self) -> str:
         return f"rank {self.ranks[self.rank]} ({self.name})"
@@ -153,16 +169,22 @@ class PairGroup(CommGroup):
         # that the other end will never come: the job refused it (its options differ).
         store.set(f"{prefix}here/{self.rank}", "1")
 
-        def refused() -> None:
+        # a peer slow to start is waited for while it beats; one that died is given up
+        pulse = (None if self.join_timeout_s is None else
+                 PulseWatch(store, self.ranks[peer], other[1], self.timeout.total_seconds()))
+
+        def refused_or_gone() -> None:
             why = refusal_of_member(store, *other)
             if why is not None:
                 raise RuntimeError(f"member {peer} (rank {self.ranks[peer]}, incarnation "
                                    f"{other[1]}) was refused by the job: {why}")
+            if pulse is not None:
+                pulse.check()
 
         wait_keys(store, {f"{prefix}here/{peer}": f"member {peer} (rank {self.ranks[peer]}, "
                                                   f"incarnation {other[1]}) to open its link"},
-                  self.timeout.total_seconds(), f"{self.host}:{self.port}", who=self._who(),
-                  check=refused)
+                  self._open_wait_s(), f"{self.host}:{self.port}", who=self._who(),
+                  check=refused_or_gone)
         return self._channel(store, prefix, me, other)
 
     def _announce(self, store: dist.Store, prefix: str) -> None:

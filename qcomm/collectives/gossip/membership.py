@@ -215,6 +215,12 @@ class Membership:
         neighbours (a broken link between two others is theirs)."""
         self.lost |= told - set(self.live_peers()) - {self.member}
 
+    def seen_live(self, members: set[int]) -> None:
+        """Members that took part in a sum over the live ones (:mod:`.survivors`): live,
+        whatever this member believed (a joiner it has not linked to yet). Its links do not
+        change: a joiner next to it is linked when its join is seen."""
+        self.lost -= members
+
     # -----------------------------------------------------------------------------------------
     # the protocol
 

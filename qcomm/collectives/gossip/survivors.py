@@ -1,8 +1,10 @@
 """The exact sum over the live members of a wait-free gossip, along its closed ring.
 
 The sum runs from the lowest live member along the ring that the losses closed, the total is
-passed around, and beside it go the count and the members someone knows to be lost, so that
-every live member gets the same bits and learns the union of the losses.
+passed around, and beside it go the count, the members someone knows to be lost and the members
+that took part, so that every live member gets the same bits, learns the union of the losses
+and knows every member that took part as live (a member that joined next to others is live to
+the ones it never linked to as well: all of them report the same live nodes at the end).
 """
 
 from __future__ import annotations
@@ -43,10 +45,12 @@ def survivors_sum(members: Membership, streams: MessageStreams, t: torch.Tensor,
     me = members.member
     leader = left > me  # the lowest live member: its left wraps around
     last = right < me   # its right is the lowest
-    # Beside the sum goes int64 [1 + size]: the count, and a 1 for every member someone
-    # knows to be lost.
-    lost = torch.zeros(1 + members.size, dtype=torch.int64)
+    # Beside the sum goes int64 [1 + 2 size]: the count, a 1 for every member someone knows
+    # to be lost, and a 1 for every member that took part.
+    n = members.size
+    lost = torch.zeros(1 + 2 * n, dtype=torch.int64)
     lost[1 + torch.tensor(sorted(members.lost), dtype=torch.int64)] = 1
+    lost[1 + n + me] = 1
 
     def recv(k: int) -> tuple[torch.Tensor, torch.Tensor]:
         out, info = torch.empty_like(cpu), torch.empty_like(lost)
@@ -80,6 +84,8 @@ def survivors_sum(members: Membership, streams: MessageStreams, t: torch.Tensor,
         else:
             total, info = recv(kl)
             send(kr, total, info)
-    members.learn({m for m in range(members.size) if info[1 + m]})
+    took_part = {m for m in range(n) if info[1 + n + m]}
+    members.learn({m for m in range(n) if info[1 + m]} - took_part)
+    members.seen_live(took_part)
     # a copy: the tensor sent is the streams' until it has left
     return total.to(t.device, copy=True), int(info[0])

@@ -1,0 +1,88 @@
+"""A node's pulse at the rendezvous: what tells a peer that is still starting from one that died.
+
+A link's other end may take long to open it: its process imports torch, builds its model and
+loads its data first, which on a loaded machine takes tens of seconds. Bounding that wait by
+the link's silence bound (``timeout_s``, seconds to tens of seconds for a job that must notice a
+lost node quickly) dropped peers that were only slow to start, and the job split. Bounding it by
+a long start bound alone would keep the others waiting for a peer that died before it opened its
+link (a joiner killed during its join).
+
+So every process of a linked node beats: a thread adds 1 to its key at the rendezvous every
+:data:`BEAT_EVERY_S` seconds, from the moment it holds its seat. A peer waiting for it to open a
+link waits up to the start bound (``join_timeout_s``) as long as the count moves, and gives up
+once it stood still for the silence bound (:class:`PulseWatch`). The count is per process and
+incarnation, so a restarted node's beat does not vouch for the process it replaced.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+
+import torch.distributed as dist
+
+__all__ = ["BEAT_EVERY_S", "PULSE_KEY", "PulseWatch", "start_heartbeat"]
+
+log = logging.getLogger(__name__)
+
+BEAT_EVERY_S = 1.0
+PULSE_KEY = "qcomm/pulse/{rank}/{incarnation}"
+
+
+def start_heartbeat(host: str, port: int, rank: int, incarnation: int,
+                    timeout_s: float) -> threading.Thread:
+    """Start this process's beat at the rendezvous ``host:port``: a daemon thread that adds 1
+    to ``PULSE_KEY`` (global ``rank``, the node's ``incarnation``) every :data:`BEAT_EVERY_S`
+    seconds over a connection of its own, until the process ends or the rendezvous stops
+    answering (it may end once the job runs: nothing else needs it then). Returns the thread.
+    """
+    from .tunnel import store_client
+
+    key = PULSE_KEY.format(rank=rank, incarnation=incarnation)
+    store = store_client(host, port, datetime.timedelta(seconds=timeout_s))
+    store.add(key, 1)   # the first beat before the call returns: a peer sees it at once
+
+    def beat() -> None:
+        while True:
+            time.sleep(BEAT_EVERY_S)
+            try:
+                store.add(key, 1)
+            except Exception as e:   # the rendezvous ended (or its connection): so does the beat
+                log.info("qcomm: rank %d stops beating at the rendezvous %s:%d (%s)", rank,
+                         host, port, e)
+                return
+
+    thread = threading.Thread(target=beat, daemon=True, name=f"qcomm-pulse-{rank}")
+    thread.start()
+    return thread
+
+
+class PulseWatch:
+    """Whether a peer (global ``rank``, ``incarnation``) still beats, as seen from a wait for
+    it: :meth:`check` raises once its count stood still for ``silence_s`` seconds (a peer
+    that never beat counts from the watch's making)."""
+
+    def __init__(self, store: dist.Store, rank: int, incarnation: int,
+                 silence_s: float) -> None:
+        self.store = store
+        self.key = PULSE_KEY.format(rank=rank, incarnation=incarnation)
+        self.rank, self.incarnation = rank, incarnation
+        self.silence_s = silence_s
+        self.count = self._read()
+        self.moved = time.monotonic()
+
+    def _read(self) -> int:
+        return int(self.store.add(self.key, 0))
+
+    def check(self) -> None:
+        """Raises RuntimeError when the peer's beat stood still for ``silence_s``."""
+        count, now = self._read(), time.monotonic()
+        if count != self.count:
+            self.count, self.moved = count, now
+        elif now - self.moved >= self.silence_s:
+            state = "never beat" if count == 0 else f"stopped beating {now - self.moved:.0f} s ago"
+            raise RuntimeError(
+                f"rank {self.rank} (incarnation {self.incarnation}) {state} at the rendezvous "
+                f"(no sign of life within {self.silence_s:g} s): lost before it opened its link")
