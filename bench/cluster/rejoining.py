@@ -73,8 +73,8 @@ def init_linked(timeout_s: float) -> tuple[Any, int]:
 
     missing = [v for v in ("QCB_NODE", "QCB_NODES", rendezvous.ENV_VAR) if v not in os.environ]
     if missing:
-        raise ValueError(f"--join-at needs the linked launch (netns.sh launch --linked), which "
-                         f"sets {', '.join(missing)}; they are not set")
+        raise ValueError(f"--join-at and --links need the linked launch (netns.sh launch "
+                         f"--linked), which sets {', '.join(missing)}; they are not set")
     seat = rendezvous.init_node(node_id=int(os.environ["QCB_NODE"]), timeout_s=timeout_s)
     return seat, int(os.environ["QCB_NODES"])
 
