@@ -30,8 +30,8 @@
 # with tc alone (an ingress qdisc, u32 filters: a SYN to an open port passes, any other SYN is
 # redirected by act_mirred to a veth qcfwsink whose peer is down, which drops it), so nothing
 # needs installing: kernels without act_gact (tc's "action drop") have mirred. The firewall
-# filters TCP only (every link here is TCP). bench/cluster/firewall_check.py shows the rules
-# bite.
+# filters TCP only (every link here is TCP). tests/bench/test_cluster_sites.py shows the rules
+# bite (and runs the guide's two-site recipe behind them).
 #
 # Usage (root only):
 #   netns.sh up     --id ID --nodes N --rate RATE [--burst 256kb] [--delay-ms D] [--owner PID] \
