@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
     built = M.build(args.method, module, cfg)
     train_step = step_function(work, built, args, cfg)
     warm_up(built, train_step, 0 if came_back else args.warmup)  # 2.
+    if args.links != "world" and args.join_at is None:
+        J.open_window_together(args.pg_timeout)   # the world's barrier, across linked nodes
     start = read_counters(here, built, here.local_rank == 0 and here.layout.nodes > 1)  # 3.
     budget = args.time_budget if per_node else None
     kill = kill_plan(args, here.layout, budget)
