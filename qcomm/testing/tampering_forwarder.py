@@ -2,10 +2,10 @@
 guide's two-site recipe (``tests/bench/test_cluster_sites.py``): it accepts connections on
 ``--listen`` and forwards each to ``--to``, both ways, byte for byte, as a site's port forward
 would (the node behind it advertises the forward's address with ``QCOMM_ADVERTISE``). Once the
-file ``--flip-file`` exists, it flips one bit of the next bytes it forwards toward ``--to`` on a
-connection that has carried more than ``--past`` bytes that way (past the link's handshake,
-inside an encrypted frame), once, and says so on stdout; it forwards everything else as it
-came.
+file ``--flip-file`` exists, it flips one bit of the last byte of the next chunk it forwards
+toward ``--to`` on a connection that has carried more than ``--past`` bytes that way (past the
+link's handshake, inside an encrypted frame), once, and says so on stdout; it forwards
+everything else as it came.
 
     python -m qcomm.testing.tampering_forwarder --listen 10.77.0.2:29500 \\
         --to 127.0.0.1:29501 --flip-file /tmp/flip
@@ -55,7 +55,10 @@ def _pump(src: socket.socket, dst: socket.socket, flip: argparse.Namespace | Non
                     and os.path.exists(flip.flip_file):
                 with _FLIP_LOCK:
                     if not _FLIPPED.is_set():
-                        data = bytes([data[0] ^ 0x01]) + data[1:]
+                        # The chunk's last byte: a frame's body or tag, which its
+                        # authentication covers (its first byte may be a frame's length,
+                        # whose change stalls the stream instead of failing a frame).
+                        data = data[:-1] + bytes([data[-1] ^ 0x01])
                         _FLIPPED.set()
                         print(f"flipped a bit of the connection from {peer} after {seen} "
                               f"bytes", flush=True)

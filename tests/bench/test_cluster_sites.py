@@ -7,11 +7,11 @@ the addresses (the cluster's) and a tiny model's steps.
 
 Checked, in one job of three nodes: the firewall bites (a connection to a port it does not
 open, or to c at all, never gets through); the job trains over one-port TCP links with the
-token, encrypted, c dialling both of its links; a stray process with a wrong token is refused
-by the rendezvous and by a node's port, both logged, while the job goes on; a bit flipped by
-b's port forward ends that link as a named lost peer (its frame fails its authentication);
-b's worker is then killed, its torchrun starts it again and it rejoins; the three end with one
-model. Root only (namespaces); it says so and skips otherwise.
+token, encrypted, c dialling both of its links; a bit flipped by b's port forward ends that
+link as a named lost peer (its frame fails its authentication); b's worker is then killed, its
+torchrun starts it again and it rejoins; meanwhile a stray process with a wrong token is
+refused by the rendezvous and by a node's port, both logged, and the job goes on; the three
+end with one model. Root only (namespaces); it says so and skips otherwise.
 """
 
 from __future__ import annotations
@@ -236,7 +236,22 @@ def test_the_guides_two_site_recipe_behind_a_firewall_and_a_nat(site: Site) -> N
     for n, command in enumerate(nodes):   # seats in order of arrival: a, b, c
         site.start(f"node{n}", n, ["bash", "-c", on_cluster(command)])
         site.wait_for(f"node{n}", r"parameters; 3 processes")
-    site.wait_for("node1", r"^step 200/6000")
+    for n in range(3):   # every node trains (they started one after the other)
+        site.wait_for(f"node{n}", r"^step 200/6000")
+    # a bit flipped on the way to b: the link c -> b ends, named, on b (its frame fails its
+    # authentication), and on c
+    flip.touch()
+    site.wait_for("forward", r"^flipped a bit of the connection from 10\.77\.0\.3")
+    site.wait_for("node1", r"rank 1 dropped its gossip neighbour rank 2 at step \d+ "
+                           r"\(PeerLostError: .*failed its authentication")
+    site.wait_for("node2", r"rank 2 dropped its gossip neighbour rank 1 at step \d+ "
+                           r"\(PeerLostError")
+    # then b's worker dies; its torchrun starts it again and it rejoins
+    for pid in descendants(site.procs["node1"].pid):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_text()
+            if "train_charlm" in argv and "torchrun" not in argv:
+                os.kill(pid, signal.SIGKILL)
     # strays with a wrong token, from the fourth machine: refused, the job goes on
     wrong = {"QCOMM_TOKEN": "a-wrong-token-0123456789abcdef",
              "QCOMM_RENDEZVOUS": f"10.77.0.1:{RENDEZVOUS_PORT}"}
@@ -244,17 +259,6 @@ def test_the_guides_two_site_recipe_behind_a_firewall_and_a_nat(site: Site) -> N
     assert said.startswith("refused: AdmissionError"), said
     said = site.run(3, STRAY_LINK, "10.77.0.1", str(LINK_PORT), env=wrong)
     assert said.startswith("refused: AdmissionError"), said
-    # a bit flipped on the way to b: the link c -> b ends, named, on b
-    flip.touch()
-    site.wait_for("forward", r"^flipped a bit of the connection from 10\.77\.0\.3")
-    site.wait_for("node1", r"rank 1 dropped its gossip neighbour rank 2 at step \d+ "
-                           r"\(PeerLostError: .*failed its authentication")
-    # then b's worker dies; its torchrun starts it again and it rejoins
-    for pid in descendants(site.procs["node1"].pid):
-        with contextlib.suppress(OSError):
-            argv = Path(f"/proc/{pid}/cmdline").read_text()
-            if "train_charlm" in argv and "torchrun" not in argv:
-                os.kill(pid, signal.SIGKILL)
     codes = site.exit_codes(["node0", "node1", "node2"])
     _assert_rejoined(Nodes(site), codes)   # one model, the rejoin as the other tests see it
     outs = [site.output(f"node{n}") for n in range(3)]

@@ -43,7 +43,7 @@ def test_bytes_pass_until_the_flip_file_then_one_bit_flips_once(tmp_path) -> Non
         assert _exchange(sock, first) == first   # the flip file is not there: unchanged
         flip.touch()
         changed = _exchange(sock, b"\x00" * 50)
-        assert changed == b"\x01" + b"\x00" * 49   # one bit of the first byte toward --to
+        assert changed == b"\x00" * 49 + b"\x01"   # one bit of the chunk's last byte
         assert _exchange(sock, b"\x00" * 50) == b"\x00" * 50   # once
         assert proc.stdout.readline().startswith(
             "flipped a bit of the connection from 127.0.0.1:")
