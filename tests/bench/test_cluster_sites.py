@@ -113,7 +113,12 @@ def on_cluster(command: str) -> str:
     for public, here in ADDRESSES.items():
         command = command.replace(public, here)
     assert " --steps 3000 " in command + " ", command
-    tiny = shlex.join([*TINY, *LINKED])   # later flags win: LINKED's steps, not TINY's
+    # Later flags win: LINKED's steps, not TINY's. A minute before a silent link counts as lost
+    # (LINKED's 20 s lets a node that waits 10 s for a busy neighbour drop it): 3 nodes, a port
+    # forward and their startups share 2 cores here, where a node that joins, or starts while
+    # the others train, can leave a link unread for longer; a node killed or a link tampered
+    # with is a lost peer at once, whatever this says.
+    tiny = shlex.join([*TINY, *LINKED, "--timeout-s", "60"])
     return command.replace("--steps 3000", tiny)
 
 
