@@ -4,8 +4,10 @@
 # torchft's DiLoCo (torchft-diloco, two outer rounds in the 40-step window) and qcomm's wait-free
 # gossip (its nodes until the first has taken the 40 steps); then a small
 # character transformer (charlm: AdamW, validation loss) through torchft's streaming DiLoCo
-# (six fragment syncs in the 24-step window); last, a lost node that comes back (--join-at:
-# qcomm's live join, local SGD's elastic restart from a checkpoint, torchft's heal).
+# (six fragment syncs in the 24-step window); the wait-free gossip again over one-port TCP
+# links with a job token, encrypted, behind a firewall (--links sockets); last, a lost node
+# that comes back (--join-at: qcomm's live join, local SGD's elastic restart from a checkpoint,
+# torchft's heal).
 # Passes when every run finished and, for qcomm methods, the inter-node bytes counted by the
 # interface counters and by qcomm's stats agree within 5% (torch and torchft methods: counters
 # against the algorithm's formula, same 5%). One repetition per method (--repeats 1) keeps CI
@@ -67,6 +69,16 @@ timeout --kill-after=20 360 "$PY" bench/cluster/compare.py --workload mnist1d \
     --width 256 --target 0.25 --timeout 150 --time-budget fastest --out "$out/mnist1d" \
     --strict --no-plots
 check "$out/mnist1d" "$methods"
+
+# The same wait-free gossip with the nodes linked through qcomm's rendezvous over one-port TCP
+# links, the job token checked and every link encrypted, each node behind a firewall that lets
+# in only its link port (node 0 the rendezvous's too).
+methods=assgd-4-h4f2-cont
+timeout --kill-after=20 200 "$PY" bench/cluster/compare.py --workload mnist1d \
+    --layouts 2x1 --rates 1gbit --methods "$methods" --steps 40 --warmup 3 --repeats 1 \
+    --width 256 --target 0.25 --timeout 150 --time-budget fastest --links sockets \
+    --out "$out/sockets" --strict --no-plots
+check "$out/sockets" "$methods"
 
 methods=torchft-streaming-diloco
 timeout --kill-after=20 200 "$PY" bench/cluster/compare.py --workload charlm \

@@ -55,7 +55,16 @@ from bench.cluster import worker_flags as F
 from bench.cluster import workloads as W
 from bench.cluster.project_targets import SUBJECT, check_targets
 from bench.cluster.repetitions import aggregate
-from bench.cluster.run_launch import HERE, RECOVERY, WORKLOAD, launch_command, netns, run_one
+from bench.cluster.run_launch import (
+    HERE,
+    LINK_PORT,
+    RECOVERY,
+    RENDEZVOUS_PORT,
+    WORKLOAD,
+    launch_command,
+    netns,
+    run_one,
+)
 from bench.cluster.run_summary import (
     kill_summary,
     quality_at_steps,
@@ -233,8 +242,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "SECONDS per node for every layout, or LAYOUT=SECONDS,... one per "
                         "layout (e.g. 4x1=8,2x2=16).")
     # unset: a healthy sweep passes no timeout on (and its summary records none)
-    F.add_flags(p, ("max_steps", "kill_node", "kill_at", "join_at", "pg_timeout", "fsdp"),
-                unset=("pg_timeout",))
+    F.add_flags(p, ("max_steps", "kill_node", "kill_at", "join_at", "pg_timeout", "fsdp",
+                    "links"), unset=("pg_timeout",))
     p.add_argument("--timeout", type=int, default=900, help="The seconds allowed per run.")
     p.add_argument("--agree", type=float, default=0.05,
                    help="Largest relative difference allowed between the two byte counts.")
@@ -252,6 +261,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.fsdp and (args.kill_node is not None or args.time_budget is not None):
         p.error("--fsdp runs are healthy and take --steps steps: it cannot be combined with "
                 "--kill-node or --time-budget")
+    if args.links != "world" and (args.kill_node is not None or args.fsdp):
+        p.error(f"--links {args.links} runs healthy nodes linked through the rendezvous: it "
+                "cannot be combined with --kill-node or --fsdp")
     if args.time_budget is not None:
         try:
             args.time_budget = parse_time_budget(args.time_budget, args.layouts)
@@ -304,6 +316,11 @@ def plan(args: argparse.Namespace) -> Sweep:
     for r in rates:
         rate_bits_per_s(r)
     names = M.parse_methods(args.methods)
+    stuck = [n for n in names if args.links != "world" and not M.continues_after_loss(n)]
+    if stuck:
+        raise SystemExit(f"compare.py: --links {args.links} links the nodes through qcomm's "
+                         f"rendezvous, which needs methods that continue without a lost node "
+                         f"(names ending in -cont, slow-link); not {', '.join(stuck)}")
     outdir = Path(args.out or HERE.parent / "out" / "cluster" / time.strftime("%Y%m%d-%H%M%S"))
     (outdir / "runs").mkdir(parents=True, exist_ok=True)
     return Sweep(workloads, layouts, rates, names, outdir)
@@ -354,7 +371,8 @@ def run_sweep(sweep: Sweep, args: argparse.Namespace) -> dict[Cell, list[dict[st
         try:
             netns("up", "--id", cluster, "--nodes", str(lay.nodes), "--rate", rate,
                   "--owner", str(os.getpid()),
-                  *(["--delay-ms", f"{args.delay_ms:g}"] if args.delay_ms is not None else []))
+                  *(["--delay-ms", f"{args.delay_ms:g}"] if args.delay_ms is not None else []),
+                  *firewall_args(args.links, lay))
             # Repetitions interleaved: every method once, then every method again.
             for rep in range(args.repeats):
                 for w in sweep.workloads:
@@ -369,6 +387,15 @@ def run_sweep(sweep: Sweep, args: argparse.Namespace) -> dict[Cell, list[dict[st
             netns("down", "--id", cluster, check=False)
     overall.close()
     return reps
+
+
+def firewall_args(links: str, layout: T.Layout) -> list[str]:
+    """netns.sh up's firewall for ``--links sockets``: every node lets in only its links' ports
+    (one per rank), node 0 the rendezvous's port too; nothing for the other links."""
+    if links != "sockets":
+        return []
+    ports = ",".join(str(LINK_PORT + r) for r in range(layout.procs))
+    return ["--firewall", ports, "--firewall0", str(RENDEZVOUS_PORT)]
 
 
 def run_cell(sweep: Sweep, args: argparse.Namespace, cluster: str,
@@ -390,7 +417,7 @@ def run_cell(sweep: Sweep, args: argparse.Namespace, cluster: str,
         rc, tail = run_one(cluster, layout, cmd, args.timeout, out_json,
                            sweep.outdir / "runs" / f"{stem}.log", bar,
                            (args.slow_nodes, args.slowdown), args.kill_node,
-                           args.equal_cpu, args.join_at is not None)
+                           args.equal_cpu, args.join_at is not None, args.links)
     if rc != 0 or not out_json.exists():
         note(f"{stem}: FAILED (exit {rc}); log {sweep.outdir}/runs/{stem}.log\n{tail}")
         return {**base, "status": f"failed (exit {rc})"}

@@ -35,7 +35,7 @@ from bench.cluster.timed_window import Timed, timed_record
 
 
 def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, timed: Timed,
-                   start: Readings, base_times: list[float], kill: dict[str, Any],
+                   start: Readings, base_times: list[float], kill: dict[str, Any] | None,
                    marker: Path, model: tuple[int, list],
                    timeline: dict[str, float] | None = None) -> NoReturn:
     """The end of a run in which a node is lost (every rank but the lost node's): no
@@ -49,7 +49,9 @@ def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, 
     every rank not killed (at most the longest any communication may block, plus two
     minutes), evaluates the surviving nodes' snapshots and final parameters and writes the
     JSON. With ``--join-at`` the record also holds the wall-clock end of every step and, on
-    the ranks that came back, their ``timeline``, and rank 0 waits for every rank."""
+    the ranks that came back, their ``timeline``, and rank 0 waits for every rank. ``kill``
+    None: nodes linked through the rendezvous (``--links``), none lost, which share no
+    collective over all ranks either: the same files, a healthy run's JSON."""
     counters0, _, stats0 = start
     counters1 = retrans1 = stats1 = None
     live = pace = None
@@ -104,7 +106,8 @@ def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, 
     os._exit(0)
 
 
-def assemble_after_kill(args: argparse.Namespace, work, built: T.Built, kill: dict[str, Any],
+def assemble_after_kill(args: argparse.Namespace, work, built: T.Built,
+                        kill: dict[str, Any] | None,
                         marker: Path, layout: T.Layout, model: tuple[int, list]) -> None:
     """Rank 0 after a lost node: the records of the other ranks (waited for, with a
     deadline), the surviving nodes' snapshots averaged into the curve, the final quality
@@ -117,7 +120,8 @@ def assemble_after_kill(args: argparse.Namespace, work, built: T.Built, kill: di
 
     def accounted(r: int) -> bool:
         return records[r].exists() or (
-            not comes_back and r // procs == kill["node"] and marker.exists())
+            not comes_back and kill is not None and r // procs == kill["node"]
+            and marker.exists())
 
     deadline = time.monotonic() + max(args.pg_timeout, 300.0) + 120.0
     while not all(accounted(r) for r in range(world)) and time.monotonic() < deadline:
@@ -149,13 +153,14 @@ def assemble_after_kill(args: argparse.Namespace, work, built: T.Built, kill: di
     result = {
         **run_result(args, work, layout, model, final=final, curve=curve,
                      ranks=sorted(ranks, key=lambda r: r["rank"]), notes=built.notes),
-        "kill": {**kill, "happened": killed is not None,
-                 "killed_at_step": None if killed is None else killed["step"],
-                 "killed_at_s": None if killed is None else killed["time_s"]},
-        "nodes": [{"node": n, "killed": n in lost} for n in range(layout.nodes)],
         "final_from": final_from,
         "missing_ranks": missing,
     }
+    if kill is not None:
+        result["kill"] = {**kill, "happened": killed is not None,
+                          "killed_at_step": None if killed is None else killed["step"],
+                          "killed_at_s": None if killed is None else killed["time_s"]}
+        result["nodes"] = [{"node": n, "killed": n in lost} for n in range(layout.nodes)]
     if comes_back:
         result["rejoin"] = {"at": args.join_at, **(J.join_summary(
             ranks, None if killed is None else killed.get("time"), kill["node"]) or {})}
@@ -168,8 +173,10 @@ def assemble_after_kill(args: argparse.Namespace, work, built: T.Built, kill: di
     marker.unlink(missing_ok=True)
     J.window_file(args.out).unlink(missing_ok=True)
     shown = "-" if final is None else f"{final:.4f}"
-    print(f"QCB_DONE {args.method} final {metric}={shown} (node {kill['node']} "
-          f"{'killed' if killed else 'not killed'}, {final_from})", flush=True)
+    lost_said = "no node lost" if kill is None else \
+        f"node {kill['node']} {'killed' if killed else 'not killed'}"
+    print(f"QCB_DONE {args.method} final {metric}={shown} ({lost_said}, {final_from})",
+          flush=True)
 
 
 if __name__ == "__main__":  # a library: say so rather than exit silently

@@ -22,11 +22,23 @@
 # so the forwarder moves few, large packets. bench/cluster/check_link.py measures what a link
 # really does (ping RTT, bulk TCP rate).
 #
+# A firewall (--firewall PORTS, --firewall0 PORTS, --nat-node K): each node's qceth0 lets in a
+# new TCP connection (a SYN without ACK) only on the ports PORTS (a comma list; node 0 also on
+# --firewall0's, e.g. the rendezvous's), and node --nat-node K lets none in at all, as behind a
+# NAT: it may only dial out. Every other packet passes (the answers to a node's own
+# connections, every packet of a connection once made), as a stateful firewall lets them. Made
+# with tc alone (an ingress qdisc, u32 filters: a SYN to an open port passes, any other SYN is
+# redirected by act_mirred to a veth qcfwsink whose peer is down, which drops it), so nothing
+# needs installing: kernels without act_gact (tc's "action drop") have mirred. The firewall
+# filters TCP only (every link here is TCP). tests/bench/test_cluster_sites.py shows the rules
+# bite (and runs the guide's two-site recipe behind them).
+#
 # Usage (root only):
-#   netns.sh up     --id ID --nodes N --rate RATE [--burst 256kb] [--delay-ms D] [--owner PID]
+#   netns.sh up     --id ID --nodes N --rate RATE [--burst 256kb] [--delay-ms D] [--owner PID] \
+#                   [--firewall PORTS [--firewall0 PORTS]] [--nat-node K]
 #   netns.sh launch --id ID --nodes N --procs P [--timeout S] [--port PORT] [--logdir DIR] \
 #                   [--slow-nodes K --slowdown S] [--equal-cpu] [--lost-node K] \
-#                   [--linked [--restart-node K [--rejoin-file F]]] \
+#                   [--linked [--restart-node K [--rejoin-file F]] [--listen PORT]] \
 #                   [--elastic --restart-node K --rejoin-file F] \
 #                   -- SCRIPT [ARGS...]          # one torchrun per node, in its namespace
 #
@@ -34,7 +46,12 @@
 # find each other through qcomm's rendezvous (python -m qcomm.rendezvous), started in node 0's
 # namespace on PORT and stopped when the launch ends; every rank gets QCOMM_RENDEZVOUS, its
 # node QCB_NODE and the job's nodes QCB_NODES. --restart-node K: node K's torchrun starts its
-# ranks again once (--max-restarts 1) after they die, as a restarted machine would.
+# ranks again once (--max-restarts 1) after they die, as a restarted machine would. --listen
+# PORT: each node accepts its links on one port (QCOMM_LISTEN=10.77.0.<k+1>:PORT, its ranks
+# PORT to PORT + P - 1), but the up's --nat-node, which dials all of its links; QCOMM_TOKEN,
+# when the launch's environment has it, reaches the rendezvous and every node from there (never
+# a command line). Behind a --firewall, the rendezvous's --port defaults to the first port of
+# --firewall0.
 #
 # Elastic nodes (--elastic): one job of torchrun's elastic agents, as DDP users run one across
 # machines that come and go: every node's torchrun takes --nnodes N-1:N with the c10d
@@ -138,7 +155,7 @@ delayline_bin() {
 }
 
 cmd_up() {
-    local id="" nodes="" rate="" burst=256kb owner=$PPID delay=""
+    local id="" nodes="" rate="" burst=256kb owner=$PPID delay="" open="" open0="" nat=""
     while [ $# -gt 0 ]; do
         case "$1" in
         --id) id=$2; shift 2 ;;
@@ -147,9 +164,17 @@ cmd_up() {
         --burst) burst=$2; shift 2 ;;
         --owner) owner=$2; shift 2 ;;
         --delay-ms) delay=$2; shift 2 ;;
+        --firewall) open=$2; shift 2 ;;
+        --firewall0) open0=$2; shift 2 ;;
+        --nat-node) nat=$2; shift 2 ;;
         *) die "up: unknown argument '$1'" ;;
         esac
     done
+    check_ports --firewall "$open"
+    check_ports --firewall0 "$open0"
+    [ -z "$open0" ] || [ -n "$open" ] || die "--firewall0 goes with --firewall (node 0's ports besides every node's)"
+    [ -z "$nat" ] || { [[ "$nat" =~ ^[0-9]+$ ]] && [ "$nat" -lt "${nodes:-0}" ]; } ||
+        die "--nat-node must be an integer in [0, nodes), got '$nat'"
     [ -z "$delay" ] || [[ "$delay" =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
         die "--delay-ms must be a number of milliseconds >= 0, got '$delay'"
     check_id "$id"
@@ -168,8 +193,59 @@ cmd_up() {
 
     if [ -n "$delay" ]; then
         up_delayed "$id" "$nodes" "$rate" "$burst" "$delay"
-        return
+    else
+        up_bridged "$id" "$nodes" "$rate" "$burst"
     fi
+    if [ -n "$open" ] || [ -n "$nat" ]; then
+        echo "$open" >"$STATE_DIR/$id.firewall"
+        echo "$open0" >"$STATE_DIR/$id.firewall0"
+        echo "$nat" >"$STATE_DIR/$id.nat"
+        local k ports
+        for ((k = 0; k < nodes; k++)); do
+            ports=$open
+            [ "$k" != 0 ] || [ -z "$open0" ] || ports="$open,$open0"
+            if [ "$k" = "$nat" ]; then
+                firewall_node "$(ns_name "$id" "$k")" ""
+            elif [ -n "$open" ]; then
+                firewall_node "$(ns_name "$id" "$k")" "$ports"
+            fi
+        done
+    fi
+}
+
+# A comma list of TCP ports (each in [1, 65535]), or nothing; $1 names the flag.
+check_ports() {
+    local p
+    [ -z "$2" ] && return 0
+    [[ "$2" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "$1 must be a comma list of TCP ports, got '$2'"
+    for p in ${2//,/ }; do
+        [ "$p" -ge 1 ] && [ "$p" -le 65535 ] || die "$1: port $p is not in [1, 65535]"
+    done
+}
+
+# Node namespace $1's firewall (see the header): a new TCP connection in through qceth0 only on
+# the ports of the comma list $2 (empty: none, the NAT node).
+firewall_node() {
+    local ns=$1 ports=$2 p prio=1
+    ip -n "$ns" link add qcfwsink type veth peer name qcfwpeer
+    ip -n "$ns" link set qcfwsink up # its peer stays down: what is sent here is dropped
+    ip netns exec "$ns" tc qdisc add dev "$IFACE" handle ffff: ingress
+    for p in ${ports//,/ }; do
+        # A match without an action ends the filter chain with the packet let through.
+        ip netns exec "$ns" tc filter add dev "$IFACE" parent ffff: prio "$prio" protocol ip \
+            u32 match ip protocol 6 0xff match ip dport "$p" 0xffff classid ffff:1
+        prio=$((prio + 1))
+    done
+    # Any other SYN without ACK (the TCP flags, byte 13 of a 20-byte-header IP packet's TCP
+    # header): a connection opened from outside, dropped.
+    ip netns exec "$ns" tc filter add dev "$IFACE" parent ffff: prio "$prio" protocol ip \
+        u32 match ip protocol 6 0xff match u8 0x02 0x12 at 33 \
+        action mirred egress redirect dev qcfwsink
+}
+
+# The bridged nodes (see the header): veth pairs joined by one bridge, tbf on both ends.
+up_bridged() {
+    local id=$1 nodes=$2 rate=$3 burst=$4
     local br k ns hv
     br=$(br_name "$id")
     ip link add name "$br" type bridge
@@ -264,7 +340,8 @@ cmd_down() {
     for ns in /sys/fs/cgroup/cpu/qcb"${id}"n* /sys/fs/cgroup/qcb"${id}"n*; do
         [ -d "$ns" ] && remove_cgroup "$ns"
     done
-    rm -f "$STATE_DIR/$id.owner" "$STATE_DIR/$id.nodes"
+    rm -f "$STATE_DIR/$id.owner" "$STATE_DIR/$id.nodes" "$STATE_DIR/$id.firewall" \
+        "$STATE_DIR/$id.firewall0" "$STATE_DIR/$id.nat"
 }
 
 cmd_clean() {
@@ -376,7 +453,7 @@ reap_survivors() {
 
 cmd_launch() {
     local id="" nodes="" procs="" tmo=600 port="" logdir="" slow=0 slowdown=1 lost="" equal=0
-    local linked=0 restart="" elastic=0 rejoin_file=""
+    local linked=0 restart="" elastic=0 rejoin_file="" listen=""
     while [ $# -gt 0 ]; do
         case "$1" in
         --id) id=$2; shift 2 ;;
@@ -393,6 +470,7 @@ cmd_launch() {
         --restart-node) restart=$2; shift 2 ;;
         --elastic) elastic=1; shift ;;
         --rejoin-file) rejoin_file=$2; shift 2 ;;
+        --listen) listen=$2; shift 2 ;;
         --) shift; break ;;
         *) die "launch: unknown argument '$1'" ;;
         esac
@@ -416,6 +494,13 @@ cmd_launch() {
     check_id "$id"
     [ $# -ge 1 ] || die "launch: give the training script after --"
     [[ "$procs" =~ ^[0-9]+$ ]] && [ "$procs" -ge 1 ] || die "--procs must be a positive integer"
+    [ -z "$listen" ] || { [ "$linked" = 1 ] && [[ "$listen" =~ ^[0-9]+$ ]] && [ "$listen" -ge 1 ] && [ "$listen" -le 65535 ]; } ||
+        die "--listen goes with --linked and takes a TCP port in [1, 65535], got '$listen'"
+    # The NAT node (dials every link) and node 0's open ports, from the up's firewall.
+    local nat="" open0=""
+    [ ! -e "$STATE_DIR/$id.nat" ] || nat=$(cat "$STATE_DIR/$id.nat")
+    [ ! -e "$STATE_DIR/$id.firewall0" ] || open0=$(cat "$STATE_DIR/$id.firewall0")
+    [ -n "$port" ] || port=${open0%%,*}
     [ -n "$port" ] || port=$((20000 + RANDOM % 20000))
     [ -n "$logdir" ] || logdir=$(mktemp -d /tmp/qcb-logs.XXXXXX)
     mkdir -p "$logdir"
@@ -488,6 +573,9 @@ cmd_launch() {
             # starts its ranks once more after they are killed.
             world=(--standalone --nnodes 1 --max-restarts $([ "$k" = "$restart" ] && [ -z "$rejoin_file" ] && echo 1 || echo 0))
             linked_env=(QCOMM_RENDEZVOUS="$SUBNET.1:$port" QCB_NODE="$k" QCB_NODES="$nodes")
+            if [ -n "$listen" ] && [ "$k" != "$nat" ]; then
+                linked_env+=(QCOMM_LISTEN="$SUBNET.$((k + 1)):$listen")
+            fi
         fi
         local -a cmd=("${wrap[@]}" ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$IFACE" OMP_NUM_THREADS=1
             QCB_IFACE="$IFACE" "${linked_env[@]}" timeout --kill-after=15 "$tmo"

@@ -73,10 +73,34 @@ def init_linked(timeout_s: float) -> tuple[Any, int]:
 
     missing = [v for v in ("QCB_NODE", "QCB_NODES", rendezvous.ENV_VAR) if v not in os.environ]
     if missing:
-        raise ValueError(f"--join-at needs the linked launch (netns.sh launch --linked), which "
-                         f"sets {', '.join(missing)}; they are not set")
+        raise ValueError(f"--join-at and --links need the linked launch (netns.sh launch "
+                         f"--linked), which sets {', '.join(missing)}; they are not set")
     seat = rendezvous.init_node(node_id=int(os.environ["QCB_NODE"]), timeout_s=timeout_s)
     return seat, int(os.environ["QCB_NODES"])
+
+
+def open_window_together(timeout_s: float) -> None:
+    """Healthy linked nodes (``--links gloo|sockets``): every rank of the job waits here for
+    every other, through the rendezvous's store, as one torchrun world's barrier before the
+    timed window would make them; without it each node opens its window when its own warm-up
+    ends, and the first nodes train alone for the others' start.
+
+    Raises:
+        TimeoutError: a rank did not arrive within ``timeout_s``.
+    """
+    from qcomm import rendezvous
+
+    seat = rendezvous.linked_seat()
+    if seat is None:
+        raise ValueError("open_window_together needs a seat taken by init_node (init_linked)")
+    store, key = seat.store(), "qcb/window/arrived"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < seat.world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the job's {seat.world_size} ranks did not all reach the timed "
+                               f"window within {timeout_s:g} s")
+        time.sleep(0.005)
 
 
 def window_file(out: str) -> Path:

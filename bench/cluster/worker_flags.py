@@ -168,6 +168,13 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          "localsgd by torchrun's elastic restart from a checkpoint (one elastic job), torchft's "
          "(streaming) DiLoCo by torchft's heal (a torchrun per node); the node's torchrun is "
          "killed and started again at F. A --time-budget in seconds."),
+    Flag("--links", str, "world", "How the nodes reach each other: world, one torchrun world "
+         "whose Gloo groups carry the links (the default); gloo, each node its own torchrun, "
+         "linked through qcomm's rendezvous by a Gloo group of two per link; sockets, linked "
+         "the same way over one-port TCP links (each node accepting on one port, the job token "
+         "checked, AES-256-GCM), behind a firewall that lets in only those ports and the "
+         "rendezvous's. gloo and sockets need a method that continues without a lost node "
+         "(names ending in -cont, slow-link).", ("world", "gloo", "sockets")),
     Flag("--fsdp", None, False, "Shard the model inside each node with FSDP2 (fully_shard over "
          "the node's ranks, torchtitan's layout): hsdp, torchft-hsdp, qcomm-hier variants in "
          "lockstep and torchft's (streaming) DiLoCo run sharded; the other methods keep a whole "
@@ -208,7 +215,7 @@ deadline of a wait, the lost node (and its return), the sharding, the profile.""
 PASSED_ON = ("width", "depth", "batch", "lr", "momentum", "weight_decay", "steps",
              "lr_schedule", "warmup",
              "seed", *METHOD_SETTINGS, "profile", "pg_timeout", "kill_node", "kill_at",
-             "join_at", "fsdp")
+             "join_at", "fsdp", "links")
 """What compare.py passes on to every run as it got it (``--max-steps`` goes with the time
 budget, which compare.py sets per layout)."""
 

@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Instead of --time-budget: every node of a method whose nodes may take "
                         "different numbers of steps trains until the first node has taken "
                         "--steps steps (the same work as a lockstep run, for the fastest node).")
-    F.add_flags(p, F.RUN_END)
+    F.add_flags(p, (*F.RUN_END, "links"))
     args = p.parse_args(argv)
     if args.method not in M.METHODS:
         p.error(f"argument --method: unknown method {args.method!r}{M.near_miss(args.method)}")
@@ -268,8 +268,9 @@ def write_result(args: argparse.Namespace, work, built: T.Built, here: Place,
 def join_job(args: argparse.Namespace) -> tuple[Place, dict[str, float] | None]:
     """This rank's place in the job: one torchrun world, or (``--join-at``) nodes linked through
     the rendezvous. A rank started again by its torchrun (the lost node coming back) first
-    waits until ``--join-at`` of the window; its timeline (wall-clock) is returned, else None."""
-    if args.join_at is None:
+    waits until ``--join-at`` of the window; its timeline (wall-clock) is returned, else None.
+    ``--links gloo`` or ``sockets``: linked through the rendezvous too, no node lost."""
+    if args.join_at is None and args.links == "world":
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
         return find_place(), None
     # The join's steps (announced, offered, joined) in every node's log, with times.
@@ -319,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
     built = M.build(args.method, module, cfg)
     train_step = step_function(work, built, args, cfg)
     warm_up(built, train_step, 0 if came_back else args.warmup)  # 2.
+    if args.links != "world" and args.join_at is None:
+        J.open_window_together(args.pg_timeout)   # the world's barrier, across linked nodes
     start = read_counters(here, built, here.local_rank == 0 and here.layout.nodes > 1)  # 3.
     budget = args.time_budget if per_node else None
     kill = kill_plan(args, here.layout, budget)
@@ -335,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         timeline["first_step_start"] = \
             timed.step_ends[0] - timed.step_times[0] if stepped else None
         timeline["first_step_end"] = timed.step_ends[0] if stepped else None
-    if kill is not None:
+    if kill is not None or args.links != "world":   # linked nodes share no collective
         end_after_kill(args, work, built, here, timed, start, base_times, kill, marker, model,
                        timeline)
     finish(args, work, built, here, timed, start, base_times, model)  # 5. and 6.
