@@ -36,6 +36,9 @@ WORKLOAD = HERE / "workload.py"
 RECOVERY = HERE / "recovery.py"
 
 
+LIGHTNING = HERE / "lightning_worker.py"
+
+
 def netns(*args: str, check: bool = True, **kw: Any) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(NETNS), *args], check=check, **kw)
 
