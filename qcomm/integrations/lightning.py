@@ -17,6 +17,8 @@ the end of ``fit``: each rank evaluates and saves one model. A checkpoint is Lig
 that rank's optimizer and gossip state, so that ``Trainer.fit(ckpt_path=...)`` goes on with the
 bits of the run that did not stop. ``opt.stats()`` (this rank's: rank 0's reach the loggers) is
 logged through the Trainer's loggers every ``log_every_n_steps`` and shown in the progress bar.
+With ``QCOMM_RENDEZVOUS`` set (one torchrun per node, ``python -m qcomm.rendezvous`` linking them)
+the node is Lightning's world and takes its seat at the rendezvous (docs/guide.md, "Lightning").
 
 Needs Lightning 2.x, the ``lightning`` extra: ``pip install 'qcomm[lightning]'``.
 """
