@@ -823,6 +823,9 @@ def build(name: str, module, cfg: Config) -> Built:
     problem = _sharding_problem(name, cfg.fsdp)
     if problem:
         raise ValueError(f"method {name}: {problem}")
+    if is_lightning(name):   # resolve() would quietly build the plain loop's method instead
+        raise ValueError(f"method {name}: Lightning's Trainer trains it, in "
+                         "bench/cluster/lightning_worker.py (compare.py launches that)")
     base, settings = resolve(name)
     if settings:
         cfg = replace(cfg, **settings)
