@@ -70,6 +70,13 @@ def figures(result: dict[str, Any], targets: list[float]) -> dict[str, Any]:
         "step_mean_ms": 1e3 * statistics.median(r["step_mean_s"] for r in ranks),
         "step_median_ms": 1e3 * statistics.median(r["step_median_s"] for r in ranks),
         "compute_ms": 1e3 * statistics.median(r["baseline_median_s"] for r in ranks),
+        # Medians of the step's parts: forward and backward (DDP's all-reduce overlaps it),
+        # the optimizer step (the gossip), and the rest of the loop between two steps (in
+        # workload.py's loop, nothing; under Lightning, its hooks and bookkeeping).
+        "fwd_bwd_ms": 1e3 * statistics.median(r["fwd_bwd_median_s"] for r in ranks),
+        "opt_ms": 1e3 * statistics.median(r["opt_step_median_s"] for r in ranks),
+        "rest_ms": 1e3 * statistics.median(
+            r["step_median_s"] - r["fwd_bwd_median_s"] - r["opt_step_median_s"] for r in ranks),
         "loop_s": max(r["loop_s"] for r in ranks),
     }
 
@@ -100,6 +107,12 @@ def tables(runs: dict[str, dict[int, dict[str, Any]]], plain: str, targets: list
         f = list(figs[m].values())
         lines.append(f"| {m} | " + " | ".join(
             span([x["at_steps"][k] for x in f], "{:.3f}") for k in fracs) + " |")
+    parts = ("compute_ms", "fwd_bwd_ms", "opt_ms", "rest_ms", "step_median_ms")
+    lines += ["", "| method | compute-only step | forward + backward | optimizer step | rest of "
+              "the loop | step (median) |", "|---|" + "---|" * len(parts)]
+    for m in order:
+        f = list(figs[m].values())
+        lines.append(f"| {m} | " + " | ".join(span([x[k] for x in f]) for k in parts) + " |")
     ratios = {}
     lines += ["", "| Lightning / plain loop | " + " | ".join(f"to {t:g}" for t in targets)
               + " | step (mean) |", "|---|" + "---|" * (len(targets) + 1)]

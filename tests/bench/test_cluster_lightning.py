@@ -85,7 +85,8 @@ def _run(path: Path, curve: list[tuple[float, float]], step_s: float, inter: int
     """A run's JSON as workload.py writes it, with only the fields the tables read."""
     ranks = [{"rank": r, "node": r // 2, "iface_tx_bytes": 1000 * 4 if r % 2 == 0 else None,
               "qcomm_bytes": {"inter": inter * 4, "intra": 0}, "step_mean_s": step_s,
-              "step_median_s": step_s, "baseline_median_s": 0.1, "loop_s": 4 * step_s}
+              "step_median_s": step_s, "baseline_median_s": 0.1, "loop_s": 4 * step_s,
+              "fwd_bwd_median_s": 0.1, "opt_step_median_s": 0.05}
              for r in range(4)]
     path.write_text(json.dumps({
         "metric": {"name": "val_loss", "goal": "min"}, "layout": {"nodes": 2, "procs": 2},
@@ -105,3 +106,5 @@ def test_the_tables_give_lightning_over_the_plain_loop_per_repetition(tmp_path):
     assert ratios[1.8] == [None, None]   # never reached
     assert "| lightning-adamw-slow-link | 1.30 [1.10-1.50] | never |" in text
     assert "1,000 [1,000-1,000]" in text   # a node's interface bytes per step
+    # the rest of the loop: the step less forward + backward (100 ms) and optimizer (50 ms)
+    assert data["figures"]["lightning-adamw-slow-link"][2]["rest_ms"] == pytest.approx(150)
