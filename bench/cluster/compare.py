@@ -57,6 +57,7 @@ from bench.cluster.project_targets import SUBJECT, check_targets
 from bench.cluster.repetitions import aggregate
 from bench.cluster.run_launch import (
     HERE,
+    LIGHTNING,
     LINK_PORT,
     RECOVERY,
     RENDEZVOUS_PORT,
@@ -182,7 +183,8 @@ def workload_command(workload: str, method: str, args: argparse.Namespace, data:
         budget = (["--time-budget", f"{seconds:g}"] if seconds else []) + \
             F.command_line(values, ("max_steps",))
     # A lost node that comes back: the peers' own recoveries (recovery.py).
-    script = RECOVERY if recovery_run(method, args) else WORKLOAD
+    script = RECOVERY if recovery_run(method, args) else \
+        LIGHTNING if M.is_lightning(method) else WORKLOAD
     return [str(script), "--workload", workload, "--method", method, "--data", str(data), *budget,
             "--out", str(out_json), *F.command_line(values, F.PASSED_ON)]
 

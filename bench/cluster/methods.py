@@ -176,8 +176,31 @@ def peer_variant(name: str) -> tuple[str, dict[str, Any]] | None:
 
 
 def resolve(name: str) -> tuple[str, dict[str, Any]]:
-    """The method a name runs and the Config fields its name sets (none for plain names)."""
+    """The method a name runs and the Config fields its name sets (none for plain names); a
+    Lightning method's, its base method's (the same communication)."""
+    if is_lightning(name):
+        return resolve(lightning_base(name))
     return peer_variant(name) or (name, {})
+
+
+# Lightning's Trainer around a method (bench/cluster/lightning_worker.py): "lightning-ddp"
+# (strategy="ddp") and "lightning-<qcomm-hier method with the node mean by DDP>" (QcommStrategy).
+LIGHTNING_PREFIX = "lightning-"
+
+
+def lightning_base(name: str) -> str:
+    """The method a Lightning method runs under the Trainer (``"lightning-ddp"`` -> ``"ddp"``)."""
+    return name.removeprefix(LIGHTNING_PREFIX)
+
+
+def is_lightning(name: str) -> bool:
+    """Whether ``name`` is a Lightning method: ``lightning-ddp``, or ``lightning-`` before a
+    qcomm-hier method whose node mean is DDP's (QcommStrategy runs DDP in the node)."""
+    if not name.startswith(LIGHTNING_PREFIX):
+        return False
+    base = lightning_base(name)
+    opts = qcomm_variant(base)
+    return base == "ddp" or bool(opts and opts["kind"] == "qcomm-hier" and opts["ddp"])
 
 
 def continues_after_loss(name: str) -> bool:
@@ -227,6 +250,11 @@ class _Registry(dict):
     """The fixed methods, plus every qcomm variant name (:func:`qcomm_variant`) on lookup."""
 
     def __missing__(self, name: str) -> MethodInfo:
+        if is_lightning(name):
+            base = self[lightning_base(name)]
+            strategy = "strategy=\"ddp\"" if base.name == "ddp" else "QcommStrategy"
+            return MethodInfo(name, "lightning", f"Lightning Trainer, {strategy}: "
+                              f"{base.description}", base.bits, "lightning", base.workloads)
         peer = peer_variant(name)
         if peer is not None:
             base = dict.__getitem__(self, peer[0])
@@ -249,7 +277,8 @@ class _Registry(dict):
     def __contains__(self, name: object) -> bool:
         return dict.__contains__(self, name) or (
             isinstance(name, str)
-            and (qcomm_variant(name) is not None or peer_variant(name) is not None))
+            and (qcomm_variant(name) is not None or peer_variant(name) is not None
+                 or is_lightning(name)))
 
 
 METHODS: dict[str, MethodInfo] = _Registry({
@@ -794,6 +823,9 @@ def build(name: str, module, cfg: Config) -> Built:
     problem = _sharding_problem(name, cfg.fsdp)
     if problem:
         raise ValueError(f"method {name}: {problem}")
+    if is_lightning(name):   # resolve() would quietly build the plain loop's method instead
+        raise ValueError(f"method {name}: Lightning's Trainer trains it, in "
+                         "bench/cluster/lightning_worker.py (compare.py launches that)")
     base, settings = resolve(name)
     if settings:
         cfg = replace(cfg, **settings)

@@ -42,6 +42,9 @@ LINK_PORT = 29500
 RENDEZVOUS_PORT = 29400
 
 
+LIGHTNING = HERE / "lightning_worker.py"
+
+
 def netns(*args: str, check: bool = True, **kw: Any) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(NETNS), *args], check=check, **kw)
 

@@ -17,6 +17,8 @@ the end of ``fit``: each rank evaluates and saves one model. A checkpoint is Lig
 that rank's optimizer and gossip state, so that ``Trainer.fit(ckpt_path=...)`` goes on with the
 bits of the run that did not stop. ``opt.stats()`` (this rank's: rank 0's reach the loggers) is
 logged through the Trainer's loggers every ``log_every_n_steps`` and shown in the progress bar.
+With ``QCOMM_RENDEZVOUS`` set (one torchrun per node, ``python -m qcomm.rendezvous`` linking them)
+the node is Lightning's world and takes its seat at the rendezvous (docs/guide.md, "Lightning").
 
 Needs Lightning 2.x, the ``lightning`` extra: ``pip install 'qcomm[lightning]'``.
 """
@@ -34,6 +36,7 @@ try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
+    from lightning.fabric.utilities.seed import reset_seed
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as exc:  # pragma: no cover - exercised in a process without lightning
@@ -46,6 +49,8 @@ import torch
 from qcomm.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from qcomm.checkpoint.optimizer import STATE_KEY
 from qcomm.engine import CommOptions
+from qcomm.rendezvous.node import init_node, linked_seat
+from qcomm.rendezvous.seat import ENV_VAR as RENDEZVOUS_ENV
 from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
 from qcomm.sgd.lightning_guard import OWNED_FLAG
 from qcomm.sgd.monitor import stats_scalars
@@ -134,6 +139,33 @@ class QcommStrategy(DDPStrategy):
         self._log_stats = log_stats
         self._qcomm: HierarchicalOptimizer | None = None
         self._resume_path: Path | None = None
+
+    # -----------------------------------------------------------------------------------------
+    # the process group: Lightning's, or the node's seat at qcomm's rendezvous
+
+    def setup_distributed(self) -> None:
+        """As ``DDPStrategy``'s, except with ``QCOMM_RENDEZVOUS`` set (one torchrun per node,
+        ``python -m qcomm.rendezvous`` linking them): :func:`qcomm.rendezvous.init_node` makes
+        the node's group, Lightning's world, and takes the node's seat, through which the
+        optimizer links to the other nodes. A group made before ``fit`` (``init_node()`` in
+        the script) is used as it is, as Lightning does."""
+        if not os.environ.get(RENDEZVOUS_ENV) or torch.distributed.is_initialized():
+            super().setup_distributed()
+            return
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        init_node(backend=self._process_group_backend,
+                  timeout_s=self._timeout.total_seconds() if self._timeout else 300.0)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Linked nodes: Lightning's world is the node, so its sampler would hand every node
+        # the same shards; the job's ranks split the data instead.
+        seat = linked_seat()
+        if seat is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": seat.world_size, "rank": seat.rank}
 
     # -----------------------------------------------------------------------------------------
     # the optimizer and the model
