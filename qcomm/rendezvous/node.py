@@ -166,6 +166,24 @@ def with_options(seat: LinkedSeat, listen: str | None, token: str | None) -> Lin
     return replace(seat, **changes) if changes else seat
 
 
+def _node_seat(store: dist.Store, nodes: int, ppn: int, local_rank: int,
+               node_id: int | None, timeout: datetime.timedelta, address: str
+               ) -> tuple[int, int]:
+    """The node's seat and incarnation: taken by its local rank 0, read by the others."""
+    run = _node_token(ppn)
+    key = f"{_PREFIX}node_of/{run}"
+    if local_rank == 0:
+        node = _take(store, nodes, run, node_id)
+        incarnation = claim_incarnation(store, node)
+        register_host(store, node, ppn)
+        store.set(key, f"{node}:{incarnation}")
+        return node, incarnation
+    node, incarnation = (int(v) for v in _wait_get(
+        store, key, timeout, "local rank 0 of this node to take its seat",
+        address).decode().split(":"))
+    return node, incarnation
+
+
 def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
               node_id: int | None = None, timeout_s: float = 300.0,
               join_timeout_s: float = 600.0, listen: str | None = None,
@@ -228,17 +246,7 @@ def init_node(rendezvous: str | None = None, *, backend: str = "gloo",
     nodes = int(store.get(MAX_NODES_KEY)) if store.check([MAX_NODES_KEY]) else starting
     if node_id is not None:
         node_id = check_int("node_id", node_id, low=0, high=nodes, high_open=True)
-    run = _node_token(ppn)
-    key = f"{_PREFIX}node_of/{run}"
-    if local_rank == 0:
-        node = _take(store, nodes, run, node_id)
-        incarnation = claim_incarnation(store, node)
-        register_host(store, node, ppn)
-        store.set(key, f"{node}:{incarnation}")
-    else:
-        node, incarnation = (int(v) for v in _wait_get(
-            store, key, timeout, "local rank 0 of this node to take its seat",
-            address).decode().split(":"))
+    node, incarnation = _node_seat(store, nodes, ppn, local_rank, node_id, timeout, address)
     fit_threads(store, nodes, node)   # other nodes of the job on this machine: share its cores
     if ppn == 1 and "MASTER_ADDR" not in os.environ:
         # A lone process (no torchrun): its node group is itself, over a store of its own.

@@ -210,16 +210,11 @@ class Membership:
         j = self.nearest_live(side)
         return j if j is not None and j not in self.live_peers() else None
 
-    def learn(self, told: set[int]) -> None:
+    def learn(self, told: set[int], took_part: set[int] = frozenset()) -> None:
         """Members others say are lost: known lost here too, but for this member's live
-        neighbours (a broken link between two others is theirs)."""
-        self.lost |= told - set(self.live_peers()) - {self.member}
-
-    def seen_live(self, members: set[int]) -> None:
-        """Members that took part in a sum over the live ones (:mod:`.survivors`): live,
-        whatever this member believed (a joiner it has not linked to yet). Its links do not
-        change: a joiner next to it is linked when its join is seen."""
-        self.lost -= members
+        neighbours (a broken link between two others is theirs); members that ``took_part``
+        in a sum over the live ones are live (a joiner not linked to here yet; links stay)."""
+        self.lost = (self.lost | (told - set(self.live_peers()) - {self.member})) - took_part
 
     # -----------------------------------------------------------------------------------------
     # the protocol
