@@ -27,11 +27,13 @@ started with the "spawn" method (fork after torch initialized its thread pools c
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -41,7 +43,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["WorldError", "WorldPool", "WorldPools", "free_port", "free_ports", "run_world"]
+__all__ = ["WorldError", "WorldPool", "WorldPools", "descendants", "free_port", "free_ports",
+           "kill_sessions", "run_world"]
 
 
 class WorldError(RuntimeError):
@@ -66,6 +69,22 @@ def descendants(pid: int) -> list[int]:
             out += children
             todo += children
     return out
+
+
+def kill_sessions(procs: list) -> None:
+    """SIGKILL every process of ``procs`` (``subprocess.Popen``, each started in a session of
+    its own: a torchrun agent, a rendezvous) still running, its process group and every process
+    below it, then reap them."""
+    pids = [d for p in procs if p.poll() is None for d in descendants(p.pid)]
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=10)
 
 
 def free_ports(count: int) -> list[int]:

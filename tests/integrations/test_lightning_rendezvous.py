@@ -6,9 +6,7 @@ four different shards of the data."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +17,7 @@ import torch
 
 pytest.importorskip("lightning", reason="the lightning extra: pip install 'qcomm[lightning]'")
 
-from qcomm.testing.multiprocess import descendants, free_port
+from qcomm.testing.multiprocess import free_port, kill_sessions
 from tests.integrations.lightning_bodies import SAMPLES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,20 +28,6 @@ TIMEOUT_S = 240   # the whole job: a hang fails the test instead of stalling the
 
 pytestmark = pytest.mark.skipif(not TORCHRUN.exists(),
                                 reason=f"no torchrun next to {sys.executable}")
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """Every process of the job and its children, SIGKILL (each leads its own session)."""
-    pids = [d for p in procs if p.poll() is None for d in descendants(p.pid)]
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for p in procs:
-        p.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +60,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         assert codes == [0] * NODES, f"exit codes {codes} (None: still running after " \
                                      f"{TIMEOUT_S} s)\n{tails}"
     finally:
-        _stop(procs)
+        kill_sessions(procs)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(NODES * PROCS)]
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from qcomm.testing.multiprocess import descendants, free_port
+from qcomm.testing.multiprocess import descendants, free_port, kill_sessions
 from tests.examples.test_train_charlm import EXAMPLE, REPO, TINY, TORCHRUN
 
 LAUNCH_TIMEOUT_S = 150  # a hang fails the test instead of stalling the suite
@@ -94,17 +94,7 @@ class Job:
         return [self.agents[n].poll() for n in nodes]
 
     def stop(self) -> None:
-        procs = [*self.agents.values(), self.rendezvous]
-        pids = [d for p in procs if p.poll() is None for d in descendants(p.pid)]
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for p in procs:
-            p.wait(timeout=10)
+        kill_sessions([*self.agents.values(), self.rendezvous])
 
 
 def _digest(output: str) -> tuple[int, str]:
