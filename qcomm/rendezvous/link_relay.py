@@ -12,12 +12,14 @@ end between the two nodes through it (the relay reads only sealed frames; it hol
 but not the link's keys, which come from nonces the two ends exchange, and any byte it changed
 fails the frame's authentication). A connection whose other end does not come within
 ``wait_s``, one beyond ``max_waiting`` waiting, or a third one for a link, is refused with why
-(``N``, then the reason) and closed. When one side of a splice closes, both close.
+(``N``, then the reason) and closed; one that closed while it waited is dropped when the
+next one for its link comes. When one side of a splice closes, both close.
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import struct
 import sys
@@ -52,7 +54,18 @@ class _Waiting:
     def __init__(self, conn: socket.socket, side: str) -> None:
         self.conn, self.side = conn, side
         self.partner: socket.socket | None = None
+        self.dropped = False   # it closed before its other end came: a newer one took its place
         self.event = threading.Event()
+
+    def gone(self) -> bool:
+        """Whether this end closed while it waited (it sends nothing before it is paired)."""
+        try:
+            # (a socket with a timeout would wait it out in recv: ask select whether to read)
+            if not select.select([self.conn], [], [], 0)[0]:
+                return False   # open, silent: as it should be
+            return self.conn.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
 
 class LinkRelay:
@@ -137,6 +150,13 @@ class LinkRelay:
     def _pair(self, conn: socket.socket, peer: tuple, link: str, side: str) -> None:
         with self._lock:
             other = self._waiting.get(link)
+            if other is not None and other.gone():
+                # An end that gave up waiting (its link's timeout) and closed: this one, a
+                # newer try of the same end or the other end, waits in its place.
+                del self._waiting[link]
+                other.dropped = True
+                other.event.set()
+                other = None
             why = (f"link {link} is relayed already" if link in self._busy else
                    f"both ends of link {link} say they {side}" if other and other.side == side
                    else f"{self.max_waiting} connections wait already"
@@ -154,7 +174,9 @@ class LinkRelay:
         if other is not None:
             return self._splice(link, other.conn, conn)
         if mine.event.wait(self.wait_s):
-            return   # the other end's thread splices
+            if mine.dropped:
+                _close(conn)
+            return   # else the other end's thread splices
         with self._lock:
             if mine.partner is None:   # still alone (else paired just now: it splices)
                 self._waiting.pop(link, None)

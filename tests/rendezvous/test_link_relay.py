@@ -1,8 +1,9 @@
 """The relay of the links whose two ends both accept nothing (:mod:`qcomm.rendezvous.link_relay`):
 two connections naming the same link are spliced (bytes both ways, both closed when one
-closes); a lone one is told its other end did not come and closed; a third for a spliced link,
-a second end that says the same side, and one without the job token are refused; the
-rendezvous publishes the relay's address, and names a bad ``--relay-port``."""
+closes; one that closed while it waited makes way for the next); a lone one is told its other
+end did not come and closed; a third for a spliced link, a second end that says the same side,
+and one without the job token are refused; the rendezvous publishes the relay's address, and
+names a bad ``--relay-port``."""
 
 from __future__ import annotations
 
@@ -76,6 +77,22 @@ def test_a_lone_end_is_told_and_closed_and_a_third_is_refused(relay) -> None:
     assert bytes(recv_exact(b, 5)) == b"still"
     for s in (a, b, third, lone, *same):
         s.close()
+
+
+def test_an_end_that_closed_while_it_waited_is_dropped_for_the_next(relay) -> None:
+    _end(relay, "retried", "dial").close()   # gave up waiting
+    threading.Event().wait(0.1)
+    again, other = _end(relay, "retried", "dial"), None
+    try:
+        other = _end(relay, "retried", "accept")
+        assert _answer(again) == _answer(other) == "paired"
+        other.sendall(b"alive")
+        assert bytes(recv_exact(again, 5)) == b"alive"
+        assert relay.refused == 0
+    finally:
+        for s in (again, other):
+            if s is not None:
+                s.close()
 
 
 def test_waiting_ends_are_bounded(relay) -> None:
