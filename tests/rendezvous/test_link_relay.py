@@ -157,3 +157,38 @@ def test_a_relay_advertise_needs_a_relay() -> None:
         serve("127.0.0.1", free_ports(1)[0], 2, relay_advertise="h:1")
     with pytest.raises(ValueError, match="relay_advertise must be 'HOST:PORT'"):
         serve("127.0.0.1", free_ports(1)[0], 2, relay_port=1, relay_advertise="nowhere")
+
+
+def test_the_rendezvous_process_relays_with_its_token() -> None:
+    """``python -m qcomm.rendezvous --relay-port`` with ``QCOMM_TOKEN``: it says where it
+    relays, and its relay admits the token's holders only."""
+    import os
+    import subprocess
+    import sys
+
+    port, relay_port = free_ports(2)
+    env = dict(os.environ, QCOMM_TOKEN=TOKEN.decode(),
+               PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.Popen([sys.executable, "-m", "qcomm.rendezvous", "--host", "127.0.0.1",
+                          "--port", str(port), "--nodes", "2", "--relay-port", str(relay_port)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = [p.stdout.readline() for _ in range(2)]
+        assert f"relaying the links whose two ends both accept nothing on 127.0.0.1:" \
+               f"{relay_port}" in lines[1], lines
+        ends = []
+        for token in (TOKEN, TOKEN, b"a-wrong-token-0123456789"):
+            sock = socket.create_connection(("127.0.0.1", relay_port), timeout=10)
+            ends.append(sock)
+            side = "dial" if len(ends) == 1 else "accept"
+            if token == TOKEN:
+                dial(sock, {"link": "relay", "pair": "l", "side": side}, token)
+            else:
+                with pytest.raises(AdmissionError, match="wrong or missing job token"):
+                    dial(sock, {"link": "relay", "pair": "l", "side": side}, token)
+        assert _answer(ends[0]) == _answer(ends[1]) == "paired"
+        for s in ends:
+            s.close()
+    finally:
+        p.kill()
+        p.communicate(timeout=10)

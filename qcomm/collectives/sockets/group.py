@@ -53,7 +53,8 @@ class SocketGroup(PairGroup):
     Args:
         listen: ``"HOST:PORT"`` this process accepts its links on (PORT 0: the system picks);
             None reads ``QCOMM_LISTEN``; ``""`` (or neither) accepts nothing: this member
-            dials all its links (its peers must listen).
+            dials all its links (its peers must listen, or the rendezvous relay the links
+            to those that accept nothing either: ``--relay-port``).
         token: the job token (at least 16 characters); None reads ``QCOMM_TOKEN``.
         encrypt: encrypt and authenticate every frame (AES-256-GCM, keys from the token);
             None: on when there is a token, unless ``QCOMM_ENCRYPT=0``. Both ends of a link
