@@ -1,6 +1,8 @@
 """Time per round, bytes on the wire and CPU per byte of one link between two processes: Gloo's
 pairs against the TCP links on one port (:mod:`qcomm.collectives.sockets`), plain, with a token
-only, and with a token and encryption.
+only, and with a token and encryption, and (``sockets+relay``) encrypted through the relay of
+the links whose two ends both accept nothing (:mod:`qcomm.rendezvous.link_relay`, a process of
+its own on member 0's machine).
 
     python bench/socket_links.py [--nbytes 531252] [--rounds 100] [--reps 1]
     python bench/socket_links.py --link 100mbit --link 1gbit --link 100mbit:50 \\
@@ -50,7 +52,18 @@ KINDS: dict[str, dict | None] = {
     "sockets": {},
     "sockets+token": {"token": TOKEN, "encrypt": False},
     "sockets+token+aes-gcm": {"token": TOKEN, "encrypt": True},
+    # neither end listens: the link goes through the relay (a process of its own)
+    "sockets+relay": {"token": TOKEN, "encrypt": True, "listen": ""},
 }
+RELAYED = "sockets+relay"
+# The relay's process: a LinkRelay on argv[1]'s host, its port on the first line out.
+RELAY = """
+import sys
+from qcomm.rendezvous.link_relay import LinkRelay
+relay = LinkRelay(sys.argv[1], 0, sys.argv[2].encode())
+print(relay.port, flush=True)
+sys.stdin.read()   # until the bench closes it
+"""
 
 
 def _goodbye(message: torch.Tensor, sender: int) -> str | None:
@@ -75,7 +88,7 @@ def _links(kinds: list[str], rendezvous: str, member: int, host: str, nbytes: in
         name = f"bench-{kind}"
         group = (PairGroup(rendezvous, member, 2, timeout_s=60, name=name) if args is None
                  else SocketGroup(rendezvous, member, 2, timeout_s=60, name=name,
-                                  listen=f"{host}:0", **args))
+                                  **{"listen": f"{host}:0", **args}))
         out[kind] = [GlooStreams(group.ranks, None, member, [1 - member], nbytes, max_backlog=4,
                                  timeout_s=60, stream_end=_goodbye, connect=group.connect), 0, 0]
     return out
@@ -102,8 +115,9 @@ def _rounds(link: list, message: torch.Tensor, n: int) -> list[float]:
 
 
 def member_main(member: int, rendezvous: str, host: str, kinds: list[str], nbytes: int,
-                rounds: int, reps: int) -> dict | None:
-    """One member's part; member 0 serves the rendezvous and returns the measurements."""
+                rounds: int, reps: int, relay: str | None = None) -> dict | None:
+    """One member's part; member 0 serves the rendezvous (naming ``relay`` as its relay) and
+    returns the measurements."""
     import datetime
 
     import torch.distributed as dist
@@ -122,6 +136,10 @@ def member_main(member: int, rendezvous: str, host: str, kinds: list[str], nbyte
             raise RuntimeError("the rendezvous did not start")
     store = dist.TCPStore(r_host, r_port, is_master=False,
                           timeout=datetime.timedelta(seconds=60))
+    if member == 0 and relay is not None:
+        from qcomm.rendezvous.link_relay import RELAY_KEY
+
+        store.set(RELAY_KEY, relay)   # before this member's first link: the other reads it
     claim_incarnation(store, member)
     links = _links(kinds, rendezvous, member, host, nbytes)
     message = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
@@ -154,16 +172,27 @@ def _run_pair(kinds: list[str], nbytes: int, rounds: int, reps: int,
     env = dict(os.environ, GLOO_SOCKET_IFNAME=IFACE if cluster else "lo", OMP_NUM_THREADS="1")
     env.pop("QCOMM_TOKEN", None)
     procs = []
+    relay = None
+    if RELAYED in kinds:   # on node 0's machine, as the rendezvous's relay would be
+        ns = ["ip", "netns", "exec", f"qcb{cluster}n0"] if cluster else []
+        procs.append(subprocess.Popen([*ns, sys.executable, "-c", RELAY, hosts[0], TOKEN],
+                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True))
+        relay = f"{hosts[0]}:{int(procs[0].stdout.readline())}"
     for m in (0, 1):
         ns = ["ip", "netns", "exec", f"qcb{cluster}n{m}"] if cluster else []
         procs.append(subprocess.Popen(
             [*ns, sys.executable, __file__, "--member", str(m), "--rendezvous", rendezvous,
              "--host", hosts[m], "--kinds", ",".join(kinds), "--nbytes", str(nbytes),
-             "--rounds", str(rounds), "--reps", str(reps)], env=env, stdout=subprocess.PIPE,
+             "--rounds", str(rounds), "--reps", str(reps),
+             *(["--relay", relay] if relay else [])], env=env, stdout=subprocess.PIPE,
             text=True))
-    outs = [p.communicate(timeout=1200)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"a member failed: exit codes {[p.returncode for p in procs]}")
+    members = procs[-2:]
+    outs = [p.communicate(timeout=1200)[0] for p in members]
+    if relay is not None:
+        procs[0].communicate(timeout=60)   # stdin closed: the relay ends
+    if any(p.returncode for p in members):
+        raise RuntimeError(f"a member failed: exit codes {[p.returncode for p in members]}")
     return json.loads(outs[0].strip().splitlines()[-1].removeprefix("RESULT "))
 
 
@@ -224,6 +253,8 @@ def main() -> None:
                     help="With --member: HOST:PORT of the rendezvous (member 0 serves it).")
     ap.add_argument("--host", default=None,
                     help="With --member: the address this member accepts its links on.")
+    ap.add_argument("--relay", default=None,
+                    help="With --member 0: HOST:PORT of the relay the rendezvous names.")
     a = ap.parse_args()
     if a.rounds < 4 or a.nbytes < 2 or a.reps < 1:
         ap.error(f"--rounds must be >= 4, --nbytes >= 2 and --reps >= 1, got {a.rounds}, "
@@ -232,7 +263,8 @@ def main() -> None:
     if unknown := [k for k in kinds if k not in KINDS]:
         ap.error(f"--kinds must name kinds among {', '.join(KINDS)}, got {unknown}")
     if a.member is not None:
-        res = member_main(a.member, a.rendezvous, a.host, kinds, a.nbytes, a.rounds, a.reps)
+        res = member_main(a.member, a.rendezvous, a.host, kinds, a.nbytes, a.rounds, a.reps,
+                          a.relay)
         if res is not None:
             print("RESULT " + json.dumps(res), flush=True)
         return

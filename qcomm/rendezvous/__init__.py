@@ -8,7 +8,8 @@ and in ``train.py``, ``qcomm.rendezvous.init_process_group()`` where
 ``torch.distributed.init_process_group()`` was. :mod:`.server` serves it, :mod:`.seat` seats a
 node, :mod:`.node` seats a linked node (one that may leave and come back), :mod:`.heartbeat`
 tells a peer slow to start from one that died, :mod:`.start` begins the starting nodes'
-gossip together. docs/guide.md, "One torchrun per node", has the launch in full.
+gossip together, :mod:`.link_relay` relays the socket links whose two ends both accept
+nothing. docs/guide.md, "One torchrun per node", has the launch in full.
 """
 
 from .node import LinkedSeat, init_node, linked_seat

@@ -6,22 +6,26 @@ It is torch's ``TCPStore`` server and nothing else (no consensus of its own): th
 their seats and build their process groups through it (:mod:`.seat`). It holds the job's size
 under ``qcomm/nodes``. With a job token (``QCOMM_TOKEN``) the store listens on localhost only
 and the public port is the front of :mod:`.gate`: only the token's holders get in, encrypted.
+With ``relay_port`` (``--relay-port``) it also runs the relay of the links whose two ends
+both accept nothing (:mod:`.link_relay`), its address in the store under ``qcomm/relay``.
 Stopping it (SIGTERM, SIGINT) does not stop nodes that are running: they need it only while
-they start.
+they start (and, for their relayed links, its relay).
 """
 
 from __future__ import annotations
 
 import datetime
 import signal
+import socket
 import threading
 
 import torch.distributed as dist
 
-from qcomm.validation import check_int
+from qcomm.validation import check_host_port, check_int
 from qcomm.wire.token import job_token
 
 from .gate import Gate
+from .link_relay import RELAY_KEY, LinkRelay
 
 __all__ = ["MAX_NODES_KEY", "NODES_KEY", "serve"]
 
@@ -31,7 +35,8 @@ MAX_NODES_KEY = "qcomm/max_nodes"  # ... and may grow to (nodes linked through i
 
 def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
           ready: threading.Event | None = None, stop: threading.Event | None = None,
-          token: str | None = None) -> None:
+          token: str | None = None, relay_port: int | None = None,
+          relay_advertise: str | None = None) -> None:
     """Serve the rendezvous of a job of ``nodes`` nodes on ``host:port`` until SIGTERM or
     SIGINT (or ``stop`` is set).
 
@@ -47,6 +52,11 @@ def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
             only in the main thread).
         token: the job token (at least 16 characters); None reads ``QCOMM_TOKEN`` (unset:
             none, anyone who reaches the port is served, in clear).
+        relay_port: TCP port, 1..65535, of the relay of the links whose two ends both accept
+            nothing (:mod:`.link_relay`; on ``host``, admitting the token's holders); None:
+            no relay.
+        relay_advertise: ``"HOST:PORT"`` the nodes dial to reach the relay, when it is not
+            ``host:relay_port`` (a forwarded port; a wildcard host: this machine's address).
 
     Raises:
         ValueError: a bad argument, named; RuntimeError: the port is taken.
@@ -57,6 +67,12 @@ def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
                           what=f"an int >= nodes ({nodes})")
     if not isinstance(host, str) or not host:
         raise ValueError(f"host must be a non-empty string, got {host!r}")
+    relay_port = check_int("relay_port", relay_port, low=1, high=65535, allow_none=True)
+    if relay_advertise is not None:
+        check_host_port("relay_advertise", relay_advertise, "the address the nodes dial to "
+                        "reach the relay")
+        if relay_port is None:
+            raise ValueError("relay_advertise needs relay_port: there is no relay without it")
     secret = job_token(token)
     try:
         # With a token, the store is reachable from this machine only; the gate is the port.
@@ -66,6 +82,19 @@ def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
         gate = Gate(host, port, store.port, secret) if secret else None
     except (RuntimeError, OSError) as e:
         raise RuntimeError(f"the rendezvous cannot listen on {host}:{port}: {e}") from e
+    relay = None
+    if relay_port is not None:
+        try:
+            relay = LinkRelay(host, relay_port, secret)
+        except OSError as e:
+            if gate is not None:
+                gate.close()
+            raise RuntimeError(f"the relay cannot listen on {host}:{relay_port}: {e}") from e
+        shown = host if host not in ("0.0.0.0", "::") else socket.gethostbyname(
+            socket.gethostname())
+        relay_advertise = relay_advertise or (f"[{shown}]:{relay_port}" if ":" in shown
+                                              else f"{shown}:{relay_port}")
+        store.set(RELAY_KEY, relay_advertise)
     store.set(NODES_KEY, str(nodes))
     store.set(MAX_NODES_KEY, str(max_nodes))
     stop = stop or threading.Event()
@@ -77,10 +106,15 @@ def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
               ", admitting anyone who reaches it, in clear (no QCOMM_TOKEN)")
     print(f"qcomm rendezvous: listening on {host}:{port} for a job of {nodes} nodes{grows}"
           f"{admits}", flush=True)
+    if relay is not None:
+        print(f"qcomm rendezvous: relaying the links whose two ends both accept nothing on "
+              f"{host}:{relay_port} (the nodes dial {relay_advertise})", flush=True)
     if ready is not None:
         ready.set()
     while not stop.wait(0.5):
         pass
     if gate is not None:
         gate.close()
+    if relay is not None:
+        relay.close()
     del store

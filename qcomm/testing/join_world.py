@@ -57,8 +57,10 @@ def _token() -> bytes | None:
 def _gossip(args: argparse.Namespace, store: dist.Store) -> tuple[WaitFreeGossip, int]:
     incarnation = claim_incarnation(store, args.member)
     if args.transport == "sockets":   # one port of its own, the token from QCOMM_TOKEN
+        # (QCOMM_LISTEN="": no port, behind a NAT, as a relay test's members)
         group: PairGroup = SocketGroup(f"127.0.0.1:{args.port}", args.member, args.size,
-                                       timeout_s=20, listen="127.0.0.1:0")
+                                       timeout_s=20,
+                                       listen=os.environ.get("QCOMM_LISTEN", "127.0.0.1:0"))
     else:
         # (a link is made within the silence bound: many processes on few cores are slow)
         group = PairGroup(f"127.0.0.1:{args.port}", args.member, args.size,

@@ -3,7 +3,8 @@ tests (``tests/collectives/sockets/test_admission_processes.py``): it reads the 
 address from the rendezvous (as anyone who can reach the port could learn it) and dials it
 naming a real link of the job, with ``--token`` (the wrong one) or none; ``--mode garbage``
 sends gossip-sized bytes with no handshake at all. It prints what happened on one line and
-exits 0 when it was refused.
+exits 0 when it was refused. ``--to relay`` tries the rendezvous's relay instead, asking for
+that link (the relay tests).
 
     QCOMM_TOKEN=wrong... python -m qcomm.testing.stray_link --port P --mode token
 """
@@ -19,6 +20,7 @@ import sys
 import torch.distributed as dist
 
 from qcomm.collectives.sockets.listener import parse_listen
+from qcomm.rendezvous.link_relay import RELAY_KEY, RELAY_LINK
 from qcomm.wire.admission import AdmissionError, dial
 from qcomm.wire.frames import FrameError
 
@@ -30,10 +32,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True, help="the rendezvous's port")
     ap.add_argument("--mode", choices=["token", "garbage"], required=True)
+    ap.add_argument("--to", choices=["member", "relay"], default="member",
+                    help="member 0's port, or the rendezvous's relay (asking for that link)")
     args = ap.parse_args()
     store = dist.TCPStore("127.0.0.1", args.port, is_master=False,
                           timeout=datetime.timedelta(seconds=30))
-    host, port = parse_listen(store.get(f"{LINK}addr/0").decode())
+    at = RELAY_KEY if args.to == "relay" else f"{LINK}addr/0"
+    host, port = parse_listen(store.get(at).decode())
     sock = socket.create_connection((host, port), timeout=10)
     if args.mode == "garbage":
         sock.sendall(os.urandom(4096))
@@ -47,8 +52,9 @@ def main() -> None:
         return
     token = os.environ.get("QCOMM_TOKEN")
     try:
-        dial(sock, {"link": LINK, "member": 1, "incarnation": 1},
-             token.encode() if token else None)
+        hello = ({"link": RELAY_LINK, "pair": LINK, "side": "dial"} if args.to == "relay" else
+                 {"link": LINK, "member": 1, "incarnation": 1})
+        dial(sock, hello, token.encode() if token else None)
     except (AdmissionError, FrameError) as e:
         print(f"refused: {type(e).__name__}: {e}", flush=True)
         return

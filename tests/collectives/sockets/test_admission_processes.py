@@ -21,12 +21,12 @@ from ..test_join_processes import REPO, _finish, _worker
 TOKEN = "the-job-token-0123456789abcdef"
 
 
-def _stray(port: int, mode: str, token: str | None) -> subprocess.Popen:
+def _stray(port: int, mode: str, token: str | None, *args: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "QCOMM_TOKEN"}
     if token is not None:
         env["QCOMM_TOKEN"] = token
     return subprocess.Popen([sys.executable, "-m", "qcomm.testing.stray_link", "--port",
-                             str(port), "--mode", mode], cwd=REPO,
+                             str(port), "--mode", mode, *args], cwd=REPO,
                             env={**env, "PYTHONPATH": str(REPO)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

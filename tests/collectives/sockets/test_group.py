@@ -18,6 +18,7 @@ from qcomm.collectives.gloo.streams import GlooStreams
 from qcomm.collectives.sockets import AdmissionError, SocketGroup, job_token
 from qcomm.collectives.sockets.listener import listener_at
 from qcomm.rendezvous import serve
+from qcomm.rendezvous.link_relay import RELAY_KEY
 from qcomm.rendezvous.seat import claim_incarnation
 from qcomm.testing.multiprocess import free_ports
 from qcomm.wire.admission import dial
@@ -106,15 +107,19 @@ def _member(port: int, member: int, out: dict, count: int = 5, **group_kwargs) -
     streams.close(torch.full((64,), 255, dtype=torch.uint8))
 
 
-def run_pair(kwargs: tuple[dict, dict], count: int = 5) -> dict:
+def run_pair(kwargs: tuple[dict, dict], count: int = 5, relay: str | None = None) -> dict:
     """Members 0 and 1 (:func:`_member`, ``kwargs[m]`` for member m's group) in threads, over
-    a rendezvous in a thread; what each ended with."""
+    a rendezvous in a thread (that names ``relay``, ``"HOST:PORT"``, as its relay); what each
+    ended with."""
     (port,) = free_ports(1)
     ready, stop = threading.Event(), threading.Event()
     server = threading.Thread(target=serve, args=("127.0.0.1", port, 2),
                               kwargs={"ready": ready, "stop": stop}, daemon=True)
     server.start()
     assert ready.wait(10)
+    if relay is not None:
+        dist.TCPStore("127.0.0.1", port, is_master=False,
+                      timeout=datetime.timedelta(seconds=10)).set(RELAY_KEY, relay)
     out: dict = {}
     threads = [threading.Thread(target=_member, args=(port, m, out, count), kwargs=kwargs[m])
                for m in (0, 1)]
