@@ -21,21 +21,20 @@ from qcomm.wire.admission import HANDSHAKE_TIMEOUT_S, AdmissionError, accept, cu
 from qcomm.wire.aead import link_keys
 from qcomm.wire.frames import FrameError
 
+from .admitting import AdmittingServer
 from .relay import relay
 
 __all__ = ["HELLO", "Gate"]
 
 # What a node's forwarder says it is: the one hello the gate admits.
 HELLO = {"link": "rendezvous"}
-# Handshakes in progress at once, at most: more are closed unread (a flood costs no threads).
-_MAX_ADMITTING = 64
 
 
 def _say(line: str) -> None:
     print(f"qcomm rendezvous: {line}", file=sys.stderr, flush=True)
 
 
-class Gate:
+class Gate(AdmittingServer):
     """Serves ``host:port`` for the store at ``127.0.0.1:store_port`` (module docstring).
 
     Args:
@@ -50,34 +49,12 @@ class Gate:
 
     def __init__(self, host: str, port: int, store_port: int, token: bytes) -> None:
         self.token, self.store_port = token, store_port
-        self.sock = socket.create_server((host, port), backlog=128,
-                                         family=socket.AF_INET6 if ":" in host
-                                         else socket.AF_INET)
-        self.port = self.sock.getsockname()[1]
         self.refused = self.tampered = 0
-        self._logged: set[str] = set()
-        self._lock = threading.Lock()
-        self._admitting = threading.BoundedSemaphore(_MAX_ADMITTING)
-        threading.Thread(target=self._accept_loop, daemon=True, name="qcomm-gate").start()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, peer = self.sock.accept()
-            except OSError:
-                return   # closed
-            if not self._admitting.acquire(blocking=False):
-                conn.close()
-                continue
-            threading.Thread(target=self._admit, args=(conn, peer), daemon=True,
-                             name="qcomm-gate-admit").start()
+        super().__init__(host, port, "qcomm-gate")
 
     def _once(self, peer: str, line: str) -> None:
         """Log ``line`` if it is the first about ``peer``'s address."""
-        with self._lock:
-            first = peer not in self._logged
-            self._logged.add(peer)
-        if first:
+        if self._first_from(peer):
             _say(f"{line} (later ones from {peer} are not logged)")
 
     def _admit(self, conn: socket.socket, peer: tuple) -> None:
@@ -111,7 +88,7 @@ class Gate:
                 return
         finally:
             deadline.cancel()
-            self._admitting.release()
+            self._handshake_over()
         try:
             store = socket.create_connection(("127.0.0.1", self.store_port))
         except OSError:
@@ -129,7 +106,3 @@ class Gate:
         with self._lock:
             self.tampered += 1
         _say(f"ended the connection from {peer[0]}:{peer[1]}: {why}")
-
-    def close(self) -> None:
-        """Stop accepting (connections relayed so far go on until they close)."""
-        self.sock.close()

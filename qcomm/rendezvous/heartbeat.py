@@ -16,6 +16,7 @@ incarnation, so a restarted node's beat does not vouch for the process it replac
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import threading
@@ -44,9 +45,10 @@ def start_heartbeat(host: str, port: int, rank: int, incarnation: int,
     store = store_client(host, port, datetime.timedelta(seconds=timeout_s))
     store.add(key, 1)   # the first beat before the call returns: a peer sees it at once
 
+    stop = threading.Event()
+
     def beat() -> None:
-        while True:
-            time.sleep(BEAT_EVERY_S)
+        while not stop.wait(BEAT_EVERY_S):
             try:
                 store.add(key, 1)
             except Exception as e:   # the rendezvous ended (or its connection): so does the beat
@@ -56,6 +58,15 @@ def start_heartbeat(host: str, port: int, rank: int, incarnation: int,
 
     thread = threading.Thread(target=beat, daemon=True, name=f"qcomm-pulse-{rank}")
     thread.start()
+
+    def end() -> None:
+        # Before the interpreter finalizes: a daemon thread that comes back from a C++ call
+        # (the store's add) once it has started is ended inside it, and the process aborts
+        # ("terminate called without an active exception") after a run that had finished.
+        stop.set()
+        thread.join(timeout=5 * BEAT_EVERY_S)
+
+    atexit.register(end)
     return thread
 
 

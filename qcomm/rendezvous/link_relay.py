@@ -28,6 +28,8 @@ import threading
 from qcomm.wire.admission import HANDSHAKE_TIMEOUT_S, AdmissionError, accept, cut
 from qcomm.wire.frames import FrameError
 
+from .admitting import AdmittingServer
+
 __all__ = ["PAIRED", "RELAY_KEY", "RELAY_LINK", "LinkRelay"]
 
 # Where the rendezvous publishes the relay's address ("HOST:PORT") in its store.
@@ -36,8 +38,6 @@ RELAY_KEY = "qcomm/relay"
 RELAY_LINK = "relay"
 # What the relay answers once both ends of a link are here (else b"N", a length, why).
 PAIRED = b"P"
-# Handshakes in progress at once, at most: more are closed unread (a flood costs no threads).
-_MAX_ADMITTING = 64
 _CHUNK = 1 << 16
 
 
@@ -68,7 +68,7 @@ class _Waiting:
             return True
 
 
-class LinkRelay:
+class LinkRelay(AdmittingServer):
     """Pairs and splices the connections of links relayed through ``host:port`` (module
     docstring).
 
@@ -86,35 +86,15 @@ class LinkRelay:
     def __init__(self, host: str, port: int, token: bytes | None, *, wait_s: float = 120.0,
                  max_waiting: int = 256) -> None:
         self.token, self.wait_s, self.max_waiting = token, wait_s, max_waiting
-        self.sock = socket.create_server((host, port), backlog=128,
-                                         family=socket.AF_INET6 if ":" in host
-                                         else socket.AF_INET)
-        self.port = self.sock.getsockname()[1]
         self.refused = self.spliced = 0
-        self._lock = threading.Lock()
-        self._logged: set[str] = set()
         self._waiting: dict[str, _Waiting] = {}
         self._busy: set[str] = set()   # links spliced now: a third connection is refused
-        self._admitting = threading.BoundedSemaphore(_MAX_ADMITTING)
-        threading.Thread(target=self._accept_loop, daemon=True, name="qcomm-relay").start()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, peer = self.sock.accept()
-            except OSError:
-                return   # closed
-            if not self._admitting.acquire(blocking=False):
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                             name="qcomm-relay-admit").start()
+        super().__init__(host, port, "qcomm-relay")
 
     def _refuse(self, conn: socket.socket, peer: tuple, why: str) -> None:
         with self._lock:   # counted before the refused end hears it
             self.refused += 1
-            first = peer[0] not in self._logged
-            self._logged.add(peer[0])
+        first = self._first_from(peer[0])
         with contextlib.suppress(OSError):
             reason = why.encode()
             conn.sendall(b"N" + struct.pack("!H", len(reason)) + reason)
@@ -124,7 +104,7 @@ class LinkRelay:
                   f"{why} (later ones from {peer[0]} are not logged)", file=sys.stderr,
                   flush=True)
 
-    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+    def _admit(self, conn: socket.socket, peer: tuple) -> None:
         # A read waits through socket timeouts (frames.recv_exact): this timer is the
         # handshake's deadline, cutting a connection that says nothing.
         deadline = threading.Timer(HANDSHAKE_TIMEOUT_S, cut, args=(conn,))
@@ -140,7 +120,7 @@ class LinkRelay:
                 return self._refuse(conn, peer, f"no job token's handshake ({e})")
         finally:
             deadline.cancel()
-            self._admitting.release()
+            self._handshake_over()
         link, side = hello.get("pair"), hello.get("side")
         if hello.get("link") != RELAY_LINK or not isinstance(link, str) or \
                 side not in ("dial", "accept"):
@@ -219,7 +199,3 @@ class LinkRelay:
         _close(*socks)
         with self._lock:
             self._busy.discard(link)
-
-    def close(self) -> None:
-        """Stop accepting (links spliced so far go on until they close)."""
-        self.sock.close()

@@ -33,6 +33,25 @@ NODES_KEY = "qcomm/nodes"  # the number of nodes the job starts with
 MAX_NODES_KEY = "qcomm/max_nodes"  # ... and may grow to (nodes linked through it only)
 
 
+def _start_relay(host: str, relay_port: int, advertise: str | None, secret: bytes | None,
+                 store: dist.Store, gate: Gate | None) -> LinkRelay:
+    """The relay of links (:mod:`.link_relay`) on ``host:relay_port``, its address for the
+    nodes published in ``store``. Raises RuntimeError when its port is taken (the gate
+    closed)."""
+    try:
+        relay = LinkRelay(host, relay_port, secret)
+    except OSError as e:
+        if gate is not None:
+            gate.close()
+        raise RuntimeError(f"the relay cannot listen on {host}:{relay_port}: {e}") from e
+    shown = host if host not in ("0.0.0.0", "::") else socket.gethostbyname(
+        socket.gethostname())
+    advertise = advertise or (f"[{shown}]:{relay_port}" if ":" in shown
+                              else f"{shown}:{relay_port}")
+    store.set(RELAY_KEY, advertise)
+    return relay
+
+
 def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
           ready: threading.Event | None = None, stop: threading.Event | None = None,
           token: str | None = None, relay_port: int | None = None,
@@ -82,19 +101,8 @@ def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
         gate = Gate(host, port, store.port, secret) if secret else None
     except (RuntimeError, OSError) as e:
         raise RuntimeError(f"the rendezvous cannot listen on {host}:{port}: {e}") from e
-    relay = None
-    if relay_port is not None:
-        try:
-            relay = LinkRelay(host, relay_port, secret)
-        except OSError as e:
-            if gate is not None:
-                gate.close()
-            raise RuntimeError(f"the relay cannot listen on {host}:{relay_port}: {e}") from e
-        shown = host if host not in ("0.0.0.0", "::") else socket.gethostbyname(
-            socket.gethostname())
-        relay_advertise = relay_advertise or (f"[{shown}]:{relay_port}" if ":" in shown
-                                              else f"{shown}:{relay_port}")
-        store.set(RELAY_KEY, relay_advertise)
+    relay = None if relay_port is None else _start_relay(host, relay_port, relay_advertise,
+                                                         secret, store, gate)
     store.set(NODES_KEY, str(nodes))
     store.set(MAX_NODES_KEY, str(max_nodes))
     stop = stop or threading.Event()
@@ -108,7 +116,8 @@ def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
           f"{admits}", flush=True)
     if relay is not None:
         print(f"qcomm rendezvous: relaying the links whose two ends both accept nothing on "
-              f"{host}:{relay_port} (the nodes dial {relay_advertise})", flush=True)
+              f"{host}:{relay_port} (the nodes dial {store.get(RELAY_KEY).decode()})",
+              flush=True)
     if ready is not None:
         ready.set()
     while not stop.wait(0.5):

@@ -39,7 +39,7 @@ from qcomm.wire.token import job_token
 
 from ..gloo.pair_group import PairGroup
 from .channel import SocketChannel
-from .listener import listener_at, parse_listen
+from .listener import connect_to, listener_at, parse_listen
 from .relayed import dial_relay
 
 __all__ = ["SocketGroup", "job_token"]
@@ -143,13 +143,7 @@ class SocketGroup(PairGroup):
 
     def _dial(self, address: str, link: str, me: tuple[int, int], timeout_s: float
               ) -> tuple[socket.socket, Admitted]:
-        host, port = parse_listen(address, "the peer's listening address")
-        try:
-            sock = socket.create_connection((host, port), timeout=min(timeout_s,
-                                                                      HANDSHAKE_TIMEOUT_S))
-        except OSError as e:
-            raise RuntimeError(f"cannot connect to {address}: {e}") from e
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = connect_to(address, "the peer's listening address", timeout_s)
         return sock, self._hello(sock, link, me, address)
 
     def _hello(self, sock: socket.socket, link: str, me: tuple[int, int], where: str

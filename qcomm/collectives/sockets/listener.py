@@ -22,7 +22,7 @@ from qcomm.validation import check_host_port
 from qcomm.wire.admission import HANDSHAKE_TIMEOUT_S, AdmissionError, Admitted, accept, cut
 from qcomm.wire.frames import FrameError
 
-__all__ = ["Listener", "listener_at", "parse_listen"]
+__all__ = ["Listener", "connect_to", "listener_at", "parse_listen"]
 
 log = logging.getLogger(__name__)
 
@@ -178,3 +178,22 @@ def listener_at(address: str, token: bytes | None) -> Listener:
             raise ValueError(f"this process listens on {address} already, with another job "
                              "token")
     return listener
+
+
+def connect_to(address: str, what: str, timeout_s: float) -> socket.socket:
+    """A TCP connection to ``address`` (``"HOST:PORT"``, ``what`` it is, for the errors),
+    Nagle off (a link's messages are sent whole), its connect bounded by the handshake's
+    deadline.
+
+    Raises:
+        ValueError: ``address`` is not ``HOST:PORT`` (named by ``what``);
+        RuntimeError: the connection cannot be made, saying where.
+    """
+    host, port = parse_listen(address, what)
+    try:
+        sock = socket.create_connection((host, port), timeout=min(timeout_s,
+                                                                  HANDSHAKE_TIMEOUT_S))
+    except OSError as e:
+        raise RuntimeError(f"cannot connect to {what} at {address}: {e}") from e
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock

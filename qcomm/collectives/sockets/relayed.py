@@ -14,7 +14,7 @@ from qcomm.rendezvous.link_relay import PAIRED, RELAY_LINK
 from qcomm.wire.admission import HANDSHAKE_TIMEOUT_S, AdmissionError, cut, dial
 from qcomm.wire.frames import FrameError, recv_exact
 
-from .listener import parse_listen
+from .listener import connect_to
 
 __all__ = ["dial_relay"]
 
@@ -29,13 +29,7 @@ def dial_relay(address: str, link: str, side: str, token: bytes | None, timeout_
         RuntimeError: the relay cannot be reached, refused this end, or the other end did not
             come, saying which.
     """
-    host, port = parse_listen(address, "the relay's address")
-    try:
-        sock = socket.create_connection((host, port), timeout=min(timeout_s,
-                                                                  HANDSHAKE_TIMEOUT_S))
-    except OSError as e:
-        raise RuntimeError(f"cannot connect to the relay at {address}: {e}") from e
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock = connect_to(address, "the relay", timeout_s)
     # A read waits through socket timeouts (frames.recv_exact): this timer bounds the relay's
     # handshake and the wait for the other end, cutting a relay that says nothing.
     deadline = threading.Timer(HANDSHAKE_TIMEOUT_S + timeout_s, cut, args=(sock,))
