@@ -84,7 +84,7 @@ def survivors_sum(members: Membership, streams: MessageStreams, t: torch.Tensor,
         else:
             total, info = recv(kl)
             send(kr, total, info)
-    took_part = {m for m in range(n) if info[1 + n + m]}
-    members.learn({m for m in range(n) if info[1 + m]} - took_part, took_part)
+    members.learn({m for m in range(n) if info[1 + m]},
+                  took_part={m for m in range(n) if info[1 + n + m]})
     # a copy: the tensor sent is the streams' until it has left
     return total.to(t.device, copy=True), int(info[0])
