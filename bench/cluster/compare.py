@@ -55,6 +55,7 @@ from bench.cluster import worker_flags as F
 from bench.cluster import workloads as W
 from bench.cluster.project_targets import SUBJECT, check_targets
 from bench.cluster.repetitions import aggregate
+from bench.cluster.sweep_resume import record_args, resume_problem, reusable
 from bench.cluster.run_launch import (
     HERE,
     LIGHTNING,
@@ -247,6 +248,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     F.add_flags(p, ("max_steps", "kill_node", "kill_at", "join_at", "pg_timeout", "fsdp",
                     "links"), unset=("pg_timeout",))
     p.add_argument("--timeout", type=int, default=900, help="The seconds allowed per run.")
+    p.add_argument("--resume", action="store_true",
+                   help="Take up the sweep in --out: the runs whose JSON is there are read, "
+                        "not run again; the others run. The settings must be the first "
+                        "invocation's (--timeout, --repeats and the report's flags may change).")
     p.add_argument("--agree", type=float, default=0.05,
                    help="Largest relative difference allowed between the two byte counts.")
     p.add_argument("--out", default="",
@@ -259,6 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.resume and not args.out:
+        p.error("--resume takes up the sweep in --out DIR: name it")
     check_kill(p, args)
     if args.fsdp and (args.kill_node is not None or args.time_budget is not None):
         p.error("--fsdp runs are healthy and take --steps steps: it cannot be combined with "
@@ -414,6 +421,10 @@ def run_cell(sweep: Sweep, args: argparse.Namespace, cluster: str,
         return {**base, "status": why} if rep == 0 else None
     stem = f"{w}_{tag}_{rate}_{name}_r{rep + 1}"
     out_json = sweep.outdir / "runs" / f"{stem}.json"
+    kept = reusable(out_json, args.resume)
+    if kept is not None:
+        note(f"{stem}: kept from the first invocation ({out_json})")
+        return {**summarize_run(kept, sweep.targets[w]), "rate": rate}
     cmd = workload_command(w, name, args, sweep.data[w], out_json, tag, rep)
     with progress(settings(w, args)["steps"], f"  {name}", position=1, leave=False) as bar:
         rc, tail = run_one(cluster, layout, cmd, args.timeout, out_json,
@@ -460,6 +471,12 @@ def main(argv: list[str] | None = None) -> int:
               "qdiscs); run it as root or with sudo", file=sys.stderr)
         return 1
     sweep = plan(args)
+    if args.resume:
+        problem = resume_problem(args, parse_args(["--out", args.out]), sweep.outdir)
+        if problem:
+            print(f"compare.py: {problem}", file=sys.stderr)
+            return 2
+    record_args(args, sweep.outdir)
     env = environment()
     announce(args, env)
     make_data(sweep, args)

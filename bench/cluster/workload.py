@@ -169,15 +169,19 @@ def step_function(work, built: T.Built, args: argparse.Namespace, cfg: T.Config
                   ) -> Callable[[int], tuple[float, float]]:
     """One training step of the built method on batch ``i``; returns the seconds of forward and
     backward, and of the optimizer step. The learning rate follows ``--lr-schedule`` over
-    ``--warmup + --steps`` steps by the batch's index (every method alike: the optimizer the
-    method steps, DiLoCo's inner one)."""
+    ``--warmup + --steps`` steps (every method alike: the optimizer the method steps, DiLoCo's
+    inner one) by the job's progress: a wait-free qcomm optimizer's ``job_progress()`` (the
+    guide's recipe: a node slower than the others decays with the job, not by its own steps),
+    the batch's index for the others (lockstep: every node is at the same step, and the
+    progress's collective over the node's ranks would cost a step for nothing)."""
     model, opt = built.model, built.optimizer
     lr_at = None if args.lr_schedule == "constant" else \
         T.scheduled(opt, args.lr_schedule, args.warmup + args.steps, cfg.lr)
+    progress = getattr(opt, "job_progress", None) if built.node_any is not None else None
 
     def train_step(i: int) -> tuple[float, float]:
         if lr_at is not None:
-            lr_at(i)
+            lr_at(i if progress is None else max(i, progress()))
         t0 = time.perf_counter()
         loss = work.loss(model, i)
         opt.zero_grad(set_to_none=True)

@@ -50,3 +50,39 @@ def test_scheduled_sets_every_group_by_the_step_not_by_calls() -> None:
     again = T.scheduled(opt, "cosine", 100, 0.1)
     again(10)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * T.lr_factor("cosine", 10, 100))
+
+
+class _Progressing(torch.optim.SGD):
+    """A torch optimizer that knows the job's progress, as a wait-free qcomm optimizer does."""
+
+    def __init__(self, params, progress: int) -> None:
+        super().__init__(params, lr=0.1)
+        self.progress = progress
+
+    def job_progress(self) -> int:
+        return self.progress
+
+
+class _Work:
+    def loss(self, model, i):
+        return model(torch.ones(1, 2)).sum()
+
+
+@pytest.mark.parametrize(("wait_free", "progress", "step", "follows"), [
+    (True, 80, 10, 80),     # a slow node: the job is further on than its own index
+    (True, 5, 10, 10),      # never behind its own steps
+    (False, 80, 10, 10),    # lockstep: every node at the same index; no collective asked
+])
+def test_the_cluster_workload_schedules_a_wait_free_run_by_the_jobs_progress(
+        wait_free: bool, progress: int, step: int, follows: int) -> None:
+    import argparse
+
+    from bench.cluster import workload as WL
+
+    model = torch.nn.Linear(2, 1)
+    opt = _Progressing(model.parameters(), progress)
+    built = T.Built(model, model, opt, node_any=(lambda flag: flag) if wait_free else None)
+    args = argparse.Namespace(lr_schedule="cosine", warmup=5, steps=95)
+    cfg = argparse.Namespace(lr=0.1)
+    WL.step_function(_Work(), built, args, cfg)(step)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * T.lr_factor("cosine", follows, 100))
