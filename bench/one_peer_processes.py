@@ -13,9 +13,11 @@ member's incarnation, losses seen, steps taken, bytes sent per step (payload, he
 seal of its rounds, before the final drain and sum), the spread of the members' final vectors
 over their start's, and whether the survivors' sum is the same bits on every member.
 
-Every wait is bounded (a member's silence ``timeout_s``, the whole run ``--timeout-s``): a
-hang fails the run. Wall times on a machine with fewer cores than members say nothing of
-speed; the script reports them only to show it finished.
+The run is :func:`qcomm.testing.one_peer_world.run` (also the suite's test, on fewer steps;
+``--start fork``: members forked from one process that imported torch, as the test starts
+them). Every wait is bounded (a member's silence ``timeout_s``, the whole run
+``--timeout-s``): a hang fails the run. Wall times on a machine with fewer cores than members
+say nothing of speed; the script reports them only to show it finished.
 """
 
 from __future__ import annotations
@@ -23,84 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from qcomm.rendezvous import serve  # noqa: E402
-from qcomm.testing.join_world import member_command, wait_progress  # noqa: E402
-from qcomm.testing.multiprocess import free_port  # noqa: E402
-
-
-def _member(i: int, port: int, args: argparse.Namespace, out: Path, *extra: str
-            ) -> subprocess.Popen:
-    cmd = member_command(i, args.members, port, args.steps, out, "--step-s", str(args.step_s),
-                         "--numel", str(args.numel), "--graph", "one-peer-exp",
-                         "--timeout-s", str(args.silence_s), *extra)
-    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def run(args: argparse.Namespace, tmp: Path) -> dict:
-    """One run: every member's outcome and the spread of the ends."""
-    port = free_port()
-    ready, stop = threading.Event(), threading.Event()
-    server = threading.Thread(target=serve, args=("127.0.0.1", port, args.members),
-                              kwargs={"ready": ready, "stop": stop}, daemon=True)
-    server.start()
-    ready.wait(10)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    outs = [tmp / f"m{i}.pt" for i in range(args.members)]
-    t0 = time.time()
-    procs = [_member(i, port, args, outs[i], "--start-together") for i in range(args.members)]
-    k = args.kill
-    try:
-        for i in range(args.members):   # every link made and used before the kill
-            wait_progress(store, f"progress/{i}/1", 100, args.timeout_s)
-        procs[k].send_signal(signal.SIGKILL)
-        procs[k].wait(10)
-        wait_progress(store, "progress/0/1", 200, args.timeout_s)
-        procs[k] = _member(k, port, args, outs[k], "--join")
-        logs = [p.communicate(timeout=max(1.0, args.timeout_s - (time.time() - t0)))[0]
-                for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        stop.set()
-    codes = [p.returncode for p in procs]
-    if any(codes):
-        bad = [f"member {i} exited {c}:\n{logs[i][-2000:]}" for i, c in enumerate(codes) if c]
-        raise SystemExit("\n".join(bad))
-    res = [torch.load(o, weights_only=True) for o in outs]
-    start = torch.stack([torch.randn(args.numel, generator=torch.Generator().manual_seed(i))
-                         for i in range(args.members)])
-    end = torch.stack([r["x"] for r in res])
-    spread = lambda v: float((v - v.mean(0)).norm())
-    same_sum = all(torch.equal(r["sum"], res[0]["sum"]) for r in res)
-    joiner = res[k]
-    return {"members": args.members, "steps": args.steps, "numel": args.numel,
-            "killed": k, "wall_s": time.time() - t0,
-            "joiner": {"announced_s": joiner["events"]["announced"] - t0,
-                       "started_s": joiner["events"]["started"] - t0,
-                       "first_step": joiner["first_step"]},
-            "end_spread_over_start": spread(end) / spread(start),
-            "survivors_sum_same_bits": same_sum, "live_counted": [r["live"] for r in res],
-            "per_member": [{"member": i, "incarnation": r["incarnation"],
-                            "losses": r["losses"], "steps_taken": len(r["times"]),
-                            "links": {int(p): int(n) for p, n in r["peers"].items()},
-                            "bytes_per_step": r["bytes_sent"] / max(1, len(r["times"]))}
-                           for i, r in enumerate(res)]}
+from qcomm.testing.one_peer_world import OnePeerRun, run  # noqa: E402
 
 
 def main() -> int:
@@ -117,14 +49,23 @@ def main() -> int:
                     help="the whole run's bound in seconds (default 1800); past it, it fails.")
     ap.add_argument("--silence-s", type=float, default=30.0,
                     help="a member's silence bound (timeout_s; loaded cores stall processes)")
+    ap.add_argument("--start", choices=["spawn", "fork"], default="spawn",
+                    help="each member its own interpreter (spawn, default), or forked from a "
+                         "process that imported torch once (fork: faster on few cores)")
     ap.add_argument("--json", default="", help="also write the outcome to this JSON file.")
     args = ap.parse_args()
     if args.members < 2:
         ap.error(f"--members must be >= 2, got {args.members}")
     if not 0 <= args.kill < args.members:
         ap.error(f"--kill must be a member, 0 to {args.members - 1}, got {args.kill}")
+    config = OnePeerRun(members=args.members, steps=args.steps, step_s=args.step_s,
+                        numel=args.numel, kill=args.kill, timeout_s=args.timeout_s,
+                        silence_s=args.silence_s, start=args.start)
     with tempfile.TemporaryDirectory() as tmp:
-        out = run(args, Path(tmp))
+        try:
+            out = run(config, Path(tmp))
+        except RuntimeError as e:   # a member failed or hung: its log's tail
+            raise SystemExit(str(e)) from e
     rows = out["per_member"]
     print(f"{args.members} members, {args.steps} steps, member {args.kill} killed and "
           f"rejoined; end spread / start spread = {out['end_spread_over_start']:.2e}; "

@@ -126,14 +126,21 @@ def _step(g: WaitFreeGossip, x: torch.Tensor, watcher: JoinWatcher, store: dist.
     time.sleep(step_s)
 
 
+def member_args(member: int, size: int, port: int, steps: int, out: Path | str,
+                *extra: str) -> list[str]:
+    """:func:`main`'s options for member ``member`` of a join world of ``size`` members, its
+    final tensor written to ``out``; ``extra``: more options (``--graph``, ``--step-s``, ...)."""
+    return ["--member", str(member), "--size", str(size), "--port", str(port),
+            "--steps", str(steps), "--out", str(out), *extra]
+
+
 def member_command(member: int, size: int, port: int, steps: int, out: Path | str,
                    *extra: str) -> list[str]:
     """The command line that runs member ``member`` of a join world of ``size`` members as its
     own process (this module as a script), its final tensor written to ``out``; ``extra``: more
     of :func:`main`'s options (``--graph``, ``--transport``, ``--step-s``, ...)."""
-    return [sys.executable, "-m", "qcomm.testing.join_world", "--member", str(member),
-            "--size", str(size), "--port", str(port), "--steps", str(steps), "--out", str(out),
-            *extra]
+    return [sys.executable, "-m", "qcomm.testing.join_world",
+            *member_args(member, size, port, steps, out, *extra)]
 
 
 def wait_progress(store: dist.Store, key: str, at_least: int, timeout_s: float = 120.0
@@ -234,7 +241,9 @@ def run_visitor(args: argparse.Namespace, store: dist.Store) -> None:
         store.wait([f"closed/{visit}"])   # the host closed its link to this visit
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Run one member as :func:`member_command`'s options (``argv``; None: the command line)
+    say."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["member", "host", "visitor"], default="member")
     ap.add_argument("--member", type=int, required=True)
@@ -259,7 +268,7 @@ def main() -> None:
                     help="the one-peer gossip's silence bound (many processes on few cores)")
     ap.add_argument("--start-together", action="store_true",
                     help="wait for every member's start before the first step")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     # torch starts its intra-op pool threads lazily, at the first op that goes parallel: start
     # them now, so that a thread count measures this process, not when torch first needed one
     torch.ones(1 << 22).add_(1).sum()
@@ -268,6 +277,16 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", args.port, is_master=False,
                           timeout=datetime.timedelta(seconds=30))
     {"member": run_member, "host": run_host, "visitor": run_visitor}[args.mode](args, store)
+
+
+def run_forked(argv: list[str], log: str) -> None:
+    """:func:`main` in a process forked from a warm one (a ``forkserver`` that imported this
+    module: no import of torch per member), its output to the file ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    main(argv)
 
 
 if __name__ == "__main__":
