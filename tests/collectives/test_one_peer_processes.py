@@ -19,8 +19,8 @@ MEMBERS, KILL = 16, 5
 def test_sixteen_processes_one_killed_and_one_joining_end_with_one_model(
         tmp_path: Path) -> None:
     """Members forked from one process that imported torch, each a process of its own (as 16
-    fresh interpreters the same run took 3.4 minutes on 2 loaded cores, and the restarted
-    member came after the others had ended). Every wait is bounded: a member that stalls
+    fresh interpreters a like run of 600 steps took 3.4 minutes on 2 loaded cores, and the
+    restarted member came after the others had ended). Every wait is bounded: a member that stalls
     fails the run within ``timeout_s`` and every process is killed. What holds:
 
     * every process, the restarted one included, exits 0;

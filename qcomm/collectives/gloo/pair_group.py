@@ -196,14 +196,24 @@ class PairGroup(CommGroup):
         """The link's channel once both ends are here: a Gloo group of two over the store
         under ``prefix``, rank 0 the lower ``(member, incarnation)``."""
         lo = min(me, other)
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = self.timeout
-        opts._devices = gloo_devices()
+        # The options (they hold the link's Gloo device: its listening socket and thread) are
+        # passed, never named here, so that they go with a call that fails: where this end
+        # gave up waiting for the other ("Connect timeout") and the other dials late, a device
+        # still alive hands that connection to the pair Gloo freed with the failed group
+        # (SIGSEGV or SIGABRT), and a frame of the error's traceback kept it alive while the
+        # error was handled; gone, it refuses the late end, whose link then fails (a loss).
         pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store),
-                                   0 if me == lo else 1, 2, opts)
+                                   0 if me == lo else 1, 2, self._options())
         log.info("link to rank %d: Gloo, through the rendezvous at %s:%d, in clear",
                  self.ranks[other[0]], self.host, self.port)
         return PairChannel(pg, 1 if me == lo else 0)
+
+    def _options(self) -> dist.ProcessGroupGloo._Options:
+        """A link's Gloo options: its timeout and a device of its own."""
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = self.timeout
+        opts._devices = gloo_devices()
+        return opts
 
     def streams(self, peers: list[int], *, nbytes: int, max_backlog: int, timeout_s: float,
                 stream_end, stats, level: str) -> MessageStreams:
