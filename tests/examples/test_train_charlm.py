@@ -12,6 +12,7 @@ both machines hold), ends with exactly the bytes of the uninterrupted run.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import re
@@ -156,6 +157,37 @@ def test_resume_latest_with_nothing_saved_starts_at_step_0_and_needs_a_directory
     assert (tmp_path / "none" / "step0000008" / "rank00000.pt").is_file()
     bad = run("--resume", "latest")
     assert bad.returncode == 2 and "--resume latest looks under --ckpt-dir" in bad.stderr
+
+
+def test_a_stop_file_ends_the_run_at_the_next_logged_step_as_its_end(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--stop-file: once the file exists the run ends at the next --log-every step and does
+    there what it does at --steps (the final average, validation loss and checkpoint of that
+    step); under torchrun it needs --wait-free (lockstep nodes would stop at different steps:
+    refused by its argument checks, here in this process, before any process group)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    stop = tmp_path / "stop"
+    stop.touch()
+    args = [*TINY, "--steps", "1000", "--ckpt-dir", str(tmp_path / "ck"), "--stop-file",
+            str(stop)]
+    run = subprocess.run([sys.executable, str(EXAMPLE), *args], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(rf"^step 4/1000: .*\nstopped at step 4 of 1000: {re.escape(str(stop))} "
+                     r"exists\n", run.stdout, re.M), run.stdout[-3000:]
+    assert math.isfinite(_val_loss(run.stdout, 4)), run.stdout[-3000:]
+    assert "step 8/1000" not in run.stdout, run.stdout[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step0000004"]
+    spec = importlib.util.spec_from_file_location("train_charlm", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_charlm", example)   # its dataclasses look it up
+    spec.loader.exec_module(example)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as refused:
+        example.main(args)
+    assert refused.value.code == 2
+    assert "--stop-file needs --wait-free" in capsys.readouterr().err
 
 
 def test_a_job_restarted_by_its_torchrun_resumes_from_its_newest_checkpoint(
