@@ -43,7 +43,9 @@ on every rank.
 ``--ckpt-dir DIR`` writes ``DIR/step0000100/rank00000.pt`` and its record ``rank00000.json``
 (one pair per rank, every rank at the same step);
 ``--resume DIR/step0000100`` goes on from there (on CPU, tests/examples/test_train_charlm.py
-checks that it ends with the bytes of an uninterrupted run).
+checks that it ends with the bytes of an uninterrupted run). ``--stop-file PATH`` ends the run
+before ``--steps`` once PATH exists (with ``--wait-free``, each node at its own next logged step),
+with the same final average, report and checkpoint.
 """
 
 from __future__ import annotations
@@ -303,6 +305,15 @@ def losses_words(dropped: list[int], rejoined: list[int]) -> str:
                       *([f"ranks lost and back: {back}"] if back else [])])
 
 
+def stop_file_seen(args: argparse.Namespace, opt: HierarchicalOptimizer, step: int) -> bool:
+    """True when ``--stop-file`` exists at a logged step, on every rank of the node alike
+    (collective over the node's ranks at those steps: a rank that saw it alone would leave the
+    node's others waiting in the next step's gradient mean)."""
+    if args.stop_file is None or step % args.log_every:
+        return False
+    return opt.node_any(os.path.exists(args.stop_file))
+
+
 def step_dir(root: str, step: int) -> Path:
     """The checkpoint directory of ``step`` under ``--ckpt-dir``."""
     return Path(root) / f"step{step:07d}"
@@ -430,7 +441,7 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
                        "(rank 0's parameters)")
 
         running, count, t0 = 0.0, 0, time.perf_counter()
-        step = start
+        step, end = start, args.steps
         while step < args.steps:
             batch = random_windows(train_tokens, args.context, args.batch_size)
             opt.zero_grad()
@@ -465,11 +476,15 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
                 # Every rank saves at the same step (the gossip rounds in flight are saved
                 # with their neighbours' payloads, which arrive only at that step).
                 save(args, opt, model, place, step)
+            if stop_file_seen(args, opt, step):
+                say(place, f"stopped at step {step} of {args.steps}: {args.stop_file} exists")
+                end = step
+                break
 
         # The exact global mean on every rank: evaluation and the final checkpoint see one
         # model, not one per node.
         opt.average_parameters()
-        say(place, f"validation loss at step {args.steps}: {evaluate(model, val_windows):.4f} "
+        say(place, f"validation loss at step {end}: {evaluate(model, val_windows):.4f} "
                    "(global mean of the parameters)")
         stats = opt.stats()
         sent = stats["bytes_sent"]
@@ -489,7 +504,7 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
         os.write(sys.stdout.fileno(),
                  f"rank {place.rank}: parameters sha256 {parameters_sha256(model)}\n".encode())
         if args.ckpt_dir:
-            save(args, opt, model, place, args.steps)
+            save(args, opt, model, place, end)
     finally:
         opt.close()  # before destroy_process_group: it releases qcomm's groups and transport
 
@@ -509,6 +524,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0,
                    help="Seed of the model, of the batches and of stochastic rounding.")
     g.add_argument("--log-every", type=int, default=25, help="Steps between loss lines.")
+    g.add_argument("--stop-file", default=None, metavar="PATH",
+                   help="End the run before --steps once PATH exists (looked for at every "
+                        "--log-every step; a node's ranks agree on it): the run averages, "
+                        "reports and saves as at --steps. Needs --wait-free under torchrun: "
+                        "each node stops at its own step and the final average waits for "
+                        "the others.")
     g = ap.add_argument_group("model and text")
     g.add_argument("--width", type=int, default=128, help="Embedding width.")
     g.add_argument("--layers", type=int, default=2, help="Transformer blocks.")
@@ -600,6 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.steps, args.log_every, args.batch_size, args.context) < 1 or args.save_every < 0:
         ap.error("--steps, --log-every, --batch-size and --context must be >= 1, "
                  "--save-every >= 0")
+    if args.stop_file and not args.wait_free and ("RANK" in os.environ or args.rendezvous):
+        # Lockstep nodes would see the file at different steps: one would average while
+        # another still gossips.
+        ap.error("--stop-file needs --wait-free under torchrun: lockstep nodes would not "
+                 "stop at one step")
     if args.resume == "latest" and not args.ckpt_dir:
         ap.error("--resume latest looks under --ckpt-dir: give one")
     if args.fsdp:

@@ -12,6 +12,7 @@ both machines hold), ends with exactly the bytes of the uninterrupted run.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import re
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from qcomm.testing.multiprocess import descendants, free_port
+from qcomm.testing.multiprocess import descendants, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_charlm.py"
@@ -56,39 +57,50 @@ def _launch(tmp: Path, run_id: str, extra: list[list[str]],
     """Both agents of one job (agent i on address ``ADDRS[i]``, started in ``start_order``),
     ``extra[i]`` appended to agent i's script arguments; returns each agent's output (stdout
     and stderr) once both have exited 0."""
-    port = free_port()
+    return _launch_together(tmp, [(run_id, extra, start_order)])[0]
+
+
+def _launch_together(tmp: Path, jobs: list[tuple[str, list[list[str]], tuple[int, ...]]]
+                     ) -> list[list[str]]:
+    """Jobs of :func:`_launch` (its arguments, one tuple per job) run at the same time, each on
+    its own port: each job's agents' outputs once every agent has exited 0. (Independent
+    jobs overlap their agents' tens of seconds of start and exit.)"""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]), OMP_NUM_THREADS="1")
-    logs = [tmp / f"{run_id}-agent{i}.log" for i in range(len(ADDRS))]
-    started: dict[int, subprocess.Popen] = {}
-    procs: list[subprocess.Popen] = []
+    logs = {run_id: [tmp / f"{run_id}-agent{i}.log" for i in range(len(ADDRS))]
+            for run_id, _, _ in jobs}
+    procs: dict[str, list[subprocess.Popen]] = {}
     try:
-        for i in start_order:
-            addr, log = ADDRS[i], logs[i]
-            with open(log, "w") as f:
-                started[i] = subprocess.Popen(
-                    [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "1",
-                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                     "--rdzv-id", run_id, "--local-addr", addr, "--max-restarts", "0",
-                     str(EXAMPLE), *TINY, *extra[i]],
-                    cwd=tmp, env=env, stdout=f, stderr=subprocess.STDOUT,
-                    start_new_session=True)
-            procs = [started[k] for k in sorted(started)]
+        for (run_id, extra, start_order), port in zip(jobs, free_ports(len(jobs)),
+                                                     strict=True):
+            started: dict[int, subprocess.Popen] = {}
+            for i in start_order:
+                with open(logs[run_id][i], "w") as f:
+                    started[i] = subprocess.Popen(
+                        [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "1",
+                         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                         "--rdzv-id", run_id, "--local-addr", ADDRS[i], "--max-restarts", "0",
+                         str(EXAMPLE), *TINY, *extra[i]],
+                        cwd=tmp, env=env, stdout=f, stderr=subprocess.STDOUT,
+                        start_new_session=True)
+                procs[run_id] = [started[k] for k in sorted(started)]
+        every = [p for job in procs.values() for p in job]
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        # Poll both: an agent that failed leaves the other waiting for it until a timeout.
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline \
-                and all(p.returncode in (None, 0) for p in procs):
+        # Poll them all: an agent that failed leaves the other waiting for it until a timeout.
+        while any(p.poll() is None for p in every) and time.monotonic() < deadline \
+                and all(p.returncode in (None, 0) for p in every):
             time.sleep(0.2)
-        codes = [p.poll() for p in procs]  # None: still running, stopped below
+        # None: still running, stopped below
+        codes = {run_id: [p.poll() for p in job] for run_id, job in procs.items()}
     finally:
-        _stop(procs)
-    if codes != [0] * len(ADDRS):
-        outputs = "\n".join(f"--- agent {i}\n{log.read_text()[-3000:]}"
-                             for i, log in enumerate(logs))
-        pytest.fail(f"{run_id}: exit codes {codes} (None: still running after "
-                    f"{LAUNCH_TIMEOUT_S} s, or stopped when the other failed)\n{outputs}")
-    outputs = [log.read_text() for log in logs]
-    return outputs
+        _stop([p for job in procs.values() for p in job])
+    for run_id, job_codes in codes.items():
+        if job_codes != [0] * len(ADDRS):
+            outputs = "\n".join(f"--- agent {i}\n{log.read_text()[-3000:]}"
+                                 for i, log in enumerate(logs[run_id]))
+            pytest.fail(f"{run_id}: exit codes {job_codes} (None: still running after "
+                        f"{LAUNCH_TIMEOUT_S} s, or stopped when another failed)\n{outputs}")
+    return [[log.read_text() for log in logs[run_id]] for run_id, _, _ in jobs]
 
 
 def _digest(output: str, rank: int) -> str:
@@ -126,20 +138,19 @@ def test_two_agents_train_average_and_resume_exactly(tmp_path: Path) -> None:
         assert sorted(p.name for p in (d / "step0000004").iterdir()) == [
             f"rank{rank:05d}.json", f"rank{rank:05d}.pt"]
 
-    # Restarted from step 4, each agent from its own directory, started in the other order:
-    # the same ranks (by address) and the same final bytes as the uninterrupted run.
-    resumed = _launch(tmp_path, "resumed", [["--resume", str(d / "step0000004")] for d in dirs],
-                      start_order=(1, 0))
-    assert "resumed from" in resumed[0] and "at step 4" in resumed[0], resumed[0][-4000:]
-    assert _digest(resumed[0], 0) == digest
-    assert _digest(resumed[1], 1) == digest
-
+    # Two jobs at once (independent: "resumed" reads only step 4, which "latest" does not
+    # write). Restarted from step 4, each agent from its own directory, started in the other
+    # order: the same ranks (by address) and the same final bytes as the uninterrupted run.
     # As a job restarted by torchrun runs again: --resume latest. Machine 1 died while it
     # wrote its step-8 checkpoint (no record beside the file): both resume from step 4, the
     # newest step both hold, and end with the uninterrupted run's bytes.
     (dirs[1] / "step0000008" / "rank00001.json").unlink()
-    latest = _launch(tmp_path, "latest", [["--ckpt-dir", str(d), "--resume", "latest"]
-                                          for d in dirs])
+    resumed, latest = _launch_together(tmp_path, [
+        ("resumed", [["--resume", str(d / "step0000004")] for d in dirs], (1, 0)),
+        ("latest", [["--ckpt-dir", str(d), "--resume", "latest"] for d in dirs], (0, 1))])
+    assert "resumed from" in resumed[0] and "at step 4" in resumed[0], resumed[0][-4000:]
+    assert _digest(resumed[0], 0) == digest
+    assert _digest(resumed[1], 1) == digest
     assert f"resumed from {dirs[0] / 'step0000004'} at step 4" in latest[0], latest[0][-4000:]
     assert _digest(latest[0], 0) == digest
     assert _digest(latest[1], 1) == digest
@@ -156,6 +167,37 @@ def test_resume_latest_with_nothing_saved_starts_at_step_0_and_needs_a_directory
     assert (tmp_path / "none" / "step0000008" / "rank00000.pt").is_file()
     bad = run("--resume", "latest")
     assert bad.returncode == 2 and "--resume latest looks under --ckpt-dir" in bad.stderr
+
+
+def test_a_stop_file_ends_the_run_at_the_next_logged_step_as_its_end(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--stop-file: once the file exists the run ends at the next --log-every step and does
+    there what it does at --steps (the final average, validation loss and checkpoint of that
+    step); under torchrun it needs --wait-free (lockstep nodes would stop at different steps:
+    refused by its argument checks, here in this process, before any process group)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    stop = tmp_path / "stop"
+    stop.touch()
+    args = [*TINY, "--steps", "1000", "--ckpt-dir", str(tmp_path / "ck"), "--stop-file",
+            str(stop)]
+    run = subprocess.run([sys.executable, str(EXAMPLE), *args], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(rf"^step 4/1000: .*\nstopped at step 4 of 1000: {re.escape(str(stop))} "
+                     r"exists\n", run.stdout, re.M), run.stdout[-3000:]
+    assert math.isfinite(_val_loss(run.stdout, 4)), run.stdout[-3000:]
+    assert "step 8/1000" not in run.stdout, run.stdout[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step0000004"]
+    spec = importlib.util.spec_from_file_location("train_charlm", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_charlm", example)   # its dataclasses look it up
+    spec.loader.exec_module(example)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as refused:
+        example.main(args)
+    assert refused.value.code == 2
+    assert "--stop-file needs --wait-free" in capsys.readouterr().err
 
 
 def test_a_job_restarted_by_its_torchrun_resumes_from_its_newest_checkpoint(

@@ -21,6 +21,7 @@ from qcomm.testing.multiprocess import descendants, free_port, kill_sessions
 from tests.examples.test_train_charlm import EXAMPLE, REPO, TINY, TORCHRUN
 
 LAUNCH_TIMEOUT_S = 150  # a hang fails the test instead of stalling the suite
+STOP_FILE = "stop"  # a --stop-file, relative to the nodes' working directory (Job.end)
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
     [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]), OMP_NUM_THREADS="1")
 
@@ -65,12 +66,22 @@ class Job:
     def output(self, node: int) -> str:
         return self.log(node).read_text()
 
-    def wait_for(self, node: int, pattern: str) -> None:
+    def wait_for(self, node: int, pattern: str, count: int = 1) -> None:
+        """Until node ``node``'s output holds ``count`` matches of ``pattern`` (re.M)."""
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while not re.search(pattern, self.output(node), re.M):
+        while len(re.findall(pattern, self.output(node), re.M)) < count:
             assert time.monotonic() < deadline, self.output(node)[-3000:]
             assert self.agents[node].poll() is None, self.output(node)[-3000:]
             time.sleep(0.1)
+
+    def wait_for_next(self, node: int, pattern: str) -> None:
+        """Until node ``node`` writes a new line of ``pattern``, after those it wrote so far."""
+        self.wait_for(node, pattern, len(re.findall(pattern, self.output(node), re.M)) + 1)
+
+    def end(self) -> None:
+        """Create the nodes' ``--stop-file`` (STOP_FILE, in the job's directory, their working
+        directory): each ends its run at its next logged step, as at its --steps."""
+        (self.tmp / STOP_FILE).touch()
 
     def kill(self, node: int) -> None:
         """The machine dies: the agent and its worker, SIGKILL, nothing said."""
