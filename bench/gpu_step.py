@@ -581,8 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = missed(report)
     if bad:
         print("targets missed: " + "; ".join(bad), flush=True)
-    if args.check_targets and not report["config"]["cpu"] and not torch.cuda.is_available():
-        print("--check-targets: no CUDA, every target is n/a (nothing judged)")
+    if args.check_targets and (args.cpu or not torch.cuda.is_available()):
+        print("--check-targets: on CPU every target is n/a (nothing judged)")
     return 1 if (args.check_targets and bad) else 0
 
 
