@@ -473,6 +473,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-sgd", type=float, default=0.05, help="SGD's learning rate")
     p.add_argument("--timeout-s", type=float, default=120.0,
                    help="limit for each setting's run, seconds (its nodes are killed past it)")
+    p.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds for all the settings: none starts after it, each gets at most "
+                        "what is left (0: no budget)")
     p.add_argument("--json", type=Path, default=None,
                    help="write the figures here, rewritten after every setting")
     p.add_argument("--check-targets", action="store_true",
@@ -491,9 +494,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag, low in (("nodes", 2), ("warmup", 1), ("steps", 1), ("threads", 0)):
         if getattr(args, flag) < low:
             p.error(f"--{flag} must be >= {low}, got {getattr(args, flag)}")
-    for flag in ("peer_delay_ms", "lr_adamw", "lr_sgd", "timeout_s"):
+    for flag in ("peer_delay_ms", "time_budget", "lr_adamw", "lr_sgd", "timeout_s"):
         v = getattr(args, flag)
-        if not math.isfinite(v) or v < 0 or (v == 0 and flag != "peer_delay_ms"):
+        zero_ok = flag in ("peer_delay_ms", "time_budget")
+        if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
             p.error(f"--{flag.replace('_', '-')} must be a positive number, got {v}")
     known = [s[0] for s in SETTINGS if s[2] is not None]
     names = [x.strip() for x in args.settings.split(",") if x.strip()]
@@ -546,16 +550,22 @@ def run(args: argparse.Namespace, pool: Any = None) -> tuple[dict, str | None]:
     delay_ms: float | None = None
     error = None
     report = _report(cfg, done, delay_ms)
+    deadline = time.monotonic() + (args.time_budget or math.inf)
     for name in order:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            error = (f"--time-budget {args.time_budget:g} s spent: settings not run: "
+                     f"{', '.join(order[order.index(name):])}")
+            break
         if name.endswith(SLOW) and delay_ms is None:
             base = done[next(x for x in order if not x.endswith(SLOW))]["step_ms"]
             delay_ms = args.peer_delay_ms or max(base, 20.0)
         t0 = time.monotonic()
+        limit = min(args.timeout_s, left)
         try:
-            runs = pool.run(node, args=(cfg, name, (delay_ms or 0.0) / 1e3),
-                            timeout_s=args.timeout_s)
+            runs = pool.run(node, args=(cfg, name, (delay_ms or 0.0) / 1e3), timeout_s=limit)
         except WorldError as e:
-            error = f"setting {name} failed (limit {args.timeout_s:g} s per setting): {e}"
+            error = f"setting {name} failed (its limit {limit:.0f} s): {e}"
             break
         done[name] = summarize(runs)
         report = _report(cfg, done, delay_ms)

@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,48 @@ def test_a_run_on_cpu_says_the_targets_are_not_judged() -> None:
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "extra_share" in proc.stdout and "every target is n/a" in proc.stdout, proc.stdout
+
+
+class _FailsSecond(_TwoNodes):
+    """Runs the first setting in the session's world, then fails as a hung setting does."""
+
+    calls = 0
+
+    def run(self, fn, *, args: tuple = (), timeout_s: float = 120.0) -> list:
+        from qcomm.testing.multiprocess import WorldError
+
+        self.calls += 1
+        if self.calls == 2:
+            raise WorldError(f"rank 0 did not finish within {timeout_s:.0f} s")
+        return super().run(fn, args=args, timeout_s=timeout_s)
+
+
+class _SlowFirst(_TwoNodes):
+    """Runs the first setting (under a limit of its own, not the budget's: a loaded machine
+    must not fail it), then sits past the budget."""
+
+    def run(self, fn, *, args: tuple = (), timeout_s: float = 120.0) -> list:
+        out = super().run(fn, args=args, timeout_s=40.0)
+        time.sleep(1.5)
+        return out
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_setting_is_named_and_the_finished_ones_are_written(gloo, tmp_path) -> None:
+    path = tmp_path / "step.json"
+    args = gpu_step.parse_args([*ARGV, "--no-slow-peer", "--json", str(path)])
+    _, error = gpu_step.run(args, _FailsSecond(gloo))
+    assert error is not None and "setting adamw-slow-link failed" in error, error
+    written = json.loads(path.read_text())
+    assert written["complete"] is False and written["error"] == error
+    assert list(written["settings"]) == ["plain-adamw"]
+
+
+@pytest.mark.timeout(120)
+def test_no_setting_starts_after_the_time_budget(gloo, tmp_path) -> None:
+    path = tmp_path / "step.json"
+    args = gpu_step.parse_args([*ARGV, "--no-slow-peer", "--settings", "slow-link",
+                                "--time-budget", "1", "--json", str(path)])
+    _, error = gpu_step.run(args, _SlowFirst(gloo))
+    assert error == "--time-budget 1 s spent: settings not run: slow-link", error
+    assert list(json.loads(path.read_text())["settings"]) == ["plain-sgd"]
