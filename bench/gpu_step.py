@@ -8,7 +8,7 @@ settings and with the torch optimizer alone, and the step's figures are printed 
 Each node is one process (one rank per node, Gloo between them), all on ``cuda:0`` when CUDA is
 available: the nodes share the one device, so every step time is a shared-device time, the
 same for every setting. The model is the cluster benchmark's character transformer
-(bench/cluster/charlm.py); ``--size gpu`` is ~85M parameters under bf16 autocast (fp32 master
+(bench/cluster/charlm.py); ``--size gpu`` is 85.6M parameters under bf16 autocast (fp32 master
 weights), ``--size tiny`` a few thousand in fp32. The settings, run one after another in the
 same processes: ``plain-adamw`` / ``plain-sgd`` (the torch optimizer alone),
 ``adamw-slow-link`` (``HierarchicalOptimizer(AdamW, **ADAMW_SLOW_LINK)``), ``slow-link``
@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import gc
 import math
+import os
 import statistics
 import sys
 import threading
@@ -51,6 +52,7 @@ SETTINGS = [("plain-adamw", "adamw", None, None),
             ("adamw-slow-link", "adamw", "ADAMW_SLOW_LINK", "plain-adamw"),
             ("plain-sgd", "sgd", None, None),
             ("slow-link", "sgd", "SLOW_LINK", "plain-sgd")]
+SLOW = "+slow-peer"   # the suffix of a setting run again with the last node slowed
 # The qcomm share of the step (codec, copies, bookkeeping) and the codec's own, on CUDA.
 TARGET_SHARE = 0.05
 TARGET_COPIES = 1.0         # device-host copies per message sent, each way
@@ -275,7 +277,9 @@ def _node(rank: int, world: int, cfg: dict, setting: str, delay_s: float) -> dic
     sent0 = _messages(opt, qcomm)
     walls, hosts, devs = _timed_steps(step, device, cfg["warmup"], cfg["steps"], slow, True)
     sent1 = _messages(opt, qcomm)
-    copies = _count_copies(step, device, cfg["warmup"] + cfg["steps"])
+    # The slowed-peer runs give the wait figures only: no profile (it costs seconds on CUDA).
+    copies = (None if setting.endswith(SLOW)
+              else _count_copies(step, device, cfg["warmup"] + cfg["steps"]))
     out = {"rank": rank, "device": str(device), "step_ms": walls, "codec_host_ms": hosts,
            "codec_device_ms": devs, "messages_timed": sent1 - sent0, "copies": copies,
            "messages_profiled": _messages(opt, qcomm) - sent1, "first_loss": first_loss,
@@ -294,9 +298,6 @@ def _node(rank: int, world: int, cfg: dict, setting: str, delay_s: float) -> dic
 
 # ---------------------------------------------------------------------------------------------
 # the figures
-
-
-SLOW = "+slow-peer"
 
 
 def _med(xs: list[float]) -> float:
@@ -467,8 +468,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the slowed node's sleep per step, ms (0: the first plain setting's "
                         "median step, at least 20)")
     p.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is available")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per node process (0: torch's default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per node process (0: the CPUs shared out among the "
+                        "nodes, at least 1)")
     p.add_argument("--lr-adamw", type=float, default=3e-4, help="AdamW's learning rate")
     p.add_argument("--lr-sgd", type=float, default=0.05, help="SGD's learning rate")
     p.add_argument("--timeout-s", type=float, default=120.0,
@@ -518,8 +520,9 @@ def config(args: argparse.Namespace) -> dict:
     for key in ("width", "layers", "heads", "context", "batch", "dtype"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
     cfg.update(size=args.size or ("gpu" if cuda else "tiny"), nodes=args.nodes,
-               warmup=args.warmup, steps=args.steps, cpu=args.cpu, threads=args.threads,
+               warmup=args.warmup, steps=args.steps, cpu=args.cpu, threads=threads,
                lr_adamw=args.lr_adamw, lr_sgd=args.lr_sgd, profiled_steps=PROFILED_STEPS)
     return cfg
 
