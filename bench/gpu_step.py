@@ -37,7 +37,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from bench.common import format_table, write_json
+from bench.common import environment, format_table, write_json
 
 SIZES = {
     "tiny": {"width": 16, "layers": 1, "heads": 2, "context": 16, "batch": 4,
@@ -552,7 +552,9 @@ def run(args: argparse.Namespace, pool: Any = None) -> tuple[dict, str | None]:
     done: dict[str, dict] = {}
     delay_ms: float | None = None
     error = None
-    report = _report(cfg, done, delay_ms)
+    cuda = torch.cuda.is_available() and not args.cpu
+    env = environment(torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    report = {**_report(cfg, done, delay_ms), "environment": env}
     deadline = time.monotonic() + (args.time_budget or math.inf)
     for name in order:
         left = deadline - time.monotonic()
@@ -571,7 +573,7 @@ def run(args: argparse.Namespace, pool: Any = None) -> tuple[dict, str | None]:
             error = f"setting {name} failed (its limit {limit:.0f} s): {e}"
             break
         done[name] = summarize(runs)
-        report = _report(cfg, done, delay_ms)
+        report = {**_report(cfg, done, delay_ms), "environment": env}
         report["complete"] = False
         if args.json:
             write_json(args.json, report)
