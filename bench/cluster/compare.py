@@ -55,7 +55,6 @@ from bench.cluster import worker_flags as F
 from bench.cluster import workloads as W
 from bench.cluster.project_targets import SUBJECT, check_targets
 from bench.cluster.repetitions import aggregate
-from bench.cluster.sweep_resume import record_args, resume_problem, reusable
 from bench.cluster.run_launch import (
     HERE,
     LIGHTNING,
@@ -77,6 +76,7 @@ from bench.cluster.run_summary import (
 )
 from bench.cluster.sweep_plan import Cell, Sweep
 from bench.cluster.sweep_plots import plot
+from bench.cluster.sweep_resume import record_args, resume_problem, reusable
 from bench.cluster.sweep_summary import environment, problems, write_summary
 from bench.cluster.sweep_tables import equal_steps_table, kill_table, print_tables, table
 from bench.progress import note, progress

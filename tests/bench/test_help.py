@@ -38,6 +38,7 @@ LIBRARIES = {"bench/common.py", "bench/cluster/charlm.py", "bench/cluster/corpus
              "bench/cluster/run_summary.py", "bench/cluster/sharding.py",
              "bench/cluster/snapshot_eval.py", "bench/cluster/sweep_plan.py",
              "bench/cluster/sweep_plots.py",
+             "bench/cluster/sweep_resume.py",
              "bench/cluster/sweep_summary.py", "bench/cluster/sweep_tables.py",
              "bench/cluster/timed_window.py",
              "bench/cluster/torchft_methods.py",
