@@ -84,16 +84,22 @@ def test_a_kept_run_is_read_and_not_run_again(tmp_path, monkeypatch):
     assert row["final"] == pytest.approx(0.81) and row["rate"] == "100mbit"
 
 
-def test_a_run_without_its_json_runs_again(tmp_path, monkeypatch):
-    sweep = _sweep(tmp_path)
-    ran = []
+def _run_writing(acc: float, ran: list[str]):
+    """A stand-in for run_one: the run's JSON written with final accuracy ``acc``, its name
+    noted in ``ran``."""
 
     def fake_run(cluster, layout, cmd, timeout, out_json, *rest):
         ran.append(out_json.name)
-        out_json.write_text(json.dumps(_result(acc=0.77)))
+        out_json.write_text(json.dumps(_result(acc=acc)))
         return 0, ""
 
-    monkeypatch.setattr(C, "run_one", fake_run)
+    return fake_run
+
+
+def test_a_run_without_its_json_runs_again(tmp_path, monkeypatch):
+    sweep = _sweep(tmp_path)
+    ran: list[str] = []
+    monkeypatch.setattr(C, "run_one", _run_writing(0.77, ran))
     row = C.run_cell(sweep, _args(tmp_path, "--resume"), "c0", T.Layout(2, 2),
                      ("mnist1d", "2x2", "100mbit", "ddp"), 1)
     assert ran == ["mnist1d_2x2_100mbit_ddp_r2.json"]
@@ -103,14 +109,8 @@ def test_a_run_without_its_json_runs_again(tmp_path, monkeypatch):
 def test_without_resume_a_kept_json_is_run_again(tmp_path, monkeypatch):
     sweep = _sweep(tmp_path)
     (tmp_path / "runs" / "mnist1d_2x2_100mbit_ddp_r1.json").write_text(json.dumps(_result()))
-    ran = []
-
-    def fake_run(cluster, layout, cmd, timeout, out_json, *rest):
-        ran.append(out_json.name)
-        out_json.write_text(json.dumps(_result(acc=0.75)))
-        return 0, ""
-
-    monkeypatch.setattr(C, "run_one", fake_run)
+    ran: list[str] = []
+    monkeypatch.setattr(C, "run_one", _run_writing(0.75, ran))
     row = C.run_cell(sweep, _args(tmp_path), "c0", T.Layout(2, 2),
                      ("mnist1d", "2x2", "100mbit", "ddp"), 0)
     assert ran and row["final"] == pytest.approx(0.75)
