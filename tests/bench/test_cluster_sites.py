@@ -32,7 +32,8 @@ import pytest
 
 from qcomm.testing.multiprocess import descendants
 from tests.examples.test_train_charlm import TINY, TORCHRUN
-from tests.rendezvous.test_rejoin import LINKED, _assert_rejoined
+from tests.rendezvous.test_launch import STOP_FILE
+from tests.rendezvous.test_rejoin import LINKED, STEPS, _assert_rejoined, _end_once_back
 
 REPO = Path(__file__).resolve().parents[2]
 NETNS = REPO / "bench" / "cluster" / "netns.sh"
@@ -190,13 +191,21 @@ class Site:
 
 
 class Nodes:
-    """The job's nodes as tests.rendezvous.test_rejoin's checks read them: node n's output."""
+    """The job's nodes as tests.rendezvous.test_rejoin's checks and ends read them: node n's
+    output, a wait for a line of it, and the job's end (its --stop-file, in the nodes' working
+    directory)."""
 
     def __init__(self, site: Site) -> None:
         self.site = site
 
     def output(self, node: int) -> str:
         return self.site.output(f"node{node}")
+
+    def wait_for(self, node: int, pattern: str) -> None:
+        self.site.wait_for(f"node{node}", pattern)
+
+    def end(self) -> None:
+        (self.site.tmp / STOP_FILE).touch()
 
 
 @pytest.fixture
@@ -242,7 +251,7 @@ def test_the_guides_two_site_recipe_behind_a_firewall_and_a_nat(site: Site) -> N
         site.start(f"node{n}", n, ["bash", "-c", on_cluster(command)])
         site.wait_for(f"node{n}", r"parameters; 3 processes")
     for n in range(3):   # every node trains (they started one after the other)
-        site.wait_for(f"node{n}", r"^step 200/6000")
+        site.wait_for(f"node{n}", rf"^step 200/{STEPS}")
     # a bit flipped on the way to b: the link c -> b ends, named, on b (its frame fails its
     # authentication), and on c
     flip.touch()
@@ -264,6 +273,7 @@ def test_the_guides_two_site_recipe_behind_a_firewall_and_a_nat(site: Site) -> N
     assert said.startswith("refused: AdmissionError"), said
     said = site.run(3, STRAY_LINK, "10.77.0.1", str(LINK_PORT), env=wrong)
     assert said.startswith("refused: AdmissionError"), said
+    _end_once_back(Nodes(site))   # b back and linked: the job ends at its next logged step
     codes = site.exit_codes(["node0", "node1", "node2"])
     _assert_rejoined(Nodes(site), codes)   # one model, the rejoin as the other tests see it
     outs = [site.output(f"node{n}") for n in range(3)]
