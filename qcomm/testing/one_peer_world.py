@@ -1,7 +1,6 @@
 """Many wait-free gossip members on the one-peer graph as processes on localhost, one killed
 and started again as a new process that joins the running ones: what
-``bench/one_peer_processes.py`` reports on and ``tests/collectives/test_one_peer_processes.py``
-checks (:func:`run`).
+``bench/one_peer_processes.py`` reports on (:func:`run`).
 
 Each member is :mod:`qcomm.testing.join_world` with ``--graph one-peer-exp`` (OnePeerWaitFree
 over Gloo groups of two made through a rendezvous in this process), started either as its own
