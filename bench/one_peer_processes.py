@@ -13,9 +13,8 @@ member's incarnation, losses seen, steps taken, bytes sent per step (payload, he
 seal of its rounds, before the final drain and sum), the spread of the members' final vectors
 over their start's, and whether the survivors' sum is the same bits on every member.
 
-The run is :func:`qcomm.testing.one_peer_world.run` (also the suite's test, on fewer steps;
-``--start fork``: members forked from one process that imported torch, as the test starts
-them). Every wait is bounded (a member's silence ``timeout_s``, the whole run
+The run is :func:`qcomm.testing.one_peer_world.run` (``--start fork``: members forked from one
+process that imported torch). Every wait is bounded (a member's silence ``timeout_s``, the whole run
 ``--timeout-s``): a hang fails the run. Wall times on a machine with fewer cores than members
 say nothing of speed; the script reports them only to show it finished.
 """
@@ -64,7 +63,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             out = run(config, Path(tmp))
-        except RuntimeError as e:   # a member failed or hung: its log's tail
+        except (RuntimeError, TimeoutError) as e:   # a member failed or hung (its log's
+            # tail), or the members did not reach the kill's or the restart's step in time
             raise SystemExit(str(e)) from e
     rows = out["per_member"]
     print(f"{args.members} members, {args.steps} steps, member {args.kill} killed and "
