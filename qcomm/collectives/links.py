@@ -178,6 +178,11 @@ class MessageStreams(ABC):
         the stream's failure if it failed (after the messages that arrived before it). Never
         blocks."""
 
+    def wait_made(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until every link not dropped is made or has failed;
+        whether all were (streams whose links exist from the start: at once)."""
+        return True
+
     @abstractmethod
     def wait_any(self, timeout_s: float) -> None:
         """Block until some stream has a message to take, has failed or ended, or

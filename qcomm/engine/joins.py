@@ -256,8 +256,8 @@ class NodeJoins:
 
     def start_without_absent(self) -> None:
         """A node of the job's start: wait for the other starting nodes to set up
-        (:func:`~qcomm.rendezvous.start.start_together`), link past the seats not taken yet
-        (before its first round)."""
+        (:func:`~qcomm.rendezvous.start.start_together`) and for its links to be made, link
+        past the seats not taken yet (before its first round)."""
         seat = self.seat
         ppn = seat.procs_per_node
         start_together(self._client, seat.node, seat.starting, rail=f"rail{seat.local_rank}",
@@ -266,6 +266,10 @@ class NodeJoins:
                        where=seat.rendezvous, who=f"rank {seat.rank} (rail{seat.local_rank})")
         if seat.starting < seat.nodes:
             start_without(self.node.gossip, set(range(seat.starting, seat.nodes)))
+        # and with their links made: one still being made when its backlog fills holds the
+        # step, and is then taken for a silent peer. Up to the silence bound: a link that
+        # takes longer is left to its own bounds (a peer that set up and died meanwhile).
+        self.node.gossip.wait_linked(seat.timeout_s)
 
     def watch(self) -> None:
         """Start watching the rendezvous for joins after this rank's own (idempotent)."""

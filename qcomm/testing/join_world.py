@@ -173,6 +173,7 @@ def run_member(args: argparse.Namespace, store: dist.Store) -> None:
     if args.join:
         x, seen = _join(g, store, args.member, incarnation, events)
     elif args.start_together:   # every member's links made before anyone steps (and dies)
+        g.wait_linked(300)
         store.add("started", 1)
         deadline = time.monotonic() + 300
         while int(store.add("started", 0)) < args.size and time.monotonic() < deadline:
@@ -195,7 +196,8 @@ def run_member(args: argparse.Namespace, store: dist.Store) -> None:
     else:
         peers = sorted(g.peers[k] for k in g.membership.live_links())
     torch.save({"x": x, "sum": total, "live": live, "lost": sorted(g.lost),
-                "losses": len(g.losses), "incarnation": incarnation, "times": times,
+                "losses": len(g.losses), "loss_detail": list(g.losses),
+                "incarnation": incarnation, "times": times,
                 "events": events, "first_step": g.steps - len(times), "peers": peers,
                 "bytes_sent": stepped_bytes}, args.out)
     watcher.close()

@@ -171,6 +171,8 @@ def _outcome(config: OnePeerRun, res: list[dict], killed_at: int, wall_s: float,
             "live_counted": [r["live"] for r in res],
             "per_member": [{"member": i, "incarnation": r["incarnation"],
                             "losses": r["losses"], "lost": r["lost"],
+                            "why_lost": [f"step {e['step']}: {e['detail']}"
+                                         for e in r.get("loss_detail", [])],
                             "steps_taken": len(r["times"]),
                             "links": {int(p): int(n) for p, n in r["peers"].items()},
                             "bytes_per_step": r["bytes_sent"] / max(1, len(r["times"]))}

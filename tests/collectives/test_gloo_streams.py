@@ -82,3 +82,43 @@ def test_a_finished_stream_delivers_its_last_message_and_nothing_after_it() -> N
     # member 2's streams went on: 0 and 1 sent their fourth message to it alone
     assert r2["from0"] == [1, 2, 3, 4]
     assert r2["from1"] == [1, 2, 3, 4]
+
+
+def test_a_link_slow_to_make_is_waited_for_and_its_silence_counts_from_when_it_was_made(
+        ) -> None:
+    """Two members' streams in one process over a rendezvous, each link made 1.5 s late with a
+    silence bound of 1 s (a busy rendezvous): ``wait_made`` says the links are not made, then
+    that they are; once made, a message sent at once arrives and neither end fails. The
+    silence used to count from the stream's construction: a link made after the bound timed
+    out at once, and both ends dropped each other with no message carried."""
+    import datetime
+
+    from qcomm.collectives.gloo.pair_group import PairGroup
+    from qcomm.rendezvous.seat import claim_incarnation
+    from qcomm.testing.multiprocess import free_port
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    for m in (0, 1):
+        claim_incarnation(master, m)
+    groups = [PairGroup(f"127.0.0.1:{port}", m, 2, timeout_s=20) for m in (0, 1)]
+
+    def late(g: PairGroup):
+        def connect(peer: int, rank: int):
+            time.sleep(1.5)
+            return g.connect(peer, rank)
+        return connect
+
+    ends = [GlooStreams([0, 1], None, m, [1 - m], NBYTES, max_backlog=8, timeout_s=1.0,
+                        stream_end=_stream_end, connect=late(groups[m])) for m in (0, 1)]
+    try:
+        assert not ends[0].wait_made(0.3)
+        assert all(s.wait_made(20) for s in ends)
+        for m, s in enumerate(ends):
+            assert s.send(_message(10 + m)) == []
+        assert _take_all(ends[0], 0, 1, timeout_s=5) == [11]
+        assert _take_all(ends[1], 0, 1, timeout_s=5) == [10]
+    finally:
+        for s in ends:
+            s.close()

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from qcomm.rendezvous.heartbeat import PulseWatch
 from qcomm.rendezvous.refusals import refusal_of_member
 from qcomm.rendezvous.seat import INCARNATION_KEY, claim_incarnation
+from qcomm.rendezvous.shared_client import SharedClient
 from qcomm.rendezvous.waiting import wait_keys
 from qcomm.validation import check_int, check_timeout
 
@@ -77,7 +78,7 @@ class PairChannel:
 
     def close(self) -> None:
         """Abort the group and let it go: pending sends and receives fail at once, its
-        sockets and its store connection close."""
+        sockets close (the store connection is the links' shared one: it stays)."""
         pg, self.pg = self.pg, None
         if pg is not None:
             pg.abort()
@@ -88,10 +89,11 @@ class PairGroup(CommGroup):
     (module docstring).
 
     Args:
-        rendezvous: ``"HOST:PORT"`` of the rendezvous (its ``TCPStore``). Each link is made
-            over a connection of its own: making one waits in the store for the other end,
-            and must not hold up the caller's use of the store (a joiner's state comes that
-            way) nor another link's.
+        rendezvous: ``"HOST:PORT"`` of the rendezvous (its ``TCPStore``). The links are made
+            over one connection of their own, apart from the caller's (making one waits in
+            the store for the other end, and must not hold up the caller's use of the store:
+            a joiner's state comes that way), which they share without one link's wait
+            holding up another's (:class:`~qcomm.rendezvous.shared_client.SharedClient`).
         member: this member's index, 0 <= member < size; its incarnation is claimed first
             (:func:`claim_incarnation`).
         size: members (the job's nodes).
@@ -125,6 +127,7 @@ class PairGroup(CommGroup):
                                else check_timeout(join_timeout_s, "join_timeout_s"))
         self._opened: dict[tuple[int, int], int] = {}   # (peer, its incarnation): links opened
         self._lock = threading.Lock()
+        self._store: SharedClient | None = None
 
     def _incarnation(self, store: dist.Store, member: int) -> int:
         """``member``'s current incarnation (waits for its first start, up to the start
@@ -154,10 +157,20 @@ class PairGroup(CommGroup):
         except TimeoutError as e:   # the link's callers take a RuntimeError as its failure
             raise RuntimeError(str(e)) from e
 
-    def _connect(self, peer: int) -> PairChannel:
+    def _links_store(self) -> SharedClient:
+        """The connection this group's links share (made at the first link: module docstring
+        of :mod:`qcomm.rendezvous.shared_client`); ValueError/RuntimeError (torch's) when the
+        rendezvous cannot be reached, and the next link tries again."""
         from qcomm.rendezvous.tunnel import store_client
 
-        store = store_client(self.host, self.port, self.timeout)
+        with self._lock:
+            if self._store is None:
+                self._store = SharedClient(store_client(self.host, self.port, self.timeout),
+                                           self.timeout.total_seconds())
+            return self._store
+
+    def _connect(self, peer: int) -> PairChannel:
+        store = self._links_store()
         me = (self.rank, self._incarnation(store, self.rank))
         other = (peer, self._incarnation(store, peer))
         with self._lock:

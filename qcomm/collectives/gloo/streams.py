@@ -128,6 +128,9 @@ class _Link:
             return False
         with self.cond:
             self.channel = channel
+            # the silence counts from the stream's opening: a link that took long to make (a
+            # busy rendezvous, a slow peer: the connect's own bounds) is not silent for it
+            self.heard = time.monotonic()
             self.cond.notify_all()
             if self.closing:   # dropped while it was being made
                 channel.close()
@@ -371,6 +374,12 @@ class GlooStreams(MessageStreams, LinkEnds):
             link.ready.clear()
             self.cond.notify_all()   # room for the receiver to post more
             return out, link.recv_error or (link.send_error if not link.ended else None)
+
+    def wait_made(self, timeout_s: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: all(
+                link.channel is not None or link.recv_error is not None
+                for k, link in enumerate(self._links) if k not in self._dropped), timeout_s)
 
     def wait_any(self, timeout_s: float) -> None:
         with self.cond:

@@ -163,6 +163,15 @@ class GossipMember:
         the peers still answer, then :meth:`close`. Never raises a peer's failure."""
         self.close()
 
+    def wait_linked(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until every link this member opened is made or has failed
+        (links made in threads, each within its own bounds); whether all were. What a job's
+        starting members do before their first round, so that a link slow to make (a
+        rendezvous busy with a whole job's connects) is not taken for a silent peer once its
+        backlog fills. The lockstep mode's links are its process group's: made."""
+        streams = getattr(self, "_streams_now", None)
+        return True if streams is None else streams().wait_made(timeout_s)
+
     def before_state_dict(self) -> None:
         """What must run on every member of the group at the same point before
         ``state_dict()`` (collective in the modes that need it; nothing by default)."""
