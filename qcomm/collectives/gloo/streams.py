@@ -186,12 +186,7 @@ class _Link:
 
     def _send_loop(self) -> None:
         o = self.owner
-        # Messages are confirmed in order; vectors (a hello's, a sum's), taken by the peer's
-        # caller and not its receiver thread, wait apart: in line they held up the messages
-        # behind them, and two ends whose backlogs filled while their link was being made
-        # each waited in send_to for room only the other's caller (in its send_to) could make.
-        posted: deque[tuple[object, float]] = deque()
-        vectors: deque[tuple[object, float]] = deque()
+        posted: deque[tuple[bool, object, float]] = deque()
         seq = vseq = 0
         started = time.monotonic()
         with self.cond:   # the receiver thread makes the channel
@@ -202,38 +197,32 @@ class _Link:
         try:
             while True:
                 with self.cond:
-                    while (not posted and not vectors and not self.outbox
-                           and not self.closing):
+                    while not posted and not self.outbox and not self.closing:
                         self.cond.wait()
-                    if self.closing and not posted and not vectors and not self.outbox:
+                    if self.closing and not posted and not self.outbox:
                         if self.k in o._dropped:   # flushed a dropped stream's last message
                             self.channel.close()
                         return
                     batch = []
-                    while self.outbox and len(posted) + len(vectors) + len(batch) < o.depth:
+                    while self.outbox and len(posted) + len(batch) < o.depth:
                         batch.append(self.outbox.popleft())
                 for msg in batch:
-                    # the work holds the tensor until it completes
                     if isinstance(msg, tuple):  # a vector: tags above the messages'
-                        vectors.append((self.channel.isend(msg[0], TAG_MODULUS + vseq),
-                                        time.monotonic()))
+                        work = self.channel.isend(msg[0], TAG_MODULUS + vseq)
                         vseq += 1
                     else:
-                        posted.append((self.channel.isend(msg, seq % TAG_MODULUS),
-                                       time.monotonic()))
+                        work = self.channel.isend(msg, seq % TAG_MODULUS)
                         seq += 1
-                while vectors and vectors[0][0].is_completed():
-                    vectors.popleft()[0].wait()   # raises if it failed
-                if not posted:   # a vector alone: look again soon, posting what comes
-                    if vectors:
-                        self._await_vector(*vectors[0])
+                    # the work holds the tensor until it completes
+                    posted.append((not isinstance(msg, tuple), work, time.monotonic()))
+                if not posted:
                     continue
-                work, started = posted[0]
+                is_message, work, started = posted[0]
                 left = max(o.timeout_s - (time.monotonic() - started), 1e-3)
                 work.wait(timeout=datetime.timedelta(seconds=left))
                 posted.popleft()
                 with self.cond:
-                    self.unconfirmed -= 1
+                    self.unconfirmed -= is_message
                     self.cond.notify_all()
         except RuntimeError as e:
             # A peer silent for timeout_s timed out, whichever side's wait noticed first (a
@@ -243,15 +232,6 @@ class _Link:
             with self.cond:
                 self.send_error = err
                 self.cond.notify_all()
-
-
-    def _await_vector(self, work, started: float) -> None:
-        """Wait a moment for a vector's send (``work``, posted at ``started``), or for a new
-        message to post; its silence bound passed: raise, as a send that timed out does."""
-        with self.cond:
-            self.cond.wait_for(lambda: bool(self.outbox), 0.01)
-        if not work.is_completed() and time.monotonic() - started >= self.owner.timeout_s:
-            work.wait(timeout=datetime.timedelta(milliseconds=1))
 
 
 class GlooStreams(MessageStreams, LinkEnds):
