@@ -13,8 +13,9 @@ member's incarnation, losses seen, steps taken, bytes sent per step (payload, he
 seal of its rounds, before the final drain and sum), the spread of the members' final vectors
 over their start's, and whether the survivors' sum is the same bits on every member.
 
-The run is :func:`qcomm.testing.one_peer_world.run` (``--start fork``: members forked from one
-process that imported torch). Every wait is bounded (a member's silence ``timeout_s``, the whole run
+The run is :func:`qcomm.testing.one_peer_world.run` (also the suite's test, on fewer steps;
+``--start fork``: members forked from one process that imported torch, as the test starts
+them). Every wait is bounded (a member's silence ``timeout_s``, the whole run
 ``--timeout-s``): a hang fails the run. Wall times on a machine with fewer cores than members
 say nothing of speed; the script reports them only to show it finished.
 """

@@ -1,6 +1,7 @@
 """Many wait-free gossip members on the one-peer graph as processes on localhost, one killed
 and started again as a new process that joins the running ones: what
-``bench/one_peer_processes.py`` reports on (:func:`run`).
+``bench/one_peer_processes.py`` reports on and ``tests/collectives/test_one_peer_processes.py``
+checks (:func:`run`).
 
 Each member is :mod:`qcomm.testing.join_world` with ``--graph one-peer-exp`` (OnePeerWaitFree
 over Gloo groups of two made through a rendezvous in this process), started either as its own
@@ -172,7 +173,7 @@ def _outcome(config: OnePeerRun, res: list[dict], killed_at: int, wall_s: float,
             "per_member": [{"member": i, "incarnation": r["incarnation"],
                             "losses": r["losses"], "lost": r["lost"],
                             "why_lost": [f"step {e['step']}: {e['detail']}"
-                                         for e in r.get("loss_detail", [])],
+                                         for e in r["loss_detail"]],
                             "steps_taken": len(r["times"]),
                             "links": {int(p): int(n) for p, n in r["peers"].items()},
                             "bytes_per_step": r["bytes_sent"] / max(1, len(r["times"]))}
