@@ -290,3 +290,16 @@ def test_a_seat_taken_late_is_sat_out_until_it_joins_then_linked() -> None:
     xs = _settled(sim, xs)
     assert _links_exact(sim.members) == n * hops(n)
     assert all(sim.members[p].links[7].received > 0 for p in sim.members[7].peers)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, float("nan"), float("inf"), "5"])
+def test_wait_linked_names_a_bad_timeout_and_says_when_links_are_made(timeout_s) -> None:
+    """In memory every link exists from the start: made at once; a bad bound is named and
+    opens nothing."""
+    world = MemoryWorld(2)
+    g = OnePeerWaitFree([0, 1], world.group([0, 1], 0), NUMEL, spec=SPEC, graph=GRAPH)
+    with pytest.raises((ValueError, TypeError), match="timeout_s"):
+        g.wait_linked(timeout_s)
+    assert g._streams is None
+    assert g.wait_linked(0.1)
+    g.close()

@@ -168,7 +168,11 @@ class GossipMember:
         (links made in threads, each within its own bounds); whether all were. What a job's
         starting members do before their first round, so that a link slow to make (a
         rendezvous busy with a whole job's connects) is not taken for a silent peer once its
-        backlog fills. The lockstep mode's links are its process group's: made."""
+        backlog fills. The lockstep mode's links are its process group's: made.
+
+        Raises:
+            ValueError: ``timeout_s`` not a finite number above 0."""
+        timeout_s = check_timeout(timeout_s)
         streams = getattr(self, "_streams_now", None)
         return True if streams is None else streams().wait_made(timeout_s)
 
