@@ -199,6 +199,24 @@ class Timer:
         ts = self.times(fn)
         return statistics.median(ts), ts
 
+    def per_call_in_a_stream(self, fn: Callable[[], object],
+                             calls: int) -> tuple[float, list[float]]:
+        """Seconds per call of ``calls`` back-to-back calls with no sync between them (the
+        host's work for one call overlaps the device's work for the ones before, as in a
+        training step), wall time over the whole run to the device's last call; the median of
+        ``repeat`` such runs, and the runs. After ``warmup`` untimed calls."""
+        for _ in range(self.warmup):
+            fn()
+        self.synchronize()
+        runs = []
+        for _ in range(self.repeat):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            self.synchronize()
+            runs.append((time.perf_counter() - t0) / calls)
+        return statistics.median(runs), runs
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -68,7 +68,7 @@ EOF
 
     echo "== benchmark, limit ${BENCH_TIMEOUT_S}s"
     timeout -k 10 "$BENCH_TIMEOUT_S" "$PY" bench/kernels.py --check-targets \
-        --time-budget "$((BENCH_TIMEOUT_S - 40))" \
+        --time-budget "$((BENCH_TIMEOUT_S - 45))" \
         --json "$OUT/kernels-cuda.json" || bench_rc=$?
     echo "== benchmark exit ${bench_rc} ($((SECONDS - t0)) s so far)"
 

@@ -10,30 +10,29 @@ Quick use::
     send(packed.payload)                                   # uint8 [packed_nbytes(numel, spec)]
     dequant_accumulate(received, out, spec)                # out += sum_k D(received[k])
 
-The byte layout, the rounding rules and the scale definitions are in
-:mod:`qcomm.kernels.wire_format`, versioned by :data:`WIRE_FORMAT_VERSION` (2: the four-level
-2-bit code ``{-1, -1/3, 1/3, 1} * absmax``; payloads carry no header, so peers and saved payloads
-must agree on it); the random stream of stochastic rounding is in
-:mod:`qcomm.kernels.counter_hash`. CUDA tensors run the fused Triton kernels
-(:mod:`qcomm.kernels.triton_codec`), CPU tensors run the bit-identical torch reference
-(:mod:`qcomm.kernels.reference`); both implement :class:`qcomm.kernels.backend.CodecBackend`,
-and :func:`qcomm.kernels.backend.backend_for` chooses one per device type, once.
-``QCOMM_BACKEND=reference|triton`` forces one (``triton`` on CPU tensors needs
-``TRITON_INTERPRET=1``). Triton is optional (the ``gpu``
-extra): without it CUDA tensors run the reference, with a warning.
+The byte layout, rounding rules and scales are in :mod:`qcomm.kernels.wire_format`, versioned by
+:data:`WIRE_FORMAT_VERSION` (payloads carry no header: peers and saved payloads must agree on
+it); stochastic rounding's random stream is in :mod:`qcomm.kernels.counter_hash`. CUDA tensors
+run the fused Triton kernels (:mod:`qcomm.kernels.triton_codec`), CPU tensors the bit-identical
+torch reference (:mod:`qcomm.kernels.reference`), chosen by :mod:`qcomm.kernels.backend`
+(``QCOMM_BACKEND=reference|triton`` forces one; Triton is the optional ``gpu`` extra).
 
-Non-finite input never leaks: a block holding NaN or Inf gets a NaN scale inside the kernel (no
-extra pass over the data); :func:`quantize` then raises :class:`NonFiniteError`, returns no
-payload and leaves the error buffer exactly as it was. :func:`dequant_accumulate` refuses
-payloads with non-finite scales (:class:`NonFiniteError`) and finite ones whose weighted sum
-would overflow float32 (:class:`AccumulateOverflowError`), before ``out`` is touched.
+Non-finite input never leaks: a block holding NaN or Inf gets a NaN scale inside the kernel;
+:func:`quantize` then raises :class:`NonFiniteError` and leaves the error buffer as it was;
+:func:`dequant_accumulate` refuses non-finite scales and sums that would overflow float32
+(:class:`AccumulateOverflowError`), leaving ``out`` untouched. The checks run on the device and
+are read once per call, after the launch; with ``non_blocking=True`` they are not read at all
+(no host sync) and :meth:`Packed.wait`, :meth:`ErrorFeedback.commit` or
+:meth:`DeferredCheck.wait` raise later (why: docs/decisions.md, "Codec").
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -55,6 +54,7 @@ from qcomm.validation import check_instance, check_seed, check_tensor
 __all__ = [
     "WIRE_FORMAT_VERSION",
     "AccumulateOverflowError",
+    "DeferredCheck",
     "ErrorFeedback",
     "NonFiniteError",
     "Packed",
@@ -98,6 +98,44 @@ class AccumulateOverflowError(NonFiniteError, OverflowError):
     """
 
 
+class DeferredCheck:
+    """The verdict of a codec call made with ``non_blocking=True``, read when asked for.
+
+    Such a call computes its checks on the device (one bool ``[]``), launches its work guarded
+    by them (nothing that a failed check protects is written) and returns without reading
+    them: no host sync. :meth:`wait` reads the verdict, one host read (a sync on an
+    accelerator: place it where one happens anyway, e.g. after the step's collectives), and
+    raises what the blocking call would have raised.
+    """
+
+    def __init__(self, ok: torch.Tensor | None = None,
+                 refused: Callable[[], Exception] | None = None) -> None:
+        self._ok = ok  # None: nothing to check (an empty call)
+        self._refused = refused
+        self._error: Exception | None = None
+
+    def wait(self) -> None:
+        """Read the verdict (once; later calls answer from memory) and raise if it failed.
+
+        Raises:
+            NonFiniteError, AccumulateOverflowError, ValueError: as the blocking call.
+        """
+        if self._ok is not None:
+            if not bool(self._ok) and self._refused is not None:
+                self._error = self._refused()
+            self._ok = None
+        if self._error is not None:
+            raise self._error
+
+    def ok(self) -> bool:
+        """Whether the call passed its checks (reads the verdict as :meth:`wait`, no raise)."""
+        try:
+            self.wait()
+        except (NonFiniteError, ValueError):
+            return False
+        return True
+
+
 @dataclass(frozen=True)
 class Packed:
     """One quantized message.
@@ -108,6 +146,8 @@ class Packed:
         spec: the QuantSpec used.
         shape: shape of the original tensor (dequantize restores it).
         dtype: dtype of the original tensor (dequantize's default output dtype).
+        deferred: the finiteness check that a ``non_blocking`` :func:`quantize` left for
+            :meth:`wait`, or None (checked when made, or received).
     """
 
     payload: torch.Tensor
@@ -115,6 +155,7 @@ class Packed:
     spec: QuantSpec
     shape: torch.Size
     dtype: torch.dtype
+    deferred: DeferredCheck | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_payload_tensor(self.payload, "payload", self.numel, self.spec, ndim=1)
@@ -131,14 +172,22 @@ class Packed:
         """float32 ``[nblocks]`` view of the payload's scales."""
         return split_payload(self.payload, self.numel, self.spec)[1]
 
+    def wait(self) -> Packed:
+        """This Packed once its deferred check passed (one host read; nothing to do when it has
+        none): raises :class:`NonFiniteError` when the input of a ``non_blocking``
+        :func:`quantize` held NaN or Inf, as the blocking call would have."""
+        if self.deferred is not None:
+            self.deferred.wait()
+        return self
+
     @classmethod
     def _unchecked(cls, payload: torch.Tensor, numel: int, spec: QuantSpec, shape: torch.Size,
-                   dtype: torch.dtype) -> Packed:
+                   dtype: torch.dtype, deferred: DeferredCheck | None = None) -> Packed:
         """A Packed whose fields the caller has already checked (the codec's own output):
         without :meth:`__post_init__`'s checks, which would re-prove them on every call."""
         packed = object.__new__(cls)
         for name, value in (("payload", payload), ("numel", numel), ("spec", spec),
-                            ("shape", shape), ("dtype", dtype)):
+                            ("shape", shape), ("dtype", dtype), ("deferred", deferred)):
             object.__setattr__(packed, name, value)
         return packed
 
@@ -233,8 +282,13 @@ def _raise_if_nonfinite(scales: torch.Tensor, argument: str, what: str) -> None:
     finite = torch.isfinite(scales)
     if bool(finite.all()):
         return
+    raise _nonfinite_error(finite, argument, what)
+
+
+def _nonfinite_error(finite: torch.Tensor, argument: str, what: str) -> NonFiniteError:
+    """The NonFiniteError naming the blocks where ``finite`` (bool, one per scale) is False."""
     blocks = (~finite).flatten().nonzero().flatten().tolist()
-    raise NonFiniteError(
+    return NonFiniteError(
         f"{argument} {what} non-finite values (NaN or Inf) in {len(blocks)} block(s), "
         f"first block {blocks[0]}; nothing was produced and no state was changed",
         argument,
@@ -248,7 +302,7 @@ def _raise_if_nonfinite(scales: torch.Tensor, argument: str, what: str) -> None:
 
 def quantize(x: torch.Tensor, spec: QuantSpec, *, error: torch.Tensor | None = None,
              error_out: torch.Tensor | None = None, seed: int | None = None,
-             out: torch.Tensor | None = None) -> Packed:
+             out: torch.Tensor | None = None, non_blocking: bool = False) -> Packed:
     """Quantize ``x`` into one payload, with optional fused error feedback.
 
     With ``error``: ``v = x + error``; ``payload = Q(v)``; the residual ``v - D(payload)`` goes
@@ -267,13 +321,21 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, error: torch.Tensor | None = N
         seed: int in [0, 2**64) for stochastic rounding; None draws one from torch's default
             generator. Same seed, same bytes on every backend. Ignored for nearest rounding.
         out: uint8 ``[packed_nbytes(x.numel(), spec)]`` on x's device to write the payload into.
+        non_blocking: False (default): the finiteness check is read here (one host sync on an
+            accelerator) and raises at once. True: it stays on the device and the call returns
+            without a sync; :meth:`Packed.wait` reads it and raises the same error. Until then
+            the payload may carry NaN scales (every decode refuses those, so it may be sent to
+            peers that decode with this module, as qcomm's collectives do) and ``error_out``
+            must not become a residual; the in-place ``error`` is updated on the device only
+            if the check passes.
 
     Returns:
         Packed with ``payload`` uint8 ``[packed_nbytes(x.numel(), spec)]``.
 
     Raises:
         NonFiniteError: ``x + error`` holds NaN/Inf. ``error`` is unchanged, no Packed is
-            returned, and ``out`` (if given) holds NaN scales and must not be sent.
+            returned, and ``out`` (if given) holds NaN scales and must not be sent. (With
+            ``non_blocking``: from :meth:`Packed.wait`.)
         TypeError, ValueError: a bad argument (named in the message).
     """
     x = _check_float_tensor(x, "x", INPUT_DTYPES)
@@ -285,7 +347,14 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, error: torch.Tensor | None = N
         if error is not None and _overlap(error, error_out):
             raise ValueError("error_out must not overlap error; pass only error for in place")
     out = _check_out(out, x, spec)
-    return _quantize_checked(x, spec, error, error_out, _resolve_seed(seed, spec), out)
+    return _quantize_checked(x, spec, error, error_out, _resolve_seed(seed, spec), out,
+                             _check_flag("non_blocking", non_blocking))
+
+
+def _check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _check_out(out: torch.Tensor | None, x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -299,9 +368,11 @@ def _check_out(out: torch.Tensor | None, x: torch.Tensor, spec: QuantSpec) -> to
 
 
 def _quantize_checked(x: torch.Tensor, spec: QuantSpec, error: torch.Tensor | None,
-                      error_out: torch.Tensor | None, seed: int, out: torch.Tensor) -> Packed:
+                      error_out: torch.Tensor | None, seed: int, out: torch.Tensor,
+                      non_blocking: bool = False) -> Packed:
     """:func:`quantize` once its arguments passed its checks (or the caller's equivalent ones):
-    the kernel, the finiteness check (one host read), the residual."""
+    the kernel, the finiteness check (one host read, or none with ``non_blocking``), the
+    residual."""
     n = x.numel()
     flat = x.reshape(-1)
     if not flat.is_contiguous():
@@ -312,10 +383,19 @@ def _quantize_checked(x: torch.Tensor, spec: QuantSpec, error: torch.Tensor | No
     _quantize_into(flat, spec, out, seed,
                    error.view(-1) if error is not None else None,
                    residual_out.view(-1) if residual_out is not None else None)
-    _raise_if_nonfinite(split_payload(out, n, spec)[1], "x", "(plus error) has")
-    if error is not None and error_out is None:
-        error.copy_(residual_out)
-    return Packed._unchecked(out, n, spec, x.shape, x.dtype)
+    scales = split_payload(out, n, spec)[1]
+    deferred = None
+    if non_blocking:
+        finite = torch.isfinite(scales)  # kept: the blocks to name if wait() finds a NaN
+        ok = finite.all()
+        deferred = DeferredCheck(ok, partial(_nonfinite_error, finite, "x", "(plus error) has"))
+        if error is not None and error_out is None:  # the residual moves only if all is finite
+            torch.where(ok, residual_out, error, out=error)
+    else:
+        _raise_if_nonfinite(scales, "x", "(plus error) has")
+        if error is not None and error_out is None:
+            error.copy_(residual_out)
+    return Packed._unchecked(out, n, spec, x.shape, x.dtype, deferred)
 
 
 def _quantize_into(x: torch.Tensor, spec: QuantSpec, out: torch.Tensor, seed: int,
@@ -337,15 +417,18 @@ def _quantize_into(x: torch.Tensor, spec: QuantSpec, out: torch.Tensor, seed: in
 
 
 def _dequant_accumulate_into(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpec,
-                             weights: torch.Tensor | None = None) -> None:
+                             weights: torch.Tensor | None = None,
+                             guard: torch.Tensor | None = None) -> None:
     """``out += sum_k weights[k] * D(payloads[k])``: the kernel alone, no check at all.
 
     The caller guarantees what :func:`dequant_accumulate` checks, and that the sum cannot
     overflow: ``payloads`` uint8 ``[K, packed_nbytes(n, spec)]``, contiguous, every scale
-    finite and the bound of :func:`_accumulate_bound` within float32's range; ``out`` float32
+    finite and the bound of :func:`_accumulate_guard` within float32's range; ``out`` float32
     ``[n]``, contiguous; ``weights`` None or K finite floats, float32 ``[K]`` on out's device.
+    ``guard`` (bool ``[]`` on out's device, or None): when False nothing is read or written,
+    and the guarantees on the scales and the bound need hold only when it is True.
     """
-    backend_for(out.device).dequant_accumulate_into(payloads, spec, out, weights)
+    backend_for(out.device).dequant_accumulate_into(payloads, spec, out, weights, guard)
 
 
 def dequantize(packed: Packed, *, out: torch.Tensor | None = None,
@@ -380,7 +463,8 @@ def dequantize(packed: Packed, *, out: torch.Tensor | None = None,
 
 
 def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpec,
-                       weights: Sequence[float] | torch.Tensor | None = None) -> torch.Tensor:
+                       weights: Sequence[float] | torch.Tensor | None = None, *,
+                       non_blocking: bool = False) -> torch.Tensor | DeferredCheck:
     """``out += sum_k weights[k] * D(payloads[k])`` in one pass, without decoding each payload
     into its own tensor.
 
@@ -389,47 +473,145 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
             on out's device: K peers' messages.
         out: float32, any shape, contiguous; updated in place and returned.
         spec: the QuantSpec the payloads were made with.
-        weights: K finite floats (sequence or float32 tensor), or None for all ones.
+        weights: K finite floats (sequence or float32 tensor), or None for all ones. A
+            sequence is checked on the host; a tensor's finiteness on the device, with the
+            scales.
+        non_blocking: False (default): the checks below are read once, after the launch (one
+            host sync on an accelerator), and raise here. True: the call returns a
+            :class:`DeferredCheck` without a sync; its ``wait()`` raises the same errors, but
+            for a sum that only might overflow (see below), which it refuses unwritten
+            (AccumulateOverflowError) instead of computing it aside.
+
+    Returns:
+        ``out`` (or, with ``non_blocking``, the :class:`DeferredCheck`).
 
     Raises:
         NonFiniteError: a payload carries a non-finite scale; ``out`` is unchanged.
         AccumulateOverflowError: finite scales and weights whose sum would overflow float32
             (Inf or NaN in ``out``); ``out`` is unchanged. Checked cheaply: the scales and
             weights bound ``|sum_k weights[k] * D(payloads[k])|`` per element (largest level
-            times largest scale, per payload); only when that bound exceeds float32's range is
-            the sum computed into a copy of ``out`` and checked before ``out`` is written, so a
-            sum that could overflow but does not is no error. ``out``'s own magnitude is not
-            in the bound: an ``out`` already within one decoded term of the float32 limit can
-            still overflow.
+            times largest scale, per payload), on the device; the kernel writes only when that
+            bound is within float32's range. Only when it is not is the sum computed into a
+            copy of ``out`` and checked before ``out`` is written, so a sum that could overflow
+            but does not is no error. ``out``'s own magnitude is not in the bound: an ``out``
+            already within one decoded term of the float32 limit can still overflow.
+        ValueError: weights not finite (a tensor's found with the scales; ``out`` unchanged).
     """
     spec = check_spec(spec)
     out = check_tensor("out", out, dtypes=(torch.float32,), contiguous=True,
                        why="it is updated in place")
+    payloads = _check_payloads(payloads, out, spec)
+    k = payloads.shape[0]
+    w, w_abs = _weights_tensors(weights, k, out.device)
+    non_blocking = _check_flag("non_blocking", non_blocking)
+    if k == 0 or out.numel() == 0:
+        return DeferredCheck() if non_blocking else out
+    scales = split_payload(payloads, out.numel(), spec)[1]
+    guard, bound = _accumulate_guard(scales, w_abs, spec)
+    _dequant_accumulate_into(payloads, out.view(-1), spec, w, guard)
+    if non_blocking:
+        return DeferredCheck(guard, partial(_accumulate_refused, scales, w, bound))
+    if bool(guard):  # the one host read, after the launch: the kernel did not wait for it
+        return out
+    refused = _accumulate_refused(scales, w, bound, overflow=False)
+    if refused is not None:
+        raise refused
+    return _accumulate_aside(payloads, out, spec, w, float(bound))
+
+
+def _accumulate_guard(scales: torch.Tensor, weights_abs: torch.Tensor | None,
+                      spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether :func:`dequant_accumulate`'s sum surely stays finite, from the scales (float32
+    ``[K, nblocks]``) and the weights' magnitudes (float64 ``[K]`` or None), on the scales'
+    device and without a host read: (bool ``[]``, the bound float64 ``[]``).
+
+    The bound on ``|sum_k w_k D(payload_k)|`` per element is ``sum_k |w_k| * max|scale_k|``
+    times the largest level; NaN or Inf when a scale or a weight is not finite (the guard is
+    then False). The guard allows (k + 4) ulps of float32 rounding in the kernel's products and
+    sums over it. Three small device ops (four with weights)."""
+    k = scales.shape[0]
+    smax = torch.linalg.vector_norm(scales, float("inf"), dim=-1, dtype=torch.float64)  # [K]
+    total = smax.sum() if weights_abs is None else torch.dot(smax, weights_abs)
+    level = _MAX_ABS_LEVEL[spec.bits]
+    guard = total <= _FLT32_MAX / (level * (1 + (k + 4) * 2.0**-24))
+    return guard, total * level
+
+
+def _check_payloads(payloads: object, out: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """:func:`dequant_accumulate`'s ``payloads`` as uint8 ``[K, nbytes]`` on out's device."""
     if isinstance(payloads, torch.Tensor) and payloads.dim() == 1:
         payloads = payloads.unsqueeze(0)
     payloads = _check_payload_tensor(payloads, "payloads", out.numel(), spec, ndim=2)
     if payloads.device != out.device:
         raise ValueError(f"payloads must be on {out.device} (like out), got {payloads.device}")
-    k = payloads.shape[0]
-    w = None
-    if weights is not None:
-        w = torch.as_tensor(weights, dtype=torch.float32).to(out.device).reshape(-1)
+    return payloads
+
+
+# Weights given as a sequence, as tensors on their device: the same mixing weights come every
+# round, and a fresh host-to-device copy per call would cost a sync of its own.
+_WEIGHTS_CACHE: dict[tuple[tuple[float, ...], torch.device],
+                     tuple[torch.Tensor, torch.Tensor]] = {}
+_WEIGHTS_CACHE_SIZE = 64
+
+
+def _weights_tensors(weights: Sequence[float] | torch.Tensor | None, k: int,
+                     device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The weights as float32 ``[k]`` on ``device`` and their magnitudes as float64 ``[k]``
+    (None, None for None). A sequence must hold ``k`` finite reals (checked here, on the
+    host); a tensor's finiteness is checked on the device with the scales."""
+    if weights is None:
+        return None, None
+    if not isinstance(weights, (torch.Tensor, Sequence)):  # a numpy array, say
+        weights = torch.as_tensor(weights, dtype=torch.float32)
+    if isinstance(weights, torch.Tensor):
+        w = weights.to(device=device, dtype=torch.float32).reshape(-1)
         if w.numel() != k:
             raise ValueError(f"weights must have K = {k} entries (one per payload), "
                              f"got {w.numel()}")
-        if not bool(torch.isfinite(w).all()):
-            raise ValueError(f"weights must be finite, got {w.tolist()}")
-    if k == 0 or out.numel() == 0:
-        return out
-    scales = split_payload(payloads, out.numel(), spec)[1]
-    bound = _accumulate_bound(scales, w, spec)  # one host sync, as the finite check alone
-    if not math.isfinite(bound):
-        _raise_if_nonfinite(scales, "payloads", "carry")
-    # (the float32 sums and products may round up by (k + 3) ulps over the float64 bound)
-    if bound * (1 + (k + 3) * 2.0**-24) <= _FLT32_MAX:
-        _dequant_accumulate_into(payloads, out.view(-1), spec, w)
-        return out
-    trial = out.reshape(-1).clone()  # might overflow: compute aside, write only if finite
+        return w, w.abs().to(torch.float64)
+    if isinstance(weights, (str, bytes)) or not all(
+            isinstance(v, numbers.Real) and not isinstance(v, bool) for v in weights):
+        raise TypeError(f"weights must be a sequence of K = {k} real numbers or a float32 "
+                        f"tensor, got {weights!r}")
+    if len(weights) != k:
+        raise ValueError(f"weights must have K = {k} entries (one per payload), "
+                         f"got {len(weights)}")
+    values = tuple(float(v) for v in weights)
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"weights must be finite, got {list(values)}")
+    pair = _WEIGHTS_CACHE.get((values, device))
+    if pair is None:
+        if len(_WEIGHTS_CACHE) >= _WEIGHTS_CACHE_SIZE:
+            _WEIGHTS_CACHE.clear()
+        w = torch.tensor(values, dtype=torch.float32, device=device)
+        pair = _WEIGHTS_CACHE[(values, device)] = (w, w.abs().to(torch.float64))
+    return pair
+
+
+def _accumulate_refused(scales: torch.Tensor, weights: torch.Tensor | None,
+                        bound: torch.Tensor, overflow: bool = True) -> Exception | None:
+    """Why :func:`dequant_accumulate`'s guard failed (host reads: on failure only): weights
+    not finite, a scale not finite, or (``overflow``) a bound past float32's range; None
+    when only the last holds and ``overflow`` is False (the caller then sums aside)."""
+    if weights is not None and not bool(torch.isfinite(weights).all()):
+        return ValueError(f"weights must be finite, got {weights.tolist()}")
+    finite = torch.isfinite(scales)
+    if not bool(finite.all()):
+        return _nonfinite_error(finite, "payloads", "carry")
+    if not overflow:
+        return None
+    return AccumulateOverflowError(
+        f"payloads times weights might overflow float32 in out (the decoded sum can reach "
+        f"{float(bound):.3g}, float32 holds {_FLT32_MAX:.3g}); nothing was written. The "
+        f"blocking call (non_blocking=False) computes such a sum aside and writes it when it "
+        f"does not overflow", "payloads", [])
+
+
+def _accumulate_aside(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpec,
+                      w: torch.Tensor | None, bound: float) -> torch.Tensor:
+    """The sum of :func:`dequant_accumulate` whose bound passes float32's range, computed into
+    a copy of ``out`` and written only if finite (AccumulateOverflowError otherwise)."""
+    trial = out.reshape(-1).clone()
     _dequant_accumulate_into(payloads, trial, spec, w)
     bad = ~torch.isfinite(trial)
     if bool(bad.any()):
@@ -440,18 +622,6 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
             f"{_FLT32_MAX:.3g}); nothing was written", "payloads", blocks)
     out.view(-1).copy_(trial)
     return out
-
-
-
-def _accumulate_bound(scales: torch.Tensor, weights: torch.Tensor | None,
-                      spec: QuantSpec) -> float:
-    """Upper bound on ``|sum_k w_k D(payload_k)|`` per element from the scales (float32
-    ``[K, nblocks]``) and weights: ``sum_k |w_k| * max|level| * max|scale_k|``, in float64;
-    NaN or Inf when a scale is not finite."""
-    smax = scales.abs().amax(dim=-1).to(torch.float64)  # [K]; NaN and Inf propagate
-    if weights is not None:
-        smax = smax * weights.abs().to(torch.float64)
-    return float(smax.sum()) * _MAX_ABS_LEVEL[spec.bits]
 
 
 class ErrorFeedback:
@@ -467,6 +637,7 @@ class ErrorFeedback:
         self._residuals: dict[str | int, torch.Tensor] = {}
         self._spares: dict[str | int, torch.Tensor] = {}
         self._pending: set[str | int] = set()  # keys whose new residual awaits commit()
+        self._deferred: dict[str | int, Packed] = {}  # pending keys of non_blocking calls
 
     def __contains__(self, key: str | int) -> bool:
         return key in self._residuals
@@ -480,7 +651,7 @@ class ErrorFeedback:
 
     def quantize(self, key: str | int, x: torch.Tensor, spec: QuantSpec, *,
                  seed: int | None = None, out: torch.Tensor | None = None,
-                 commit: bool = True) -> Packed:
+                 commit: bool = True, non_blocking: bool = False) -> Packed:
         """Quantize ``x`` with the residual stored under ``key`` and update it.
 
         Same arguments and errors as :func:`quantize`. Raises ValueError if ``key`` already
@@ -490,9 +661,17 @@ class ErrorFeedback:
         :meth:`commit` (a collective that may still fail after this message was sent then
         changes no residual if it fails: the caller commits only once every stage succeeded);
         the next ``quantize`` of ``key`` drops an uncommitted residual.
+
+        ``non_blocking=True`` (with ``commit=False``: a residual cannot move before its check
+        is read) leaves the finiteness check on the device, no host sync here: :meth:`commit`
+        reads it and raises the :class:`NonFiniteError` that the blocking call would have
+        (the residual then stays as it was); :meth:`Packed.wait` reads it too.
         """
         if not isinstance(key, (str, int)) or isinstance(key, bool):
             raise TypeError(f"key must be a str or int, got {key!r}")
+        if _check_flag("non_blocking", non_blocking) and _check_flag("commit", commit):
+            raise ValueError("non_blocking=True needs commit=False: the residual moves at "
+                             "commit(key), which reads the deferred check first")
         x = _check_float_tensor(x, "x", INPUT_DTYPES)
         res = self._residuals.get(key)
         if res is None:
@@ -509,20 +688,32 @@ class ErrorFeedback:
         # contiguous, apart): quantize's checks of x, error and error_out would re-prove them.
         spec = check_spec(spec)
         out = _check_out(out, x, spec)
-        packed = _quantize_checked(x, spec, res, spare, _resolve_seed(seed, spec), out)
+        packed = _quantize_checked(x, spec, res, spare, _resolve_seed(seed, spec), out,
+                                   non_blocking)
+        self._deferred.pop(key, None)
         if commit:
             self._residuals[key], self._spares[key] = spare, res
             self._pending.discard(key)
         else:  # the new residual waits in the spare
             self._residuals[key], self._spares[key] = res, spare
             self._pending.add(key)
+            if non_blocking:
+                self._deferred[key] = packed
         return packed
 
     def commit(self, key: str | int) -> None:
         """Make the residual computed by ``quantize(key, ..., commit=False)`` the current one
-        (nothing when none is pending)."""
+        (nothing when none is pending).
+
+        Raises:
+            NonFiniteError: the pending residual came from a ``non_blocking`` call whose input
+                held NaN or Inf (read here, one host read); it is dropped, the residual stays.
+        """
         if key in self._pending:
+            deferred = self._deferred.pop(key, None)
             self._pending.discard(key)
+            if deferred is not None:
+                deferred.wait()
             self._residuals[key], self._spares[key] = self._spares[key], self._residuals[key]
 
     def reset(self, key: str | int | None = None) -> None:
@@ -531,10 +722,12 @@ class ErrorFeedback:
             self._residuals.clear()
             self._spares.clear()
             self._pending.clear()
+            self._deferred.clear()
         else:
             self._residuals.pop(key, None)
             self._spares.pop(key, None)
             self._pending.discard(key)
+            self._deferred.pop(key, None)
 
     def state_dict(self) -> dict[str, dict[str | int, torch.Tensor]]:
         """``{"residuals": {key: float32 tensor}}`` (references, like torch's state_dicts)."""
@@ -552,3 +745,4 @@ class ErrorFeedback:
         self._residuals = loaded
         self._spares = {}
         self._pending = set()
+        self._deferred = {}

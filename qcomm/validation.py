@@ -130,6 +130,10 @@ def check_int(name: str, value: object, *, low: int | None = None, high: int | N
     """
     if value is None and allow_none:
         return None
+    if not isinstance(value, bool) and hasattr(value, "__index__"):
+        n = operator.index(value)  # type: ignore[arg-type]
+        if not _outside(n, low, high, False, high_open):
+            return n  # the common case: no message built (the codec checks sizes per call)
     desc = what or _interval("int", low, high, False, high_open)
     # "or None" only where the kind is wrong: to a user who passed 0, "an int >= 1" says it all,
     # in the same words whichever constructor (with or without a None default) checked it.

@@ -221,12 +221,11 @@ class IntraNodeAllreduce(BucketedMean):
         payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
         # The residual is committed only if every payload decodes (every rank of the node
         # decodes the same ones, so all commit or none does): a failed mean loses nothing.
-        error = quantize_or_poison(self.error_feedback, key, x, self.spec, seed, payload,
-                                   commit=False)
+        quantize_or_poison(self.error_feedback, key, x, self.spec, seed, payload)
         gathered = torch.empty(L, nbytes, dtype=torch.uint8, device=device)
         yield Last(start_all_gather(gathered.view(-1), payload, group, L, self.stats, "intra"))
         mean = torch.zeros(bucket.numel, dtype=torch.float32, device=device)
-        error = decode_mean(gathered, mean, self.spec) or error
+        error = decode_mean(gathered, mean, self.spec)
         unpack(bucket, mean, tensors)
         if error is not None:
             raise error

@@ -254,17 +254,15 @@ def start_all_gather(out: torch.Tensor, shard: torch.Tensor, group: CommGroup, s
 
 
 def quantize_or_poison(ef: ErrorFeedback, key: str, x: torch.Tensor, spec: QuantSpec, seed: int,
-                       out: torch.Tensor, *, commit: bool = True) -> NonFiniteError | None:
-    """Quantize ``x`` with error feedback into ``out``. On non-finite input return the error
-    instead of raising: ``out`` then holds NaN scales and is sent anyway, so every peer's
-    decode raises too and all ranks finish the same collectives (no rank is left hanging); the
-    residual is unchanged (ErrorFeedback guarantees it). ``commit=False``: the new residual
-    waits for ``ef.commit(key)`` (see :meth:`ErrorFeedback.quantize`)."""
-    try:
-        ef.quantize(key, x, spec, seed=seed, out=out, commit=commit)
-    except NonFiniteError as e:
-        return e
-    return None
+                       out: torch.Tensor) -> None:
+    """Quantize ``x`` with error feedback into ``out`` without a host read (no sync before the
+    collective that sends it). A non-finite input leaves NaN scales in ``out``, which is sent
+    anyway: every peer's decode, this rank's included (:func:`decode_mean`), then raises, and
+    all ranks finish the same collectives (no rank is left hanging). The new residual waits
+    for ``ef.commit(key)``, which the caller makes once the whole mean succeeded; it reads the
+    deferred check too (:meth:`ErrorFeedback.quantize` with ``non_blocking``), so a poisoned
+    residual can never become the current one."""
+    ef.quantize(key, x, spec, seed=seed, out=out, commit=False, non_blocking=True)
 
 
 def decode_mean(payloads: torch.Tensor, out: torch.Tensor,

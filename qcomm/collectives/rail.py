@@ -147,14 +147,14 @@ def rail_mean(form: str, shard: torch.Tensor, ef: ErrorFeedback, key: str, spec:
     payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
     # Residuals change only once the whole mean succeeded (the caller commits them): every
     # member of the rail decodes the same payloads, so all of them commit or none does.
-    error = quantize_or_poison(ef, key, shard, spec, seed, payload, commit=False)
+    quantize_or_poison(ef, key, shard, spec, seed, payload)
     N = num_nodes
     if form == "all_gather":
         gathered = torch.empty(N, nbytes, dtype=torch.uint8, device=device)
         work = start_all_gather(gathered.view(-1), payload, rail, N, stats, "inter")
         yield Last(work) if last else work
         mean = torch.zeros(s, dtype=torch.float32, device=device)
-        return mean, decode_mean(gathered, mean, spec) or error, [key]
+        return mean, decode_mean(gathered, mean, spec), [key]
 
     c = s // N
     cn = packed_nbytes(c, spec)
@@ -166,11 +166,10 @@ def rail_mean(form: str, shard: torch.Tensor, ef: ErrorFeedback, key: str, spec:
     yield all_to_all_single(received.view(-1), send.view(-1), rail, async_op=True, link="inter",
                             operation="inter-node reduce-scatter")
     owned = torch.zeros(c, dtype=torch.float32, device=device)
-    error = decode_mean(received, owned, spec) or error
+    error = decode_mean(received, owned, spec)
     # Stage 2: the owner's mean, re-quantized with its own residual, to every node.
     mine = torch.empty(cn, dtype=torch.uint8, device=device)
-    error = quantize_or_poison(ef, f"{key}/owner", owned, spec, derive(seed, _OWNER_STREAM),
-                               mine, commit=False) or error
+    quantize_or_poison(ef, f"{key}/owner", owned, spec, derive(seed, _OWNER_STREAM), mine)
     chunks = torch.empty(N, cn, dtype=torch.uint8, device=device)
     work = start_all_gather(chunks.view(-1), mine, rail, N, stats, "inter")
     yield Last(work) if last else work

@@ -68,13 +68,17 @@ class CodecBackend(ABC):
 
     @abstractmethod
     def dequant_accumulate_into(self, payloads: torch.Tensor, spec: QuantSpec,
-                                out: torch.Tensor, weights: torch.Tensor | None) -> None:
+                                out: torch.Tensor, weights: torch.Tensor | None,
+                                guard: torch.Tensor | None = None) -> None:
         """``out += sum_k weights[k] * D(payloads[k])``, k in order, one rounding per operation.
 
         Args:
             payloads: uint8 ``[K, packed_nbytes(n, spec)]``.
             out: float32 ``[n]``, updated in place.
             weights: float32 ``[K]`` on out's device, or None (all ones, no multiply).
+            guard: bool ``[]`` on out's device, or None: when False, nothing is written. The
+                caller's verdict on the payloads, computed on the device, so that the call
+                needs no host sync before its launch.
         """
 
     def __repr__(self) -> str:
@@ -93,8 +97,8 @@ class _ModuleBackend(CodecBackend):
     def dequantize_into(self, payload, spec, out):
         self._impl.dequantize_into(payload, spec, out)
 
-    def dequant_accumulate_into(self, payloads, spec, out, weights):
-        self._impl.dequant_accumulate_into(payloads, spec, out, weights)
+    def dequant_accumulate_into(self, payloads, spec, out, weights, guard=None):
+        self._impl.dequant_accumulate_into(payloads, spec, out, weights, guard)
 
 
 class ReferenceBackend(_ModuleBackend):

@@ -384,14 +384,19 @@ def dequantize_into(payload: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -
 
 
 def dequant_accumulate_into(payloads: torch.Tensor, spec: QuantSpec, out: torch.Tensor,
-                            weights: torch.Tensor | None) -> None:
+                            weights: torch.Tensor | None,
+                            guard: torch.Tensor | None = None) -> None:
     """``out += sum_k weights[k] * D(payloads[k])``, k in order, one rounding per operation.
 
     Args:
         payloads: uint8 ``[K, packed_nbytes(n, spec)]``.
         out: float32 ``[n]``, updated in place.
         weights: float32 ``[K]`` or None (all ones, no multiply).
+        guard: bool ``[]`` or None: when False nothing is written. Read on the host here (free
+            on the CPU, the reference's device; the Triton kernels read it on the GPU).
     """
+    if guard is not None and not bool(guard):
+        return
     n = out.numel()
     for lo in _chunks(n):
         hi = min(n, lo + CHUNK)

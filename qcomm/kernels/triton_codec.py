@@ -353,11 +353,16 @@ def _dequantize_kernel(
 
 @triton.jit(do_not_specialize=["K"])  # K == 1 needs no variant of its own
 def _dequant_accumulate_kernel(
-    payloads_ptr, scales_ptr, out_ptr, w_ptr, n, nblocks, n_code_bytes, K,
+    payloads_ptr, scales_ptr, out_ptr, w_ptr, guard_ptr, n, nblocks, n_code_bytes, K,
     payload_stride, scale_stride,
     BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr, HAS_GUARD: tl.constexpr,
 ):
+    # The caller's verdict on the scales, computed on the device: no host sync before the
+    # launch. Two ifs: with HAS_GUARD False, guard_ptr is None and must not be loaded.
+    if HAS_GUARD:  # noqa: SIM102
+        if tl.load(guard_ptr) == 0:
+            return
     TILE: tl.constexpr = ROWS * BLOCK_SIZE
     ROW_BYTES: tl.constexpr = BLOCK_SIZE * BITS // 8
     pid = tl.program_id(0).to(tl.int64)
@@ -465,17 +470,18 @@ def _launch_dequantize(payload: torch.Tensor, spec: QuantSpec, out: torch.Tensor
 
 
 def _launch_dequant_accumulate(payloads: torch.Tensor, spec: QuantSpec, out: torch.Tensor,
-                               weights: torch.Tensor | None) -> None:
+                               weights: torch.Tensor | None,
+                               guard: torch.Tensor | None) -> None:
     n = out.numel()
     k, nbytes = payloads.shape
     if n == 0 or k == 0:
         return
     rows, nb, grid = _grid(n, spec)
     _dequant_accumulate_kernel[grid](
-        payloads, split_payload(payloads, n, spec)[1], out, weights,
+        payloads, split_payload(payloads, n, spec)[1], out, weights, guard,
         n, nb, codes_nbytes(n, spec), k, nbytes, nbytes // 4,
         BITS=spec.bits, BLOCK_SIZE=spec.block_size, ROWS=rows,
-        HAS_WEIGHTS=weights is not None,
+        HAS_WEIGHTS=weights is not None, HAS_GUARD=guard is not None,
         num_warps=_num_warps(spec), enable_fp_fusion=False,
     )
 
@@ -530,7 +536,8 @@ def dequantize_into(payload: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -
 
 
 def dequant_accumulate_into(payloads: torch.Tensor, spec: QuantSpec, out: torch.Tensor,
-                            weights: torch.Tensor | None) -> None:
+                            weights: torch.Tensor | None,
+                            guard: torch.Tensor | None = None) -> None:
     """``out += sum_k weights[k] * D(payloads[k])``, k in order, one rounding per operation,
     in one pass: ``out`` is read and written once, the K decoded payloads live in registers.
 
@@ -539,5 +546,7 @@ def dequant_accumulate_into(payloads: torch.Tensor, spec: QuantSpec, out: torch.
         spec: the QuantSpec the payloads were made with.
         out: float32 ``[n]``, contiguous, updated in place.
         weights: float32 ``[K]`` on out's device, or None (all ones, no multiply).
+        guard: bool ``[]`` on out's device, or None: when False nothing is read or written
+            (every program reads it first; the host never does).
     """
-    _launch_dequant_accumulate(payloads, spec, out, weights)
+    _launch_dequant_accumulate(payloads, spec, out, weights, guard)

@@ -49,7 +49,7 @@ def test_quick_run_json_is_complete_with_the_quick_config(quick: dict) -> None:
     assert data["complete"] is True and data["exit_code"] == 0
     cfg = data["config"]
     assert cfg["sizes"] == [64 << 10] and cfg["bits"] == [1, 2, 4, 8]
-    assert cfg["impls"] == ["qcomm", "kernel", "reference", "eager"]
+    assert cfg["impls"] == ["qcomm", "qcomm-nb", "kernel", "reference", "eager"]
     assert set(data["env"]) >= {"torch", "triton", "cpu_count", "device", "env"}
 
 
@@ -178,17 +178,38 @@ def test_a_misspelled_implementation_names_the_nearest(capsys) -> None:
 
 
 def test_targets_pass_and_fail() -> None:
+    """The kernel rows against the copy (85% for quantize, 90% for dequant-accumulate) and
+    eager; the API rows against their kernel's time (within 10%)."""
     bench = _load_bench()
     n = 64 << 20
 
-    def row(impl: str, ratio: float, vs_eager: float) -> dict:
-        return {"op": "quantize", "bits": 4, "numel": n, "impl": impl, "status": "ok",
-                "ratio_copy": ratio, "vs_eager": vs_eager}
+    def row(impl: str, ratio: float, vs_eager: float, op: str = "quantize",
+            over_kernel: float | None = None) -> dict:
+        return {"op": op, "bits": 4, "numel": n, "impl": impl, "status": "ok",
+                "ratio_copy": ratio, "vs_eager": vs_eager, "over_kernel": over_kernel}
 
-    good = bench.check_targets([row("kernel", 0.9, 5.0), row("qcomm", 0.5, 1.0)])
-    assert [t["passed"] for t in good] == [True, True]
-    bad = bench.check_targets([row("kernel", 0.8, 2.0)])
-    assert [t["passed"] for t in bad] == [False, False]
+    good = bench.check_targets([row("kernel", 0.9, 5.0), row("qcomm", 0.5, 1.0, over_kernel=1.08),
+                                row("qcomm-nb", 0.5, 1.0, over_kernel=1.02)])
+    assert [t["passed"] for t in good] == [True, True, True, True]
+    assert "qcomm within 10% of its kernel" in good[2]["target"]
+    bad = bench.check_targets([row("kernel", 0.8, 2.0), row("qcomm", 0.5, 1.0, over_kernel=1.2)])
+    assert [t["passed"] for t in bad] == [False, False, False]
+    acc = bench.check_targets([row("kernel", 0.88, 5.0, op="accumulate")])
+    assert [t["passed"] for t in acc] == [False, True]
+    assert acc[0]["target"] == "dequant_acc 4b 64M: >= 90% of copy"
+
+
+def test_per_call_targets_judge_the_non_blocking_api_at_1m() -> None:
+    bench = _load_bench()
+
+    def row(impl: str, n: int, us: float) -> dict:
+        return {"op": "accumulate", "bits": 4, "numel": n, "size": "1M", "impl": impl,
+                "per_call_s": us * 1e-6}
+
+    got = bench.per_call_targets([row("qcomm-nb", 1 << 20, 12.0), row("qcomm", 1 << 20, 40.0),
+                                  row("qcomm-nb", 6400 << 10, 30.0)])
+    assert [(t["passed"], t["detail"]) for t in got] == [(True, "12.0 us")]
+    assert not bench.per_call_targets([row("qcomm-nb", 1 << 20, 20.0)])[0]["passed"]
 
 
 def test_targets_without_a_large_row_do_not_pass() -> None:
@@ -201,3 +222,20 @@ def test_parse_size(text: str, value: int) -> None:
 
     assert parse_size(text) == value
     assert parse_size(format_size(value)) == value
+
+
+def test_per_call_rows_time_the_api_both_ways_and_the_kernel(tmp_path: Path, capsys) -> None:
+    bench = _load_bench()
+    out = tmp_path / "k.json"
+    rc = bench.main(["--device", "cpu", "--sizes", "4K", "--bits", "4", "--impls",
+                     "qcomm,kernel", "--per-call-sizes", "4K", "--repeat", "2", "--warmup", "0",
+                     "--threads", "1", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    rows = json.loads(out.read_text())["per_call"]
+    assert {(r["op"], r["impl"]) for r in rows} == {
+        (op, impl) for op in ("quantize", "accumulate") for impl in ("qcomm", "qcomm-nb", "kernel")}
+    for r in rows:
+        assert r["numel"] == 4096 and r["bits"] == 4 and len(r["runs_s"]) == 2
+        assert r["per_call_s"] > 0 and r["calls"] == 200
+    assert "per call, 200 calls back to back" in printed

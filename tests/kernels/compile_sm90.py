@@ -60,6 +60,7 @@ class Variant:
     block_size: int
     stochastic: bool = False
     bf16: bool = False  # bfloat16 x (quantize) / out (dequantize)
+    guarded: bool = False  # accumulate with a device-side guard (what qcomm.compress launches)
     # Negative controls: compile with fp fusion forced on (must show FMAs), or the _div_probe
     # kernel below (must show a non-IEEE division). They check the checks.
     control: str | None = None  # None | "fma" | "div"
@@ -73,6 +74,8 @@ class Variant:
             parts.append("stoch")
         if self.bf16:
             parts.append("bf16")
+        if self.guarded:
+            parts.append("guard")
         if self.control == "fma":
             parts.insert(0, "control: fp_fusion=True")
         return " ".join(parts)
@@ -89,7 +92,9 @@ def default_variants() -> list[Variant]:
             for stochastic in (False, True) if bits > 1 else (False,):
                 out.append(Variant("quantize", bits, bs, stochastic))
             out.append(Variant("dequantize", bits, bs))
-            out.append(Variant("accumulate", bits, bs))
+            # the public API's guarded launch at the biggest tile, the gossip's bare one at the
+            # smallest: both forms at every width without twice the compiles
+            out.append(Variant("accumulate", bits, bs, guarded=bs == 4096))
     out.append(Variant("quantize", 4, 128, stochastic=True, bf16=True))
     out.append(Variant("dequantize", 4, 128, bf16=True))
     out.append(Variant("accumulate", 8, 32, control="fma"))
@@ -155,7 +160,9 @@ def capture(v: Variant) -> tuple[JITFunction, tuple, dict]:
             triton_codec.dequantize_into(torch.zeros(nbytes, dtype=torch.uint8), spec, out)
         elif v.op == "accumulate":
             payloads = torch.zeros(3, nbytes, dtype=torch.uint8)
-            triton_codec.dequant_accumulate_into(payloads, spec, torch.zeros(N), torch.ones(3))
+            guard = torch.ones((), dtype=torch.bool) if v.guarded else None
+            triton_codec.dequant_accumulate_into(payloads, spec, torch.zeros(N), torch.ones(3),
+                                                 guard)
         else:
             raise ValueError(f"unknown op {v.op!r}")
     finally:

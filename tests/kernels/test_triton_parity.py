@@ -463,3 +463,59 @@ def test_compress_triton_nonfinite_leaves_error_unchanged(device, monkeypatch):
         compress.quantize(x, QuantSpec(4, 64), error=err)
     assert info.value.blocks == [3]
     assert torch.equal(err, before)
+
+
+@pytest.mark.parametrize("bits", [4] if COMPILED else [1, 2, 4, 8])  # one binary on a GPU
+def test_dequant_accumulate_guard(bits, device):
+    """A False guard leaves out bit for bit as it was, even over payloads a real pass would turn
+    into NaN (a NaN scale); a True guard gives the unguarded kernel's bits."""
+    spec = QuantSpec(bits, 64)
+    n = 700
+    payloads = torch.empty(3, packed_nbytes(n, spec), dtype=torch.uint8)
+    for i in range(3):
+        reference.quantize_into(adversarial(n, 40 + i), spec, payloads[i], None, None, i)
+    weights = torch.tensor([0.5, -1.0, 1 / 3]).to(device)
+    start = torch.randn(n, generator=torch.Generator().manual_seed(bits)).to(device)
+    want = start.clone()
+    triton_codec.dequant_accumulate_into(payloads.to(device), spec, want, weights)
+    got = start.clone()
+    triton_codec.dequant_accumulate_into(payloads.to(device), spec, got, weights,
+                                         torch.tensor(True, device=device))
+    assert_bits_equal(got, want, "guard True")
+    split_payload(payloads, n, spec)[1][1, 3] = float("nan")
+    kept = start.clone()
+    triton_codec.dequant_accumulate_into(payloads.to(device), spec, kept, weights,
+                                         torch.tensor(False, device=device))
+    assert_bits_equal(kept, start, "guard False")
+
+
+def test_compress_triton_non_blocking_matches_blocking(device, monkeypatch):
+    """The non-blocking public calls on the Triton backend: the blocking bits when the input is
+    healthy; on NaN, the residual and out kept and the error raised by wait()."""
+    monkeypatch.setenv("QCOMM_BACKEND", "triton")
+    spec = QuantSpec(2, 64, "stochastic")
+    x = torch.randn(300, generator=torch.Generator().manual_seed(3)).to(device)
+    err = (torch.randn(300, generator=torch.Generator().manual_seed(4)) * 0.1).to(device)
+    want_err, got_err = err.clone(), err.clone()
+    want = compress.quantize(x, spec, error=want_err, seed=9)
+    got = compress.quantize(x, spec, error=got_err, seed=9, non_blocking=True).wait()
+    assert torch.equal(got.payload, want.payload)
+    assert_bits_equal(got_err, want_err, "residual")
+    payloads = torch.stack([want.payload, got.payload])
+    acc_want, acc_got = torch.ones(300, device=device), torch.ones(300, device=device)
+    compress.dequant_accumulate(payloads, acc_want, spec, [0.5, 0.25])
+    compress.dequant_accumulate(payloads, acc_got, spec, [0.5, 0.25], non_blocking=True).wait()
+    assert_bits_equal(acc_got, acc_want, "dequant_accumulate")
+    bad = x.clone()
+    bad[70] = float("nan")
+    before = got_err.clone()
+    pending = compress.quantize(bad, spec, error=got_err, seed=10, non_blocking=True)
+    check = compress.dequant_accumulate(torch.stack([pending.payload]), acc_got, spec,
+                                        non_blocking=True)
+    with pytest.raises(compress.NonFiniteError) as info:
+        pending.wait()
+    assert info.value.blocks == [1]
+    with pytest.raises(compress.NonFiniteError):
+        check.wait()
+    assert_bits_equal(got_err, before, "residual after a NaN input")
+    assert_bits_equal(acc_got, acc_want, "out after a NaN payload")
