@@ -612,8 +612,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(default all but baseline, which --baseline adds; --quick leaves out "
                    "compiled).")
     p.add_argument("--baseline", type=Path, metavar="PATH",
-                   help="Another version of qcomm/kernels/reference.py to time as the "
-                        "'baseline' row (e.g. git show REV:qcomm/kernels/reference.py > old.py).")
+                   help="Another version of qcomm/kernels/reference.py or of "
+                        "qcomm/kernels/triton_codec.py to time as the 'baseline' row (e.g. git "
+                        "show REV:qcomm/kernels/triton_codec.py > old.py): a before/after in "
+                        "one run.")
     p.add_argument("--per-call-sizes", metavar="SIZES",
                    help=f"Sizes at which to time calls in a stream (default: GPU "
                         f"{GPU_PER_CALL_SIZES}; CPU {CPU_PER_CALL_SIZES}; --quick none; "

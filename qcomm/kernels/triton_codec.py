@@ -118,13 +118,28 @@ def _decode_tile(codes_ptr, scales_ptr, byte_limit, block_limit,
     PER: tl.constexpr = 8 // BITS
     ROW_BYTES: tl.constexpr = BLOCK_SIZE // PER
     r = tl.arange(0, ROWS)
-    byte = r[:, None] * ROW_BYTES + tl.arange(0, ROW_BYTES)[None, :]
-    raw = tl.load(codes_ptr + byte, mask=byte < byte_limit, other=0).to(tl.int32)
     if PER == 1:
-        codes = raw
+        byte = r[:, None] * ROW_BYTES + tl.arange(0, ROW_BYTES)[None, :]
+        codes = tl.load(codes_ptr + byte, mask=byte < byte_limit, other=0).to(tl.int32)
     else:
-        # element 0 of a byte sits in its low bits
-        shifts = tl.arange(0, PER) * BITS
+        # Each thread holds 4 consecutive float32 of a row (one 16-byte vector of out), so it
+        # is given the bits of exactly those 4 codes: a nibble, a byte or two bytes. Loaded
+        # wider (the default vectorizes bytes by 4 or 16), they would cross between threads
+        # through shared memory, with a barrier, once per payload.
+        QUAD_BITS: tl.constexpr = 4 * BITS
+        if QUAD_BITS < 8:  # 1-bit codes: two threads read each byte, a nibble each
+            quad = tl.arange(0, BLOCK_SIZE // 4)
+            byte = r[:, None] * ROW_BYTES + (quad // 2)[None, :]
+            raw = tl.load(codes_ptr + byte, mask=byte < byte_limit, other=0).to(tl.int32)
+            raw = raw >> ((quad % 2) * 4)[None, :]
+            per_unit: tl.constexpr = 4
+        else:
+            byte = r[:, None] * ROW_BYTES + tl.arange(0, ROW_BYTES)[None, :]
+            byte = tl.max_contiguous(byte, [1, QUAD_BITS // 8])
+            raw = tl.load(codes_ptr + byte, mask=byte < byte_limit, other=0).to(tl.int32)
+            per_unit: tl.constexpr = PER
+        # element 0 of a byte (of a nibble) sits in its low bits
+        shifts = tl.arange(0, per_unit) * BITS
         codes = (raw[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
         codes = tl.reshape(codes, [ROWS, BLOCK_SIZE])
     if BITS == 1:
