@@ -84,13 +84,10 @@ def test_a_finished_stream_delivers_its_last_message_and_nothing_after_it() -> N
     assert r2["from1"] == [1, 2, 3, 4]
 
 
-def test_a_link_slow_to_make_is_waited_for_and_its_silence_counts_from_when_it_was_made(
-        ) -> None:
-    """Two members' streams in one process over a rendezvous, each link made 1.5 s late with a
-    silence bound of 1 s (a busy rendezvous): ``wait_made`` says the links are not made, then
-    that they are; once made, a message sent at once arrives and neither end fails. The
-    silence used to count from the stream's construction: a link made after the bound timed
-    out at once, and both ends dropped each other with no message carried."""
+def _linked_pair(timeout_s: float, max_backlog: int, delay_s: float = 0.0
+                 ) -> tuple[list[GlooStreams], dist.Store]:
+    """Members 0 and 1's streams in this process over a rendezvous, each link made by a
+    PairGroup (``delay_s`` late), and the rendezvous's store (keep it while they run)."""
     import datetime
 
     from qcomm.collectives.gloo.pair_group import PairGroup
@@ -106,12 +103,64 @@ def test_a_link_slow_to_make_is_waited_for_and_its_silence_counts_from_when_it_w
 
     def late(g: PairGroup):
         def connect(peer: int, rank: int):
-            time.sleep(1.5)
+            time.sleep(delay_s)
             return g.connect(peer, rank)
         return connect
 
-    ends = [GlooStreams([0, 1], None, m, [1 - m], NBYTES, max_backlog=8, timeout_s=1.0,
-                        stream_end=_stream_end, connect=late(groups[m])) for m in (0, 1)]
+    ends = [GlooStreams([0, 1], None, m, [1 - m], NBYTES, max_backlog=max_backlog,
+                        timeout_s=timeout_s, stream_end=_stream_end, connect=late(groups[m]))
+            for m in (0, 1)]
+    return ends, master
+
+
+def test_two_ends_that_fill_their_backlogs_before_taking_each_others_hello_go_on() -> None:
+    """Each end sends what a new link's hello is (a message, then a vector that the other
+    end's caller takes once it reads that message) and then more than a backlog of messages, and
+    neither takes anything meanwhile: as two members do whose link was made only after both
+    had stepped past their backlog. Every send goes through (the other end's receiver thread
+    holds them), then each takes the other's messages and vector. With the vector confirmed
+    in line, the messages behind it waited for the other end's caller, which waited in its
+    own send for room: both ends dropped each other after half the silence bound (found in
+    a join on the suite's load, both ends "max_backlog=64 messages not taken")."""
+    backlog = 8
+    ends, _rendezvous = _linked_pair(timeout_s=4.0, max_backlog=backlog)
+    try:
+        assert all(s.wait_made(20) for s in ends)
+        errors: dict[int, list] = {}
+
+        def hello_then_backlog(m: int) -> None:
+            s = ends[m]
+            errs = [s.send_to(0, _message(100 + m))]
+            s.send_vector(0, torch.full((4,), float(m)))
+            errs += [s.send_to(0, _message(v)) for v in range(backlog + 1)]
+            errors[m] = errs
+
+        senders = [threading.Thread(target=hello_then_backlog, args=(m,), daemon=True)
+                   for m in (0, 1)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(15)
+        assert errors == {0: [None] * (backlog + 2), 1: [None] * (backlog + 2)}
+        for m, s in enumerate(ends):
+            assert _take_all(s, 0, 2 + backlog, timeout_s=10) == [101 - m,
+                                                                 *range(backlog + 1)]
+            got = torch.zeros(4)
+            assert s.recv_vector(0, got, 5.0) is None
+            assert torch.equal(got, torch.full((4,), float(1 - m)))
+    finally:
+        for s in ends:
+            s.close()
+
+
+def test_a_link_slow_to_make_is_waited_for_and_its_silence_counts_from_when_it_was_made(
+        ) -> None:
+    """Two members' streams in one process over a rendezvous, each link made 1.5 s late with a
+    silence bound of 1 s (a busy rendezvous): ``wait_made`` says the links are not made, then
+    that they are; once made, a message sent at once arrives and neither end fails. The
+    silence used to count from the stream's construction: a link made after the bound timed
+    out at once, and both ends dropped each other with no message carried."""
+    ends, _rendezvous = _linked_pair(timeout_s=1.0, max_backlog=8, delay_s=1.5)
     try:
         assert not ends[0].wait_made(0.3)
         assert all(s.wait_made(20) for s in ends)

@@ -6,8 +6,9 @@ sends on (the interface, and what bounds and ends a stream, are described there)
 posted receive, and its point-to-point works report completion only from ``wait()``
 (``is_completed()`` stays False until then, and a ``wait`` that times out closes the
 connection), so each neighbour has a receiver thread that keeps ``depth`` receives posted and
-waits on the oldest, and a sender thread that keeps ``depth`` sends in flight. Both block in
-Gloo's C++ code with the GIL released: they cost no CPU while they wait.
+waits on the oldest, and a sender thread that keeps ``depth`` sends in flight; vectors
+(:meth:`GlooStreams.send_vector`, taken by the peer's caller) go out on a third thread while
+any are queued. All block in Gloo's C++ code with the GIL released: no CPU while they wait.
 
 A link's messages move on a *channel*: by default point-to-point with the neighbour on the one
 process group of all members (:class:`GroupChannel`); a group whose links change while the job
@@ -102,9 +103,17 @@ class _Link:
         self.recv_error: PeerError | None = None
         self.heard = time.monotonic()
         # sending
-        # queued, not yet posted: messages, and (vector,) tuples (their own tags)
-        self.outbox: deque[torch.Tensor | tuple[torch.Tensor]] = deque()
+        self.outbox: deque[torch.Tensor] = deque()   # messages queued, not yet posted
         self.unconfirmed = 0   # messages queued or posted, not yet received by the peer
+        # Vectors (their own tags, taken by the peer's caller, not by its receiver thread) go
+        # out on a thread of their own, started when one is queued and gone when none is
+        # left: confirmed in line with the messages, a vector the peer's caller had not yet
+        # asked for held up the confirmations behind it, and two ends whose backlogs filled
+        # while their link was being made each waited in send_to for room that only the
+        # other's caller, waiting in its own send_to, could make.
+        self.vectors_out: deque[torch.Tensor] = deque()
+        self.vectors_sent = 0
+        self.vector_sender: threading.Thread | None = None
         self.vectors_received = 0
         self.send_error: PeerError | None = None
         self.closing = False
@@ -186,8 +195,8 @@ class _Link:
 
     def _send_loop(self) -> None:
         o = self.owner
-        posted: deque[tuple[bool, object, float]] = deque()
-        seq = vseq = 0
+        posted: deque[tuple[object, float]] = deque()
+        seq = 0
         started = time.monotonic()
         with self.cond:   # the receiver thread makes the channel
             self.cond.wait_for(lambda: self.channel is not None or self.send_error is not None
@@ -207,22 +216,17 @@ class _Link:
                     while self.outbox and len(posted) + len(batch) < o.depth:
                         batch.append(self.outbox.popleft())
                 for msg in batch:
-                    if isinstance(msg, tuple):  # a vector: tags above the messages'
-                        work = self.channel.isend(msg[0], TAG_MODULUS + vseq)
-                        vseq += 1
-                    else:
-                        work = self.channel.isend(msg, seq % TAG_MODULUS)
-                        seq += 1
                     # the work holds the tensor until it completes
-                    posted.append((not isinstance(msg, tuple), work, time.monotonic()))
+                    posted.append((self.channel.isend(msg, seq % TAG_MODULUS), time.monotonic()))
+                    seq += 1
                 if not posted:
                     continue
-                is_message, work, started = posted[0]
+                work, started = posted[0]
                 left = max(o.timeout_s - (time.monotonic() - started), 1e-3)
                 work.wait(timeout=datetime.timedelta(seconds=left))
                 posted.popleft()
                 with self.cond:
-                    self.unconfirmed -= is_message
+                    self.unconfirmed -= 1
                     self.cond.notify_all()
         except RuntimeError as e:
             # A peer silent for timeout_s timed out, whichever side's wait noticed first (a
@@ -231,6 +235,35 @@ class _Link:
                               o.timeout_s, self.rank, o.level, min(started, self.heard))
             with self.cond:
                 self.send_error = err
+                self.cond.notify_all()
+
+    def _vector_loop(self) -> None:
+        """Send the queued vectors in order (tags above the messages'), each waited for up to
+        the silence bound, then leave (:meth:`GlooStreams.send_vector` starts the thread)."""
+        o = self.owner
+        with self.cond:   # the receiver thread makes the channel
+            self.cond.wait_for(lambda: self.channel is not None or self.send_error is not None
+                               or self.closing)
+        started = time.monotonic()
+        try:
+            while True:
+                with self.cond:
+                    if (self.channel is None or not self.vectors_out or self.closing
+                            or self.send_error is not None):
+                        self.vector_sender = None
+                        return
+                    vector = self.vectors_out.popleft()
+                    tag = TAG_MODULUS + self.vectors_sent
+                    self.vectors_sent += 1
+                started = time.monotonic()
+                self.channel.isend(vector, tag).wait(
+                    timeout=datetime.timedelta(seconds=o.timeout_s))
+        except RuntimeError as e:
+            err = _peer_error(e, f"vector to rank {self.rank} (rank {o.rank})", o.timeout_s,
+                              self.rank, o.level, started)
+            with self.cond:
+                self.send_error = self.send_error or err
+                self.vector_sender = None
                 self.cond.notify_all()
 
 
@@ -302,6 +335,7 @@ class GlooStreams(MessageStreams, LinkEnds):
                 link.outbox or link.unconfirmed)
             if not flush:
                 link.outbox.clear()
+            link.vectors_out.clear()
             link.ready.clear()
             self.cond.notify_all()
             channel = None if flush else link.channel
@@ -337,8 +371,12 @@ class GlooStreams(MessageStreams, LinkEnds):
         with self.cond:
             if k in self._dropped:
                 return
-            link.outbox.append((vector,))
-            self.cond.notify_all()
+            link.vectors_out.append(vector)
+            if link.vector_sender is None:
+                link.vector_sender = threading.Thread(
+                    target=link._vector_loop, daemon=True,
+                    name=f"qcomm-vectors-{self.rank}-to-{link.rank}")
+                link.vector_sender.start()
         record(self.level, self.stats, vector.view(-1).view(torch.uint8))
 
     def recv_vector(self, k: int, out: torch.Tensor, timeout_s: float | None = None
@@ -419,6 +457,7 @@ class GlooStreams(MessageStreams, LinkEnds):
             self.cond.notify_all()
             done = [link.receiver for link in self._links
                     if link.ended or link.last_in or link.recv_error]
+            done += [link.vector_sender for link in self._links if link.vector_sender]
         # Threads that are leaving: let them finish, so that the works they held (receives
         # posted ahead and never waited for) are released now, not while the interpreter or
         # the process group is being torn down.
