@@ -105,7 +105,8 @@ class DeferredCheck:
     by them (nothing that a failed check protects is written) and returns without reading
     them: no host sync. :meth:`wait` reads the verdict, one host read (a sync on an
     accelerator: place it where one happens anyway, e.g. after the step's collectives), and
-    raises what the blocking call would have raised.
+    raises what the blocking call would have raised. The verdict is read on the current CUDA
+    stream: wait on the stream that made the call, or after syncing it.
     """
 
     def __init__(self, ok: torch.Tensor | None = None,
@@ -583,8 +584,11 @@ def _weights_tensors(weights: Sequence[float] | torch.Tensor | None, k: int,
     if pair is None:
         if len(_WEIGHTS_CACHE) >= _WEIGHTS_CACHE_SIZE:
             _WEIGHTS_CACHE.clear()
-        w = torch.tensor(values, dtype=torch.float32, device=device)
-        pair = _WEIGHTS_CACHE[(values, device)] = (w, w.abs().to(torch.float64))
+        # Both made on the host and copied over whole (a blocking copy from pageable memory):
+        # nothing of them is left pending on one stream for a call on another.
+        w = torch.tensor(values, dtype=torch.float32)
+        pair = _WEIGHTS_CACHE[(values, device)] = (w.to(device),
+                                                   w.abs().to(torch.float64).to(device))
     return pair
 
 
