@@ -51,9 +51,22 @@ from qcomm.rendezvous.seat import parse_address
 from qcomm.rendezvous.start import start_together
 from qcomm.rendezvous.threads import fit_threads
 
-__all__ = ["NodeJoins", "agree_and_join", "check_linked_options"]
+__all__ = ["NodeJoins", "agree_and_join", "check_linked_options", "wait_for_links"]
 
 log = logging.getLogger("qcomm")
+
+
+def wait_for_links(gossip: Any, timeout_s: float, who: str) -> bool:
+    """Wait up to ``timeout_s`` for ``gossip``'s links to be made (``wait_linked``); when some
+    are not, say so on the ``qcomm`` logger (a warning naming ``who`` and the bound) and go
+    on: each such link then ends within its own bounds, and a peer it cannot reach is lost as
+    any other. Returns whether all were made."""
+    made = gossip.wait_linked(timeout_s)
+    if not made:
+        log.warning("%s: not every gossip link was made within %g s of the start (the silence "
+                    "bound); training goes on, each such link within its own bounds, and a "
+                    "peer it never reaches is counted lost", who, timeout_s)
+    return made
 
 
 def check_linked_options(options: Any, seat: LinkedSeat) -> None:
@@ -269,7 +282,7 @@ class NodeJoins:
         # and with their links made: one still being made when its backlog fills holds the
         # step, and is then taken for a silent peer. Up to the silence bound: a link that
         # takes longer is left to its own bounds (a peer that set up and died meanwhile).
-        self.node.gossip.wait_linked(seat.timeout_s)
+        wait_for_links(self.node.gossip, seat.timeout_s, f"rank {seat.rank}")
 
     def watch(self) -> None:
         """Start watching the rendezvous for joins after this rank's own (idempotent)."""

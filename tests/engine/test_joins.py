@@ -63,3 +63,32 @@ def test_a_bad_join_optimizer_state_is_named_with_what_is_allowed(value: object)
     with pytest.raises(ValueError, match=r"join_optimizer_state must be one of \('copy', "
                                          r"'fresh'\)"):
         CommOptions(**ROBUST, join_optimizer_state=value)
+
+
+class _Gossip:
+    def __init__(self, made: bool) -> None:
+        self.made, self.asked = made, []
+
+    def wait_linked(self, timeout_s: float) -> bool:
+        self.asked.append(timeout_s)
+        return self.made
+
+
+@pytest.mark.parametrize("made", [True, False])
+def test_links_not_made_at_the_start_are_named_in_a_warning(made: bool,
+                                                           caplog: pytest.LogCaptureFixture
+                                                           ) -> None:
+    """The start waits up to the silence bound for its links; links still not made are a
+    warning naming the rank and the bound, not silence, and the start goes on."""
+    from qcomm.engine.joins import wait_for_links
+
+    gossip = _Gossip(made)
+    with caplog.at_level("WARNING", logger="qcomm"):
+        assert wait_for_links(gossip, 7.5, "rank 3") is made
+    assert gossip.asked == [7.5]
+    warned = [r.getMessage() for r in caplog.records if r.name == "qcomm"]
+    if made:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and warned[0].startswith(
+            "rank 3: not every gossip link was made within 7.5 s of the start")
