@@ -278,12 +278,18 @@ def _resolve_seed(seed: int | None, spec: QuantSpec) -> int:
 
 def _raise_if_nonfinite(scales: torch.Tensor, argument: str, what: str) -> None:
     """Raise NonFiniteError when any scale is NaN/Inf (one small read, one host sync)."""
+    error = _nonfinite_in(scales, argument, what)
+    if error is not None:
+        raise error
+
+
+def _nonfinite_in(scales: torch.Tensor, argument: str, what: str) -> NonFiniteError | None:
+    """The NonFiniteError naming the scales' non-finite blocks, or None when all are finite
+    (one small read, one host sync)."""
     if scales.numel() == 0:
-        return
+        return None
     finite = torch.isfinite(scales)
-    if bool(finite.all()):
-        return
-    raise _nonfinite_error(finite, argument, what)
+    return None if bool(finite.all()) else _nonfinite_error(finite, argument, what)
 
 
 def _nonfinite_error(finite: torch.Tensor, argument: str, what: str) -> NonFiniteError:
@@ -348,14 +354,9 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, error: torch.Tensor | None = N
         if error is not None and _overlap(error, error_out):
             raise ValueError("error_out must not overlap error; pass only error for in place")
     out = _check_out(out, x, spec)
+    check_instance("non_blocking", non_blocking, bool, what="True or False")
     return _quantize_checked(x, spec, error, error_out, _resolve_seed(seed, spec), out,
-                             _check_flag("non_blocking", non_blocking))
-
-
-def _check_flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
+                             non_blocking)
 
 
 def _check_out(out: torch.Tensor | None, x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -504,7 +505,7 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
     payloads = _check_payloads(payloads, out, spec)
     k = payloads.shape[0]
     w, w_abs = _weights_tensors(weights, k, out.device)
-    non_blocking = _check_flag("non_blocking", non_blocking)
+    non_blocking = check_instance("non_blocking", non_blocking, bool, what="True or False")
     if k == 0 or out.numel() == 0:
         return DeferredCheck() if non_blocking else out
     scales = split_payload(payloads, out.numel(), spec)[1]
@@ -599,11 +600,9 @@ def _accumulate_refused(scales: torch.Tensor, weights: torch.Tensor | None,
     when only the last holds and ``overflow`` is False (the caller then sums aside)."""
     if weights is not None and not bool(torch.isfinite(weights).all()):
         return ValueError(f"weights must be finite, got {weights.tolist()}")
-    finite = torch.isfinite(scales)
-    if not bool(finite.all()):
-        return _nonfinite_error(finite, "payloads", "carry")
-    if not overflow:
-        return None
+    error = _nonfinite_in(scales, "payloads", "carry")
+    if error is not None or not overflow:
+        return error
     return AccumulateOverflowError(
         f"payloads times weights might overflow float32 in out (the decoded sum can reach "
         f"{float(bound):.3g}, float32 holds {_FLT32_MAX:.3g}); nothing was written. The "
@@ -673,7 +672,8 @@ class ErrorFeedback:
         """
         if not isinstance(key, (str, int)) or isinstance(key, bool):
             raise TypeError(f"key must be a str or int, got {key!r}")
-        if _check_flag("non_blocking", non_blocking) and _check_flag("commit", commit):
+        check_instance("non_blocking", non_blocking, bool, what="True or False")
+        if non_blocking and check_instance("commit", commit, bool, what="True or False"):
             raise ValueError("non_blocking=True needs commit=False: the residual moves at "
                              "commit(key), which reads the deferred check first")
         x = _check_float_tensor(x, "x", INPUT_DTYPES)

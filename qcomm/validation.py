@@ -15,6 +15,7 @@ This module is the bottom layer of qcomm: it imports only the standard library a
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import numbers
@@ -130,23 +131,19 @@ def check_int(name: str, value: object, *, low: int | None = None, high: int | N
     """
     if value is None and allow_none:
         return None
-    if not isinstance(value, bool) and hasattr(value, "__index__"):
-        n = operator.index(value)  # type: ignore[arg-type]
-        if not _outside(n, low, high, False, high_open):
-            return n  # the common case: no message built (the codec checks sizes per call)
+    n = None
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            n = operator.index(value)  # type: ignore[arg-type]
+    if n is not None and not _outside(n, low, high, False, high_open):
+        return n  # the message below is built only for a value that fails (sizes per call)
     desc = what or _interval("int", low, high, False, high_open)
-    # "or None" only where the kind is wrong: to a user who passed 0, "an int >= 1" says it all,
-    # in the same words whichever constructor (with or without a None default) checked it.
-    kind = desc + (" or None" if allow_none else "")
-    if isinstance(value, bool):
-        fail(name, kind, value, TypeError)
-    try:
-        n = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        fail(name, kind, value, TypeError)
-    if _outside(n, low, high, False, high_open):
-        fail(name, desc, value)
-    return n
+    if n is None:
+        # "or None" only where the kind is wrong: to a user who passed 0, "an int >= 1" says
+        # it all, in the same words whichever constructor (with or without a None default)
+        # checked it.
+        fail(name, desc + (" or None" if allow_none else ""), value, TypeError)
+    fail(name, desc, value)
 
 
 def check_real(name: str, value: object, *, low: float | None = None,

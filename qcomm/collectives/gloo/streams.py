@@ -244,7 +244,6 @@ class _Link:
         with self.cond:   # the receiver thread makes the channel
             self.cond.wait_for(lambda: self.channel is not None or self.send_error is not None
                                or self.closing)
-        started = time.monotonic()
         try:
             while True:
                 with self.cond:
