@@ -36,6 +36,12 @@ from functools import partial
 
 import torch
 
+from qcomm.kernels.accumulate_guard import (
+    FLOAT32_MAX,
+    MAX_ABS_LEVEL,
+    AccumulateGuard,
+    guard_total,
+)
 from qcomm.kernels.backend import backend_for
 from qcomm.kernels.wire_format import (
     INPUT_DTYPES,
@@ -65,11 +71,6 @@ __all__ = [
     "quantize",
 ]
 
-# |level| of the largest code of each width, valid or not (2**(bits-1) for 4 and 8 bits: the
-# unused top code decodes to L + 1), so the overflow bound of dequant_accumulate holds for any
-# payload.
-_MAX_ABS_LEVEL = {1: 1, 2: 1, 4: 8, 8: 128}
-_FLT32_MAX = torch.finfo(torch.float32).max
 
 
 class NonFiniteError(FloatingPointError):
@@ -101,7 +102,7 @@ class AccumulateOverflowError(NonFiniteError, OverflowError):
 class DeferredCheck:
     """The verdict of a codec call made with ``non_blocking=True``, read when asked for.
 
-    Such a call computes its checks on the device (one bool ``[]``), launches its work guarded
+    Such a call computes its checks on the device (one value ``[]``), launches its work guarded
     by them (nothing that a failed check protects is written) and returns without reading
     them: no host sync. :meth:`wait` reads the verdict, one host read (a sync on an
     accelerator: place it where one happens anyway, e.g. after the step's collectives), and
@@ -111,7 +112,9 @@ class DeferredCheck:
 
     def __init__(self, ok: torch.Tensor | None = None,
                  refused: Callable[[], Exception] | None = None) -> None:
-        self._ok = ok  # None: nothing to check (an empty call)
+        # bool []: passes when True; float []: the largest magnitude among the checked values,
+        # passes when finite (NaN and Inf fail). None: nothing to check (an empty call).
+        self._ok = ok
         self._refused = refused
         self._error: Exception | None = None
 
@@ -122,7 +125,7 @@ class DeferredCheck:
             NonFiniteError, AccumulateOverflowError, ValueError: as the blocking call.
         """
         if self._ok is not None:
-            if not bool(self._ok) and self._refused is not None:
+            if not _passes(self._ok) and self._refused is not None:
                 self._error = self._refused()
             self._ok = None
         if self._error is not None:
@@ -276,6 +279,20 @@ def _resolve_seed(seed: int | None, spec: QuantSpec) -> int:
     return check_seed(seed)
 
 
+def _largest_magnitude(values: torch.Tensor) -> torch.Tensor:
+    """float32 ``[]``: the largest ``|value|`` of a non-empty float32 tensor, NaN or Inf when
+    one of them is (one reduction on the device, nothing read)."""
+    return torch.linalg.vector_norm(values, float("inf"))
+
+
+def _passes(verdict: torch.Tensor) -> bool:
+    """A verdict read on the host: a bool's value, or whether a largest magnitude (float) is
+    finite (NaN compares False)."""
+    if verdict.dtype == torch.bool:
+        return bool(verdict)
+    return float(verdict) <= FLOAT32_MAX
+
+
 def _raise_if_nonfinite(scales: torch.Tensor, argument: str, what: str) -> None:
     """Raise NonFiniteError when any scale is NaN/Inf (one small read, one host sync)."""
     error = _nonfinite_in(scales, argument, what)
@@ -286,18 +303,20 @@ def _raise_if_nonfinite(scales: torch.Tensor, argument: str, what: str) -> None:
 def _nonfinite_in(scales: torch.Tensor, argument: str, what: str) -> NonFiniteError | None:
     """The NonFiniteError naming the scales' non-finite blocks, or None when all are finite
     (one small read, one host sync)."""
-    if scales.numel() == 0:
+    if scales.numel() == 0 or _passes(_largest_magnitude(scales)):
         return None
-    finite = torch.isfinite(scales)
-    return None if bool(finite.all()) else _nonfinite_error(finite, argument, what)
+    return _nonfinite_error(scales, argument, what)
 
 
-def _nonfinite_error(finite: torch.Tensor, argument: str, what: str) -> NonFiniteError:
-    """The NonFiniteError naming the blocks where ``finite`` (bool, one per scale) is False."""
-    blocks = (~finite).flatten().nonzero().flatten().tolist()
+def _nonfinite_error(scales: torch.Tensor, argument: str, what: str) -> NonFiniteError:
+    """The NonFiniteError naming the blocks whose scale is NaN or Inf (host reads)."""
+    blocks = (~torch.isfinite(scales)).flatten().nonzero().flatten().tolist()
+    where = (f"in {len(blocks)} block(s), first block {blocks[0]}" if blocks else
+             "(its blocks cannot be named: the payload was overwritten before the check was "
+             "read)")
     return NonFiniteError(
-        f"{argument} {what} non-finite values (NaN or Inf) in {len(blocks)} block(s), "
-        f"first block {blocks[0]}; nothing was produced and no state was changed",
+        f"{argument} {what} non-finite values (NaN or Inf) {where}; nothing was produced and "
+        f"no state was changed",
         argument,
         blocks,
     )
@@ -334,7 +353,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, error: torch.Tensor | None = N
             the payload may carry NaN scales (every decode refuses those, so it may be sent to
             peers that decode with this module, as qcomm's collectives do) and ``error_out``
             must not become a residual; the in-place ``error`` is updated on the device only
-            if the check passes.
+            if the check passes. The verdict is the call's; the error names the blocks from
+            the payload as ``wait()`` finds it (none if ``out`` was overwritten since).
 
     Returns:
         Packed with ``payload`` uint8 ``[packed_nbytes(x.numel(), spec)]``.
@@ -388,11 +408,12 @@ def _quantize_checked(x: torch.Tensor, spec: QuantSpec, error: torch.Tensor | No
     scales = split_payload(out, n, spec)[1]
     deferred = None
     if non_blocking:
-        finite = torch.isfinite(scales)  # kept: the blocks to name if wait() finds a NaN
-        ok = finite.all()
-        deferred = DeferredCheck(ok, partial(_nonfinite_error, finite, "x", "(plus error) has"))
-        if error is not None and error_out is None:  # the residual moves only if all is finite
-            torch.where(ok, residual_out, error, out=error)
+        largest = _largest_magnitude(scales) if n else None
+        deferred = DeferredCheck(largest, partial(_nonfinite_error, scales, "x",
+                                                  "(plus error) has"))
+        if largest is not None and error is not None and error_out is None:
+            # the residual moves only if every scale is finite
+            torch.where(largest <= FLOAT32_MAX, residual_out, error, out=error)
     else:
         _raise_if_nonfinite(scales, "x", "(plus error) has")
         if error is not None and error_out is None:
@@ -420,15 +441,15 @@ def _quantize_into(x: torch.Tensor, spec: QuantSpec, out: torch.Tensor, seed: in
 
 def _dequant_accumulate_into(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpec,
                              weights: torch.Tensor | None = None,
-                             guard: torch.Tensor | None = None) -> None:
+                             guard: AccumulateGuard | None = None) -> None:
     """``out += sum_k weights[k] * D(payloads[k])``: the kernel alone, no check at all.
 
     The caller guarantees what :func:`dequant_accumulate` checks, and that the sum cannot
     overflow: ``payloads`` uint8 ``[K, packed_nbytes(n, spec)]``, contiguous, every scale
-    finite and the bound of :func:`_accumulate_guard` within float32's range; ``out`` float32
-    ``[n]``, contiguous; ``weights`` None or K finite floats, float32 ``[K]`` on out's device.
-    ``guard`` (bool ``[]`` on out's device, or None): when False nothing is read or written,
-    and the guarantees on the scales and the bound need hold only when it is True.
+    finite and the bound of :mod:`qcomm.kernels.accumulate_guard` within float32's range;
+    ``out`` float32 ``[n]``, contiguous; ``weights`` None or K finite floats, float32 ``[K]``
+    on out's device. With a ``guard`` the backend checks the scales and the bound itself,
+    writes nothing they fail and records its verdict in ``guard.verdict``.
     """
     backend_for(out.device).dequant_accumulate_into(payloads, spec, out, weights, guard)
 
@@ -492,11 +513,12 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
         AccumulateOverflowError: finite scales and weights whose sum would overflow float32
             (Inf or NaN in ``out``); ``out`` is unchanged. Checked cheaply: the scales and
             weights bound ``|sum_k weights[k] * D(payloads[k])|`` per element (largest level
-            times largest scale, per payload), on the device; the kernel writes only when that
-            bound is within float32's range. Only when it is not is the sum computed into a
-            copy of ``out`` and checked before ``out`` is written, so a sum that could overflow
-            but does not is no error. ``out``'s own magnitude is not in the bound: an ``out``
-            already within one decoded term of the float32 limit can still overflow.
+            times largest scale, per payload); the kernel computes that bound beside its sum
+            and writes only when it is within float32's range. Only when it is not is the sum
+            computed into a copy of ``out`` and checked before ``out`` is written, so a sum
+            that could overflow but does not is no error. ``out``'s own magnitude is not in
+            the bound: an ``out`` already within one decoded term of the float32 limit can
+            still overflow.
         ValueError: weights not finite (a tensor's found with the scales; ``out`` unchanged).
     """
     spec = check_spec(spec)
@@ -504,39 +526,24 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
                        why="it is updated in place")
     payloads = _check_payloads(payloads, out, spec)
     k = payloads.shape[0]
-    w, w_abs = _weights_tensors(weights, k, out.device)
+    w = _weights_tensor(weights, k, out.device)
     non_blocking = check_instance("non_blocking", non_blocking, bool, what="True or False")
     if k == 0 or out.numel() == 0:
         return DeferredCheck() if non_blocking else out
     scales = split_payload(payloads, out.numel(), spec)[1]
-    guard, bound = _accumulate_guard(scales, w_abs, spec)
+    # One reduction before the launch; the backend weighs the maxima beside its sum and
+    # writes the verdict (accumulate_guard's rule): nothing is read on the host first.
+    guard = AccumulateGuard(torch.linalg.vector_norm(scales, float("inf"), dim=-1),
+                            torch.empty((), dtype=torch.bool, device=out.device))
     _dequant_accumulate_into(payloads, out.view(-1), spec, w, guard)
     if non_blocking:
-        return DeferredCheck(guard, partial(_accumulate_refused, scales, w, bound))
-    if bool(guard):  # the one host read, after the launch: the kernel did not wait for it
+        return DeferredCheck(guard.verdict, partial(_accumulate_refused, scales, w, guard, spec))
+    if bool(guard.verdict):  # the one host read, after the launch: the kernel did not wait
         return out
-    refused = _accumulate_refused(scales, w, bound, overflow=False)
+    refused = _accumulate_refused(scales, w, guard, spec, overflow=False)
     if refused is not None:
         raise refused
-    return _accumulate_aside(payloads, out, spec, w, float(bound))
-
-
-def _accumulate_guard(scales: torch.Tensor, weights_abs: torch.Tensor | None,
-                      spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whether :func:`dequant_accumulate`'s sum surely stays finite, from the scales (float32
-    ``[K, nblocks]``) and the weights' magnitudes (float64 ``[K]`` or None), on the scales'
-    device and without a host read: (bool ``[]``, the bound float64 ``[]``).
-
-    The bound on ``|sum_k w_k D(payload_k)|`` per element is ``sum_k |w_k| * max|scale_k|``
-    times the largest level; NaN or Inf when a scale or a weight is not finite (the guard is
-    then False). The guard allows (k + 4) ulps of float32 rounding in the kernel's products and
-    sums over it. Three small device ops (four with weights)."""
-    k = scales.shape[0]
-    smax = torch.linalg.vector_norm(scales, float("inf"), dim=-1, dtype=torch.float64)  # [K]
-    total = smax.sum() if weights_abs is None else torch.dot(smax, weights_abs)
-    level = _MAX_ABS_LEVEL[spec.bits]
-    guard = total <= _FLT32_MAX / (level * (1 + (k + 4) * 2.0**-24))
-    return guard, total * level
+    return _accumulate_aside(payloads, out, spec, w, _accumulate_bound(guard, w, spec))
 
 
 def _check_payloads(payloads: object, out: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -551,18 +558,17 @@ def _check_payloads(payloads: object, out: torch.Tensor, spec: QuantSpec) -> tor
 
 # Weights given as a sequence, as tensors on their device: the same mixing weights come every
 # round, and a fresh host-to-device copy per call would cost a sync of its own.
-_WEIGHTS_CACHE: dict[tuple[tuple[float, ...], torch.device],
-                     tuple[torch.Tensor, torch.Tensor]] = {}
+_WEIGHTS_CACHE: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 _WEIGHTS_CACHE_SIZE = 64
 
 
-def _weights_tensors(weights: Sequence[float] | torch.Tensor | None, k: int,
-                     device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The weights as float32 ``[k]`` on ``device`` and their magnitudes as float64 ``[k]``
-    (None, None for None). A sequence must hold ``k`` finite reals (checked here, on the
-    host); a tensor's finiteness is checked on the device with the scales."""
+def _weights_tensor(weights: Sequence[float] | torch.Tensor | None, k: int,
+                    device: torch.device) -> torch.Tensor | None:
+    """The weights as float32 ``[k]`` on ``device`` (None for None). A sequence must hold
+    ``k`` finite reals (checked here, on the host); a tensor's finiteness is checked on the
+    device with the scales."""
     if weights is None:
-        return None, None
+        return None
     if not isinstance(weights, (torch.Tensor, Sequence)):  # a numpy array, say
         weights = torch.as_tensor(weights, dtype=torch.float32)
     if isinstance(weights, torch.Tensor):
@@ -570,7 +576,7 @@ def _weights_tensors(weights: Sequence[float] | torch.Tensor | None, k: int,
         if w.numel() != k:
             raise ValueError(f"weights must have K = {k} entries (one per payload), "
                              f"got {w.numel()}")
-        return w, w.abs().to(torch.float64)
+        return w
     if isinstance(weights, (str, bytes)) or not all(
             isinstance(v, numbers.Real) and not isinstance(v, bool) for v in weights):
         raise TypeError(f"weights must be a sequence of K = {k} real numbers or a float32 "
@@ -581,20 +587,27 @@ def _weights_tensors(weights: Sequence[float] | torch.Tensor | None, k: int,
     values = tuple(float(v) for v in weights)
     if not all(math.isfinite(v) for v in values):
         raise ValueError(f"weights must be finite, got {list(values)}")
-    pair = _WEIGHTS_CACHE.get((values, device))
-    if pair is None:
+    w = _WEIGHTS_CACHE.get((values, device))
+    if w is None:
         if len(_WEIGHTS_CACHE) >= _WEIGHTS_CACHE_SIZE:
             _WEIGHTS_CACHE.clear()
-        # Both made on the host and copied over whole (a blocking copy from pageable memory):
-        # nothing of them is left pending on one stream for a call on another.
-        w = torch.tensor(values, dtype=torch.float32)
-        pair = _WEIGHTS_CACHE[(values, device)] = (w.to(device),
-                                                   w.abs().to(torch.float64).to(device))
-    return pair
+        # Made on the host and copied over whole (a blocking copy from pageable memory):
+        # nothing of it is left pending on one stream for a call on another.
+        w = _WEIGHTS_CACHE[(values, device)] = torch.tensor(values, dtype=torch.float32).to(device)
+    return w
+
+
+def _accumulate_bound(guard: AccumulateGuard, weights: torch.Tensor | None,
+                      spec: QuantSpec) -> float:
+    """The largest magnitude the decoded sum can reach (host reads: on failure only)."""
+    return guard_total(guard.scale_max.double().tolist(),
+                       None if weights is None else weights.double().tolist()
+                       ) * MAX_ABS_LEVEL[spec.bits]
 
 
 def _accumulate_refused(scales: torch.Tensor, weights: torch.Tensor | None,
-                        bound: torch.Tensor, overflow: bool = True) -> Exception | None:
+                        guard: AccumulateGuard, spec: QuantSpec,
+                        overflow: bool = True) -> Exception | None:
     """Why :func:`dequant_accumulate`'s guard failed (host reads: on failure only): weights
     not finite, a scale not finite, or (``overflow``) a bound past float32's range; None
     when only the last holds and ``overflow`` is False (the caller then sums aside)."""
@@ -605,9 +618,9 @@ def _accumulate_refused(scales: torch.Tensor, weights: torch.Tensor | None,
         return error
     return AccumulateOverflowError(
         f"payloads times weights might overflow float32 in out (the decoded sum can reach "
-        f"{float(bound):.3g}, float32 holds {_FLT32_MAX:.3g}); nothing was written. The "
-        f"blocking call (non_blocking=False) computes such a sum aside and writes it when it "
-        f"does not overflow", "payloads", [])
+        f"{_accumulate_bound(guard, weights, spec):.3g}, float32 holds {FLOAT32_MAX:.3g}); "
+        f"nothing was written. The blocking call (non_blocking=False) computes such a sum "
+        f"aside and writes it when it does not overflow", "payloads", [])
 
 
 def _accumulate_aside(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpec,
@@ -622,7 +635,7 @@ def _accumulate_aside(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpec
         raise AccumulateOverflowError(
             f"payloads times weights would overflow float32 in out: {len(blocks)} block(s), "
             f"first block {blocks[0]} (the decoded sum can reach {bound:.3g}, float32 holds "
-            f"{_FLT32_MAX:.3g}); nothing was written", "payloads", blocks)
+            f"{FLOAT32_MAX:.3g}); nothing was written", "payloads", blocks)
     out.view(-1).copy_(trial)
     return out
 

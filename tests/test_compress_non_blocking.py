@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from qcomm import compress
 from qcomm.compress import (
@@ -92,6 +93,37 @@ def _payloads(n: int, k: int, spec: QuantSpec = SPEC) -> torch.Tensor:
                         for i in range(k)])
 
 
+# What launches no device work: views, allocations, reads (counted above).
+NOT_LAUNCHES = ("aten.view", "aten.slice", "aten.detach", "aten.alias", "aten.reshape",
+                "aten.unsqueeze", "aten.empty", "aten._local_scalar_dense")
+
+
+class _DeviceOps(TorchDispatchMode):
+    """The torch ops that a codec call dispatches outside its backend, launches only."""
+
+    def __init__(self, inside: list[bool]) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self._inside = inside
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if not self._inside and not name.startswith(NOT_LAUNCHES):
+            self.ops.append(name.split(".")[1])
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def device_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The names of the device ops the API launches inside the block, besides its backend's."""
+    inside: list[bool] = []
+    real_backend_for = compress.backend_for
+    with monkeypatch.context() as m:
+        m.setattr(compress, "backend_for", lambda d: _Backend(real_backend_for(d), inside))
+        with _DeviceOps(inside) as mode:
+            yield mode.ops
+
+
 # ---------------------------------------------------------------------------------------------
 # quantize
 
@@ -133,6 +165,22 @@ def test_non_blocking_quantize_of_a_nonfinite_input_raises_at_wait_and_keeps_err
             packed.wait()
         assert info.value.argument == "x" and info.value.blocks == blocking.value.blocks
     assert info.value.blocks == [0, 5]
+
+
+def test_the_verdict_is_the_calls_even_when_its_payload_is_overwritten_before_wait() -> None:
+    """The check is made at the call (on the device) and only read at wait(): a healthy payload
+    written into the same ``out`` in between changes no verdict, it only hides which blocks
+    were bad, and the error says so."""
+    n = 200
+    x = torch.randn(n)
+    x[7] = float("nan")
+    out = torch.empty(compress.packed_nbytes(n, SPEC), dtype=torch.uint8)
+    packed = quantize(x, SPEC, seed=1, out=out, non_blocking=True)
+    healthy = quantize(torch.randn(n), SPEC, seed=1, out=out, non_blocking=True)
+    assert healthy.wait() is healthy
+    with pytest.raises(NonFiniteError, match="cannot be named") as info:
+        packed.wait()
+    assert info.value.blocks == []
 
 
 def test_non_blocking_must_be_a_bool() -> None:
@@ -325,3 +373,41 @@ def test_non_blocking_calls_make_no_cuda_sync() -> None:
     pending.wait()
     check.wait()
     ef.commit("k")
+
+
+# ---------------------------------------------------------------------------------------------
+# launches per call: each costs the host a few microseconds on a GPU
+
+
+@pytest.mark.parametrize(("call", "want"), [
+    ("quantize", ["linalg_vector_norm"]),
+    ("quantize_non_blocking", ["linalg_vector_norm"]),
+    ("quantize_in_place_non_blocking", ["linalg_vector_norm", "le", "where"]),
+    ("accumulate", ["linalg_vector_norm"]),
+    ("accumulate_non_blocking", ["linalg_vector_norm"]),
+    ("accumulate_weights_non_blocking", ["linalg_vector_norm"]),
+])
+def test_a_call_launches_its_kernel_and_one_reduction(
+        call: str, want: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside its backend, a healthy call launches one reduction (the largest scale) and
+    nothing else: no isfinite/all chain, no bound computed apart from the kernel, no weights
+    copied (the sequence's tensor is cached after its first call)."""
+    n = 4096
+    x, err, err_out = torch.randn(n), torch.zeros(n), torch.empty(n)
+    out, payloads = torch.zeros(n), _payloads(n, 3)
+    calls = {
+        "quantize": lambda: quantize(x, SPEC, error=err, error_out=err_out, seed=1),
+        "quantize_non_blocking": lambda: quantize(x, SPEC, error=err, error_out=err_out,
+                                                  seed=1, non_blocking=True),
+        "quantize_in_place_non_blocking": lambda: quantize(x, SPEC, error=err, seed=1,
+                                                           non_blocking=True),
+        "accumulate": lambda: dequant_accumulate(payloads, out, SPEC),
+        "accumulate_non_blocking": lambda: dequant_accumulate(payloads, out, SPEC,
+                                                              non_blocking=True),
+        "accumulate_weights_non_blocking": lambda: dequant_accumulate(
+            payloads, out, SPEC, [0.5, 0.25, 0.25], non_blocking=True),
+    }
+    calls[call]()  # the first call fills the weights cache
+    with device_ops(monkeypatch) as ops:
+        calls[call]()
+    assert ops == want

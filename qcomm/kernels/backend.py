@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from qcomm.kernels.accumulate_guard import AccumulateGuard
 from qcomm.kernels.wire_format import QuantSpec
 from qcomm.validation import check_choice
 
@@ -69,16 +70,17 @@ class CodecBackend(ABC):
     @abstractmethod
     def dequant_accumulate_into(self, payloads: torch.Tensor, spec: QuantSpec,
                                 out: torch.Tensor, weights: torch.Tensor | None,
-                                guard: torch.Tensor | None = None) -> None:
+                                guard: AccumulateGuard | None = None) -> None:
         """``out += sum_k weights[k] * D(payloads[k])``, k in order, one rounding per operation.
 
         Args:
             payloads: uint8 ``[K, packed_nbytes(n, spec)]``.
             out: float32 ``[n]``, updated in place.
             weights: float32 ``[K]`` on out's device, or None (all ones, no multiply).
-            guard: bool ``[]`` on out's device, or None: when False, nothing is written. The
-                caller's verdict on the payloads, computed on the device, so that the call
-                needs no host sync before its launch.
+            guard: None, or the payloads' largest scales and a verdict to write: the backend
+                decides by :mod:`qcomm.kernels.accumulate_guard`'s rule whether the sum may be
+                written, writes it only then, and records the verdict on the device, so that
+                the call needs no host sync before its launch.
         """
 
     def __repr__(self) -> str:

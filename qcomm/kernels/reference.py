@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from qcomm.kernels.accumulate_guard import AccumulateGuard, verdict_of
 from qcomm.kernels.counter_hash import uniform
 from qcomm.kernels.wire_format import (
     ONE_THIRD,
@@ -385,18 +386,23 @@ def dequantize_into(payload: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -
 
 def dequant_accumulate_into(payloads: torch.Tensor, spec: QuantSpec, out: torch.Tensor,
                             weights: torch.Tensor | None,
-                            guard: torch.Tensor | None = None) -> None:
+                            guard: AccumulateGuard | None = None) -> None:
     """``out += sum_k weights[k] * D(payloads[k])``, k in order, one rounding per operation.
 
     Args:
         payloads: uint8 ``[K, packed_nbytes(n, spec)]``.
         out: float32 ``[n]``, updated in place.
         weights: float32 ``[K]`` or None (all ones, no multiply).
-        guard: bool ``[]`` or None: when False nothing is written. Read on the host here (free
-            on the CPU, the reference's device; the Triton kernels read it on the GPU).
+        guard: None, or the payloads' largest scales and the verdict to write: the sum is
+            written only when :mod:`qcomm.kernels.accumulate_guard`'s rule allows it. Decided
+            on the host here (free on the CPU, the reference's device; the Triton kernel
+            decides on the GPU).
     """
-    if guard is not None and not bool(guard):
-        return
+    if guard is not None:
+        ok = verdict_of(guard.scale_max, weights, spec.bits)
+        guard.verdict.fill_(ok)
+        if not ok:
+            return
     n = out.numel()
     for lo in _chunks(n):
         hi = min(n, lo + CHUNK)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qcomm.kernels.accumulate_guard import FLOAT32_MAX, MAX_ABS_LEVEL, ULP_SLACK, AccumulateGuard
 from qcomm.kernels.wire_format import (
     NAN_F32_BITS,
     ONE_THIRD,
@@ -53,6 +54,8 @@ _NAN_F32_BITS = tl.constexpr(NAN_F32_BITS)
 _MIX_MUL_1 = tl.constexpr(MIX_MUL_1)
 _MIX_MUL_2 = tl.constexpr(MIX_MUL_2)
 _HI_SALT = tl.constexpr(HI_SALT)
+_FLOAT32_MAX = tl.constexpr(FLOAT32_MAX)
+_ULP_SLACK = tl.constexpr(ULP_SLACK)
 # Element count of one program of the test-only hash kernel (its start must be a multiple).
 _HASH_TILE = 1024
 
@@ -368,16 +371,11 @@ def _dequantize_kernel(
 
 @triton.jit(do_not_specialize=["K"])  # K == 1 needs no variant of its own
 def _dequant_accumulate_kernel(
-    payloads_ptr, scales_ptr, out_ptr, w_ptr, guard_ptr, n, nblocks, n_code_bytes, K,
-    payload_stride, scale_stride,
+    payloads_ptr, scales_ptr, out_ptr, w_ptr, smax_ptr, verdict_ptr, n, nblocks, n_code_bytes,
+    K, payload_stride, scale_stride,
     BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr, HAS_GUARD: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr, HAS_GUARD: tl.constexpr, LEVEL: tl.constexpr,
 ):
-    # The caller's verdict on the scales, computed on the device: no host sync before the
-    # launch. Two ifs: with HAS_GUARD False, guard_ptr is None and must not be loaded.
-    if HAS_GUARD:  # noqa: SIM102
-        if tl.load(guard_ptr) == 0:
-            return
     TILE: tl.constexpr = ROWS * BLOCK_SIZE
     ROW_BYTES: tl.constexpr = BLOCK_SIZE * BITS // 8
     pid = tl.program_id(0).to(tl.int64)
@@ -391,16 +389,35 @@ def _dequant_accumulate_kernel(
     p_codes = payloads_ptr + byte_base
     p_scales = scales_ptr + block_base
     p_w = w_ptr
+    p_smax = smax_ptr
+    total = tl.zeros([], tl.float64)  # accumulate_guard's sum, k in order, in float64
     for _ in range(K):
         d = _decode_tile(p_codes, p_scales, n_code_bytes - byte_base, nblocks - block_base,
                          BITS, BLOCK_SIZE, ROWS)
         if HAS_WEIGHTS:
-            d = d * tl.load(p_w)  # rounded product, then a rounded sum: no FMA (fusion is off)
+            w = tl.load(p_w)
+            d = d * w  # rounded product, then a rounded sum: no FMA (fusion is off)
+            if HAS_GUARD:
+                total = total + tl.abs(w.to(tl.float64)) * tl.load(p_smax).to(tl.float64)
             p_w += 1
+        elif HAS_GUARD:
+            total = total + tl.load(p_smax).to(tl.float64)
+        if HAS_GUARD:  # with HAS_GUARD False, smax_ptr is None
+            p_smax += 1
         acc = acc + d
         p_codes += payload_stride
         p_scales += scale_stride
-    tl.store(out_ptr + base + local, acc, mask=real)
+    if HAS_GUARD:
+        # Every program reaches the same verdict (the same K loads, the same roundings): the
+        # first records it, and none stores a sum the rule refuses.
+        factor = LEVEL * (1.0 + (K + 4).to(tl.float64) * _ULP_SLACK)
+        ok = total * factor <= _FLOAT32_MAX
+        if pid == 0:
+            tl.store(verdict_ptr, ok)
+        if ok:
+            tl.store(out_ptr + base + local, acc, mask=real)
+    else:
+        tl.store(out_ptr + base + local, acc, mask=real)
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
@@ -486,17 +503,21 @@ def _launch_dequantize(payload: torch.Tensor, spec: QuantSpec, out: torch.Tensor
 
 def _launch_dequant_accumulate(payloads: torch.Tensor, spec: QuantSpec, out: torch.Tensor,
                                weights: torch.Tensor | None,
-                               guard: torch.Tensor | None) -> None:
+                               guard: AccumulateGuard | None) -> None:
     n = out.numel()
     k, nbytes = payloads.shape
     if n == 0 or k == 0:
+        if guard is not None:
+            guard.verdict.fill_(True)  # an empty sum: nothing to refuse
         return
     rows, nb, grid = _grid(n, spec)
+    smax, verdict = (None, None) if guard is None else guard
     _dequant_accumulate_kernel[grid](
-        payloads, split_payload(payloads, n, spec)[1], out, weights, guard,
+        payloads, split_payload(payloads, n, spec)[1], out, weights, smax, verdict,
         n, nb, codes_nbytes(n, spec), k, nbytes, nbytes // 4,
         BITS=spec.bits, BLOCK_SIZE=spec.block_size, ROWS=rows,
         HAS_WEIGHTS=weights is not None, HAS_GUARD=guard is not None,
+        LEVEL=MAX_ABS_LEVEL[spec.bits],
         num_warps=_num_warps(spec), enable_fp_fusion=False,
     )
 
@@ -552,7 +573,7 @@ def dequantize_into(payload: torch.Tensor, spec: QuantSpec, out: torch.Tensor) -
 
 def dequant_accumulate_into(payloads: torch.Tensor, spec: QuantSpec, out: torch.Tensor,
                             weights: torch.Tensor | None,
-                            guard: torch.Tensor | None = None) -> None:
+                            guard: AccumulateGuard | None = None) -> None:
     """``out += sum_k weights[k] * D(payloads[k])``, k in order, one rounding per operation,
     in one pass: ``out`` is read and written once, the K decoded payloads live in registers.
 
@@ -561,7 +582,8 @@ def dequant_accumulate_into(payloads: torch.Tensor, spec: QuantSpec, out: torch.
         spec: the QuantSpec the payloads were made with.
         out: float32 ``[n]``, contiguous, updated in place.
         weights: float32 ``[K]`` on out's device, or None (all ones, no multiply).
-        guard: bool ``[]`` on out's device, or None: when False nothing is read or written
-            (every program reads it first; the host never does).
+        guard: None, or the payloads' largest scales and the verdict to write: every program
+            computes :mod:`qcomm.kernels.accumulate_guard`'s rule beside its sum and stores
+            nothing the rule refuses; the first records the verdict (the host reads nothing).
     """
     _launch_dequant_accumulate(payloads, spec, out, weights, guard)

@@ -5,8 +5,10 @@ membership were reshaped (commit 64b2c37) and after. A change of this hash is a 
 behaviour: say so in the changelog, or find the cause.
 
 The runs go in a subprocess on one thread with torch's portable CPU kernels
-(``ATEN_CPU_CAPABILITY=default``): the vectorized ones round sums differently on AVX2 and
-AVX-512 machines, and the pinned bits must hold on either."""
+(``ATEN_CPU_CAPABILITY=default``) and MKL's portable code path (``MKL_CBWR=COMPATIBLE``): the
+vectorized ones round sums differently on AVX2 and AVX-512 machines, and MKL takes its own
+AVX2/AVX-512 path on Intel CPUs only (the bits of an Intel Xeon differed from an AMD EPYC's
+without it); the pinned bits must hold on any of them."""
 
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ def digest() -> str:
 
 
 def test_seeded_simulated_runs_give_the_pinned_bits() -> None:
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
     code = ("import torch; torch.set_num_threads(1); "
             "from tests.collectives.test_same_bits import digest; print(digest())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

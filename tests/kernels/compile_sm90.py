@@ -42,6 +42,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from qcomm.kernels import triton_codec
+from qcomm.kernels.accumulate_guard import AccumulateGuard
 from qcomm.kernels.wire_format import QuantSpec, packed_nbytes
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -160,7 +161,8 @@ def capture(v: Variant) -> tuple[JITFunction, tuple, dict]:
             triton_codec.dequantize_into(torch.zeros(nbytes, dtype=torch.uint8), spec, out)
         elif v.op == "accumulate":
             payloads = torch.zeros(3, nbytes, dtype=torch.uint8)
-            guard = torch.ones((), dtype=torch.bool) if v.guarded else None
+            guard = AccumulateGuard(torch.ones(3), torch.empty((), dtype=torch.bool)) \
+                if v.guarded else None
             triton_codec.dequant_accumulate_into(payloads, spec, torch.zeros(N), torch.ones(3),
                                                  guard)
         else:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from qcomm import compress
 from qcomm.kernels import counter_hash, reference, triton_codec
+from qcomm.kernels.accumulate_guard import AccumulateGuard, guard_total, slack_factor
 from qcomm.kernels.wire_format import QuantSpec, num_blocks, packed_nbytes, split_payload
 
 # numpy, which runs the interpreted kernels, warns on inf * 0 and inf - inf in NaN blocks.
@@ -465,28 +466,82 @@ def test_compress_triton_nonfinite_leaves_error_unchanged(device, monkeypatch):
     assert torch.equal(err, before)
 
 
+def _guard(scale_max: list[float], device) -> AccumulateGuard:
+    return AccumulateGuard(torch.tensor(scale_max, dtype=torch.float32, device=device),
+                           torch.empty((), dtype=torch.bool, device=device))
+
+
 @pytest.mark.parametrize("bits", [4] if COMPILED else [1, 2, 4, 8])  # one binary on a GPU
 def test_dequant_accumulate_guard(bits, device):
-    """A False guard leaves out bit for bit as it was, even over payloads a real pass would turn
-    into NaN (a NaN scale); a True guard gives the unguarded kernel's bits."""
+    """The guarded kernel gives the unguarded kernel's bits and the verdict True when the
+    payloads' largest scales pass the rule; when they fail it (a NaN scale, or finite scales
+    whose bound passes float32's range) it leaves out bit for bit as it was, even over payloads
+    a real pass would turn into NaN, and records False. The reference agrees on each verdict."""
     spec = QuantSpec(bits, 64)
     n = 700
     payloads = torch.empty(3, packed_nbytes(n, spec), dtype=torch.uint8)
     for i in range(3):
         reference.quantize_into(adversarial(n, 40 + i), spec, payloads[i], None, None, i)
-    weights = torch.tensor([0.5, -1.0, 1 / 3]).to(device)
-    start = torch.randn(n, generator=torch.Generator().manual_seed(bits)).to(device)
-    want = start.clone()
-    triton_codec.dequant_accumulate_into(payloads.to(device), spec, want, weights)
-    got = start.clone()
-    triton_codec.dequant_accumulate_into(payloads.to(device), spec, got, weights,
-                                         torch.tensor(True, device=device))
-    assert_bits_equal(got, want, "guard True")
+    weights = torch.tensor([0.5, -1.0, 1 / 3])
+    start = torch.randn(n, generator=torch.Generator().manual_seed(bits))
+    want = start.to(device, copy=True)
+    triton_codec.dequant_accumulate_into(payloads.to(device), spec, want, weights.to(device))
+    healthy = torch.linalg.vector_norm(split_payload(payloads, n, spec)[1], float("inf"), dim=-1)
+    got, guard = start.to(device, copy=True), _guard(healthy.tolist(), device)
+    triton_codec.dequant_accumulate_into(payloads.to(device), spec, got, weights.to(device),
+                                         guard)
+    assert_bits_equal(got, want, "guard passed")
+    assert bool(guard.verdict)
     split_payload(payloads, n, spec)[1][1, 3] = float("nan")
-    kept = start.clone()
-    triton_codec.dequant_accumulate_into(payloads.to(device), spec, kept, weights,
-                                         torch.tensor(False, device=device))
-    assert_bits_equal(kept, start, "guard False")
+    for scale_max in ([healthy[0].item(), float("nan"), healthy[2].item()],
+                      [healthy[0].item(), FLT_MAX, FLT_MAX / 2]):  # 1.17 FLT_MAX in all
+        kept, guard = start.to(device, copy=True), _guard(scale_max, device)
+        triton_codec.dequant_accumulate_into(payloads.to(device), spec, kept,
+                                             weights.to(device), guard)
+        assert_bits_equal(kept, start, f"guard failed for {scale_max}")
+        assert not bool(guard.verdict)
+        ref_guard = _guard(scale_max, "cpu")
+        reference.dequant_accumulate_into(payloads, spec, start.clone(), weights, ref_guard)
+        assert not bool(ref_guard.verdict)
+
+
+def _largest_allowed(w: list[float], factor: float) -> float:
+    """The largest float32 s with guard_total([s, s], w) * factor <= FLT_MAX (float64)."""
+    up, down = torch.tensor(FLT_MAX), torch.tensor(0.0)
+    s = torch.tensor(FLT_MAX / factor / sum(w), dtype=torch.float32)
+    while guard_total([s.item()] * 2, w) * factor > FLT_MAX:
+        s = torch.nextafter(s, down)
+    while guard_total([torch.nextafter(s, up).item()] * 2, w) * factor <= FLT_MAX:
+        s = torch.nextafter(s, up)
+    return s.item()
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_dequant_accumulate_guard_verdict_at_the_rule_edge(weighted, device):
+    """At the largest scale the rule allows, and at the next float32 above it, the kernel's
+    verdict (computed on the device, in float64, beside its sum) is the reference's and the
+    rule's: True and the sum written, then False and out unchanged. A weight of 0 against an
+    Inf scale (0 * Inf is NaN) fails it too."""
+    spec = QuantSpec(4, 64)
+    n = 130
+    payloads = torch.empty(2, packed_nbytes(n, spec), dtype=torch.uint8)
+    for i in range(2):  # real scales of 1: the sum is small whatever the guard is told
+        reference.quantize_into(torch.ones(n), spec, payloads[i], None, None, 0)
+    w = [0.75, -0.5] if weighted else None
+    s = _largest_allowed([abs(v) for v in w] if w else [1.0, 1.0], slack_factor(4, 2))
+    above = torch.nextafter(torch.tensor(s), torch.tensor(FLT_MAX)).item()
+    cases = [([s, s], w, True), ([above, above], w, False)]
+    if weighted:
+        cases.append(([1.0, float("inf")], [0.75, 0.0], False))
+    for scale_max, weights, allowed in cases:
+        for backend, dev in ((triton_codec, device), (reference, "cpu")):
+            out, guard = torch.zeros(n, device=dev), _guard(scale_max, dev)
+            backend.dequant_accumulate_into(
+                payloads.to(dev), spec, out,
+                None if weights is None else torch.tensor(weights, device=dev), guard)
+            what = f"{backend.__name__} for scale_max={scale_max}, weights={weights}"
+            assert bool(guard.verdict) is allowed, what
+            assert bool((out != 0).all()) is allowed, what
 
 
 def test_compress_triton_non_blocking_matches_blocking(device, monkeypatch):

@@ -9,12 +9,12 @@ a round calls the codec's unchecked entry points instead.
 What stays per round is the finiteness of what is decoded, in one host read per step phase
 (one host sync on an accelerator):
 
-* an own message: :meth:`GossipCodec.encode` reads one flag, "every scale at most
-  :data:`~.integrity.MAX_SCALE`". NaN and Inf fail that comparison too, so the flag says at
-  once whether the input was finite (a block holding NaN or Inf gets a NaN scale inside the
-  kernel) and whether the message decodes without the overflow check: scales at most 2**64,
-  times at most 128 (the largest code) and weights at most 1, sum far below float32's 2**128
-  for any number of messages. A non-finite input raises
+* an own message: :meth:`GossipCodec.encode` reads one number, its largest ``|scale|`` (one
+  reduction), and compares it with :data:`~.integrity.MAX_SCALE`. NaN and Inf fail that
+  comparison too, so it says at once whether the input was finite (a block holding NaN or Inf
+  gets a NaN scale inside the kernel) and whether the message decodes without the overflow
+  check: scales at most 2**64, times at most 128 (the largest code) and weights at most 1, sum
+  far below float32's 2**128 for any number of messages. A non-finite input raises
   :class:`~qcomm.compress.NonFiniteError` before anything is sent or changed, as
   :func:`~qcomm.compress.quantize` does; a finite message with a larger scale (which the
   neighbours will refuse, "scale above 2**64") is decoded by the public, checking
@@ -37,10 +37,12 @@ import torch
 from qcomm.compress import (
     QuantSpec,
     _dequant_accumulate_into,
+    _largest_magnitude,
+    _nonfinite_error,
     _quantize_into,
-    _raise_if_nonfinite,
     dequant_accumulate,
 )
+from qcomm.kernels.accumulate_guard import FLOAT32_MAX
 from qcomm.kernels.wire_format import check_spec, packed_nbytes, split_payload
 from qcomm.validation import check_int
 
@@ -85,15 +87,22 @@ class GossipCodec:
                 must not be sent.
         """
         _quantize_into(diff, self.spec, out, seed)
-        if self.bounded(out):  # the one host read of the round's own message
+        largest = self.largest_scale(out)  # the one host read of the round's own message
+        if largest <= MAX_SCALE:
             return True
-        _raise_if_nonfinite(self.scales(out), "x", "(plus error) has")  # a second read, never
-        return False                                                    # in a healthy round
+        if largest <= FLOAT32_MAX:
+            return False
+        raise _nonfinite_error(self.scales(out), "x", "(plus error) has")
+
+    def largest_scale(self, payload: torch.Tensor) -> float:
+        """The largest ``|scale|`` of ``payload`` (uint8 ``[nbytes]``), NaN or Inf when one is:
+        one reduction on the device and one host read."""
+        return float(_largest_magnitude(self.scales(payload)))
 
     def bounded(self, payload: torch.Tensor) -> bool:
         """Whether every scale of ``payload`` (uint8 ``[nbytes]``) is finite and at most
         MAX_SCALE, i.e. it decodes unchecked; one host read (NaN <= c is False)."""
-        return bool((self.scales(payload).abs() <= MAX_SCALE).all())
+        return self.largest_scale(payload) <= MAX_SCALE
 
     def accumulate(self, payloads: torch.Tensor, out: torch.Tensor,
                    weights: torch.Tensor | None = None, *, checked: bool = False) -> None:
