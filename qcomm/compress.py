@@ -116,20 +116,17 @@ class DeferredCheck:
         # passes when finite (NaN and Inf fail). None: nothing to check (an empty call).
         self._ok = ok
         self._refused = refused
-        self._error: Exception | None = None
 
     def wait(self) -> None:
-        """Read the verdict (once; later calls answer from memory) and raise if it failed.
+        """Read the verdict and raise if it failed: one host read each time. (The verdict is
+        the call's own tensor: read again, it says the same, unless the call was captured in
+        a CUDA graph, whose every replay writes it anew.)
 
         Raises:
             NonFiniteError, AccumulateOverflowError, ValueError: as the blocking call.
         """
-        if self._ok is not None:
-            if not _passes(self._ok) and self._refused is not None:
-                self._error = self._refused()
-            self._ok = None
-        if self._error is not None:
-            raise self._error
+        if self._ok is not None and self._refused is not None and not _passes(self._ok):
+            raise self._refused()
 
     def ok(self) -> bool:
         """Whether the call passed its checks (reads the verdict as :meth:`wait`, no raise)."""

@@ -210,6 +210,10 @@ def test_per_call_targets_judge_the_non_blocking_api_at_1m() -> None:
                                   row("qcomm-nb", 6400 << 10, 30.0)])
     assert [(t["passed"], t["detail"]) for t in got] == [(True, "12.0 us")]
     assert not bench.per_call_targets([row("qcomm-nb", 1 << 20, 20.0)])[0]["passed"]
+    graphed = bench.per_call_targets([row("qcomm-nb", 1 << 20, 25.0),
+                                      row("qcomm-nb graph", 1 << 20, 6.5)])
+    assert [(t["passed"], t["detail"]) for t in graphed] == [
+        (False, "25.0 us; in a CUDA graph 6.5 us")]  # shown beside, judged on the eager calls
 
 
 def test_targets_without_a_large_row_do_not_pass() -> None:
