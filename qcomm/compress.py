@@ -52,7 +52,7 @@ from qcomm.kernels.wire_format import (
     QuantSpec,
     check_spec,
     packed_nbytes,
-    split_payload,
+    payload_scales,
 )
 from qcomm.seeds import draw_seed
 from qcomm.validation import check_instance, check_seed, check_tensor
@@ -171,7 +171,7 @@ class Packed:
     @property
     def scales(self) -> torch.Tensor:
         """float32 ``[nblocks]`` view of the payload's scales."""
-        return split_payload(self.payload, self.numel, self.spec)[1]
+        return payload_scales(self.payload, self.numel, self.spec)
 
     def wait(self) -> Packed:
         """This Packed once its deferred check passed (one host read; nothing to do when it has
@@ -187,9 +187,9 @@ class Packed:
         """A Packed whose fields the caller has already checked (the codec's own output):
         without :meth:`__post_init__`'s checks, which would re-prove them on every call."""
         packed = object.__new__(cls)
-        for name, value in (("payload", payload), ("numel", numel), ("spec", spec),
-                            ("shape", shape), ("dtype", dtype), ("deferred", deferred)):
-            object.__setattr__(packed, name, value)
+        # the fields straight into the instance's dict: a frozen dataclass's setattr refuses
+        packed.__dict__.update(payload=payload, numel=numel, spec=spec, shape=shape,
+                               dtype=dtype, deferred=deferred)
         return packed
 
     @classmethod
@@ -393,16 +393,14 @@ def _quantize_checked(x: torch.Tensor, spec: QuantSpec, error: torch.Tensor | No
     the kernel, the finiteness check (one host read, or none with ``non_blocking``), the
     residual."""
     n = x.numel()
-    flat = x.reshape(-1)
+    flat = x if x.dim() == 1 else x.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     residual_out = error_out
     if error is not None and error_out is None:
         residual_out = torch.empty_like(error)  # scratch: error stays intact until we know
-    _quantize_into(flat, spec, out, seed,
-                   error.view(-1) if error is not None else None,
-                   residual_out.view(-1) if residual_out is not None else None)
-    scales = split_payload(out, n, spec)[1]
+    _quantize_into(flat, spec, out, seed, _flat(error), _flat(residual_out))
+    scales = payload_scales(out, n, spec)
     deferred = None
     if non_blocking:
         largest = _largest_magnitude(scales) if n else None
@@ -416,6 +414,11 @@ def _quantize_checked(x: torch.Tensor, spec: QuantSpec, error: torch.Tensor | No
         if error is not None and error_out is None:
             error.copy_(residual_out)
     return Packed._unchecked(out, n, spec, x.shape, x.dtype, deferred)
+
+
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A contiguous tensor as 1-D (itself when it is: a view costs the host a microsecond)."""
+    return t if t is None or t.dim() == 1 else t.view(-1)
 
 
 def _quantize_into(x: torch.Tensor, spec: QuantSpec, out: torch.Tensor, seed: int,
@@ -527,12 +530,12 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
     non_blocking = check_instance("non_blocking", non_blocking, bool, what="True or False")
     if k == 0 or out.numel() == 0:
         return DeferredCheck() if non_blocking else out
-    scales = split_payload(payloads, out.numel(), spec)[1]
+    scales = payload_scales(payloads, out.numel(), spec)
     # One reduction before the launch; the backend weighs the maxima beside its sum and
     # writes the verdict (accumulate_guard's rule): nothing is read on the host first.
     guard = AccumulateGuard(torch.linalg.vector_norm(scales, float("inf"), dim=-1),
                             torch.empty((), dtype=torch.bool, device=out.device))
-    _dequant_accumulate_into(payloads, out.view(-1), spec, w, guard)
+    _dequant_accumulate_into(payloads, _flat(out), spec, w, guard)
     if non_blocking:
         return DeferredCheck(guard.verdict, partial(_accumulate_refused, scales, w, guard, spec))
     if bool(guard.verdict):  # the one host read, after the launch: the kernel did not wait
@@ -566,6 +569,11 @@ def _weights_tensor(weights: Sequence[float] | torch.Tensor | None, k: int,
     device with the scales."""
     if weights is None:
         return None
+    if type(weights) in (list, tuple) and len(weights) == k and 0.0 not in weights and all(
+            type(v) is float for v in weights):  # the usual call: checked when cached
+        w = _WEIGHTS_CACHE.get((tuple(weights), device))
+        if w is not None:
+            return w
     if not isinstance(weights, (torch.Tensor, Sequence)):  # a numpy array, say
         weights = torch.as_tensor(weights, dtype=torch.float32)
     if isinstance(weights, torch.Tensor):
@@ -584,6 +592,8 @@ def _weights_tensor(weights: Sequence[float] | torch.Tensor | None, k: int,
     values = tuple(float(v) for v in weights)
     if not all(math.isfinite(v) for v in values):
         raise ValueError(f"weights must be finite, got {list(values)}")
+    if 0.0 in values:  # -0.0 == 0.0 as a key: the zero's sign would be another call's
+        return torch.tensor(values, dtype=torch.float32).to(device)
     w = _WEIGHTS_CACHE.get((values, device))
     if w is None:
         if len(_WEIGHTS_CACHE) >= _WEIGHTS_CACHE_SIZE:

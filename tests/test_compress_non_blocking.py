@@ -337,6 +337,18 @@ def test_bad_weights_are_named_and_out_kept(weights, error, match) -> None:
     assert torch.equal(_bits(out), before)
 
 
+def test_a_zero_weights_sign_is_its_own_not_a_cached_calls() -> None:
+    """-0.0 == 0.0 as a cache key: weights [-0.0] after [0.0] must still multiply by -0.0
+    (over an out of -0.0 and a payload decoding to +0.0 the sum's sign shows it)."""
+    spec = QuantSpec(4, 32)
+    payload = quantize(torch.zeros(32), spec).payload
+    for weights in ([0.0], [-0.0], [0.0]):
+        got, want = torch.full((32,), -0.0), torch.full((32,), -0.0)
+        dequant_accumulate(payload, got, spec, weights)
+        dequant_accumulate(payload, want, spec, torch.tensor(weights))
+        assert torch.equal(_bits(got), _bits(want)), weights
+
+
 def test_weights_as_a_numpy_array_or_a_tensor_give_the_sequence_bits() -> None:
     payloads = _payloads(64, 2)
     outs = [torch.ones(64) for _ in range(3)]

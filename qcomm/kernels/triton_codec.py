@@ -36,7 +36,7 @@ from qcomm.kernels.wire_format import (
     QuantSpec,
     codes_nbytes,
     num_blocks,
-    split_payload,
+    payload_scales,
 )
 from qcomm.seeds import HI_SALT, MIX_MUL_1, MIX_MUL_2
 from qcomm.validation import check_seed
@@ -475,7 +475,7 @@ def _launch_quantize(x: torch.Tensor, spec: QuantSpec, payload: torch.Tensor,
     stochastic = spec.rounding == "stochastic" and spec.bits > 1
     _quantize_kernel[grid](
         x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
-        error_in, error_out, payload, split_payload(payload, n, spec)[1],
+        error_in, error_out, payload, payload_scales(payload, n, spec),
         n, nb, codes_nbytes(n, spec), *_seed_halves(seed if stochastic else 0),
         BITS=spec.bits, BLOCK_SIZE=spec.block_size, ROWS=rows,
         # 1-bit codes ignore the rounding mode: one compiled variant, not two
@@ -492,7 +492,7 @@ def _launch_dequantize(payload: torch.Tensor, spec: QuantSpec, out: torch.Tensor
         return
     rows, nb, grid = _grid(n, spec)
     _dequantize_kernel[grid](
-        payload, split_payload(payload, n, spec)[1],
+        payload, payload_scales(payload, n, spec),
         out.view(torch.int16) if out.dtype == torch.bfloat16 else out,
         n, nb, codes_nbytes(n, spec),
         BITS=spec.bits, BLOCK_SIZE=spec.block_size, ROWS=rows,
@@ -513,7 +513,7 @@ def _launch_dequant_accumulate(payloads: torch.Tensor, spec: QuantSpec, out: tor
     rows, nb, grid = _grid(n, spec)
     smax, verdict = (None, None) if guard is None else guard
     _dequant_accumulate_kernel[grid](
-        payloads, split_payload(payloads, n, spec)[1], out, weights, smax, verdict,
+        payloads, payload_scales(payloads, n, spec), out, weights, smax, verdict,
         n, nb, codes_nbytes(n, spec), k, nbytes, nbytes // 4,
         BITS=spec.bits, BLOCK_SIZE=spec.block_size, ROWS=rows,
         HAS_WEIGHTS=weights is not None, HAS_GUARD=guard is not None,

@@ -30,6 +30,7 @@ The full specification: docs/wire_format.md, sections "Byte layout", "Codes", "T
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -121,6 +122,15 @@ def num_blocks(numel: int, spec: QuantSpec) -> int:
     return -(-numel // check_spec(spec).block_size)
 
 
+@lru_cache(maxsize=4096)
+def _section_nbytes(numel: int, spec: QuantSpec) -> tuple[int, int]:
+    """(codes section, whole payload) in bytes for checked arguments. Every codec call asks
+    for them with the same few sizes: remembered, they cost a lookup instead of the checks
+    and the arithmetic."""
+    codes = 4 * (-(-numel * spec.bits // 32))
+    return codes, codes + SCALE_NBYTES * -(-numel // spec.block_size)
+
+
 def codes_nbytes(numel: int, spec: QuantSpec) -> int:
     """Bytes of the packed-codes section, padded to a multiple of 4 (scale alignment)."""
     return 4 * (-(-numel * check_spec(spec).bits // 32))
@@ -133,8 +143,7 @@ def packed_nbytes(numel: int, spec: QuantSpec) -> int:
         TypeError: ``numel`` is not an int, or ``spec`` is not a QuantSpec. ValueError:
             ``numel`` is negative.
     """
-    check_int("numel", numel, low=0)
-    return codes_nbytes(numel, spec) + SCALE_NBYTES * num_blocks(numel, spec)
+    return _section_nbytes(check_int("numel", numel, low=0), check_spec(spec))[1]
 
 
 def split_payload(
@@ -142,9 +151,13 @@ def split_payload(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of a payload (uint8 ``[..., nbytes]``) as (codes uint8 ``[..., codes_nbytes]``,
     scales float32 ``[..., nblocks]``). No copy."""
-    cn = codes_nbytes(numel, spec)
-    codes = payload[..., :cn]
+    return payload[..., :codes_nbytes(numel, spec)], payload_scales(payload, numel, spec)
+
+
+def payload_scales(payload: torch.Tensor, numel: int, spec: QuantSpec) -> torch.Tensor:
+    """The float32 ``[..., nblocks]`` view of a payload's scales (uint8 ``[..., nbytes]``), no
+    copy: :func:`split_payload`'s second view alone, for the many callers that need only it."""
     if numel == 0:  # a float32 view of an empty uint8 slice fails for some strides
-        return codes, payload.new_empty((*payload.shape[:-1], 0), dtype=torch.float32)
-    scales = payload[..., cn:].view(torch.float32)
-    return codes, scales
+        return payload.new_empty((*payload.shape[:-1], 0), dtype=torch.float32)
+    cn = _section_nbytes(numel, check_spec(spec))[0]
+    return (payload[cn:] if payload.dim() == 1 else payload[..., cn:]).view(torch.float32)

@@ -43,7 +43,7 @@ from qcomm.compress import (
     dequant_accumulate,
 )
 from qcomm.kernels.accumulate_guard import FLOAT32_MAX
-from qcomm.kernels.wire_format import check_spec, packed_nbytes, split_payload
+from qcomm.kernels.wire_format import check_spec, packed_nbytes, payload_scales
 from qcomm.validation import check_int
 
 from .integrity import MAX_SCALE
@@ -66,7 +66,7 @@ class GossipCodec:
 
     def scales(self, payload: torch.Tensor) -> torch.Tensor:
         """float32 ``[nblocks]`` view of a payload's scales (uint8 ``[nbytes]``)."""
-        return split_payload(payload, self.numel, self.spec)[1]
+        return payload_scales(payload, self.numel, self.spec)
 
     def encode(self, diff: torch.Tensor, out: torch.Tensor, seed: int) -> bool:
         """``out <- Q(diff)``.

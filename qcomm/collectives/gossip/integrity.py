@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from qcomm.compress import QuantSpec
-from qcomm.kernels.wire_format import packed_nbytes, split_payload
+from qcomm.kernels.wire_format import packed_nbytes, payload_scales
 from qcomm.seeds import seal_key
 
 __all__ = ["MAX_SCALE", "SEAL_NBYTES", "bad_messages", "judge", "message_facts", "seal_",
@@ -85,7 +85,7 @@ def message_facts(messages: torch.Tensor, numel: int, spec: QuantSpec) -> torch.
     # A fresh copy: the seals sit at 4-byte aligned offsets, an int64 view needs 8.
     stored = messages[:, -SEAL_NBYTES:].clone(memory_format=torch.contiguous_format)
     stored = stored.view(torch.int64).reshape(-1)
-    scales = split_payload(body[:, :packed_nbytes(numel, spec)], numel, spec)[1]
+    scales = payload_scales(body[:, :packed_nbytes(numel, spec)], numel, spec)
     finite = torch.isfinite(scales).all(dim=1)
     small = (scales.abs() <= MAX_SCALE).all(dim=1)
     return torch.stack([_sums(body), stored, finite.to(torch.int64), small.to(torch.int64)])
