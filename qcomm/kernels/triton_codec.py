@@ -46,6 +46,7 @@ __all__ = ["dequant_accumulate_into", "dequantize_into", "quantize_into"]
 # Elements per program. 2048 fp32 values are 16 per thread at 4 warps: enough bytes in flight
 # per SM for a memory-bound kernel without spilling the [ROWS, BLOCK_SIZE] tile.
 TILE_ELEMS = 2048
+DECODE_ROW_ELEMS = 512  # the widest row of a decoding tile: see _row_width
 # The wire format's constants (qcomm.kernels.wire_format) and the counter hash's (qcomm.seeds),
 # as constexprs: one source for the kernels and the reference.
 _ROUND_MAGIC = tl.constexpr(ROUND_MAGIC)
@@ -114,12 +115,15 @@ def _two_bit_level(codes):
 
 @triton.jit
 def _decode_tile(codes_ptr, scales_ptr, byte_limit, block_limit,
-                 BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr):
-    """Decode one tile: ``codes_ptr`` / ``scales_ptr`` already point at the program's first
-    byte / scale; ``byte_limit`` / ``block_limit`` are how many of them remain in the payload.
-    Returns float32 ``[ROWS, BLOCK_SIZE]`` = level * scale (one rounding, as the reference)."""
+                 BITS: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr,
+                 SUB: tl.constexpr):
+    """Decode one tile of ``ROWS`` rows of ``WIDTH`` values, ``SUB`` rows per block (a block
+    wider than a row is laid out as several: see :func:`_row_width`): ``codes_ptr`` /
+    ``scales_ptr`` already point at the program's first byte / scale; ``byte_limit`` /
+    ``block_limit`` are how many of them remain in the payload. Returns float32
+    ``[ROWS, WIDTH]`` = level * scale (one rounding, as the reference)."""
     PER: tl.constexpr = 8 // BITS
-    ROW_BYTES: tl.constexpr = BLOCK_SIZE // PER
+    ROW_BYTES: tl.constexpr = WIDTH // PER
     r = tl.arange(0, ROWS)
     if PER == 1:
         byte = r[:, None] * ROW_BYTES + tl.arange(0, ROW_BYTES)[None, :]
@@ -131,7 +135,7 @@ def _decode_tile(codes_ptr, scales_ptr, byte_limit, block_limit,
         # through shared memory, with a barrier, once per payload.
         QUAD_BITS: tl.constexpr = 4 * BITS
         if QUAD_BITS < 8:  # 1-bit codes: two threads read each byte, a nibble each
-            quad = tl.arange(0, BLOCK_SIZE // 4)
+            quad = tl.arange(0, WIDTH // 4)
             byte = r[:, None] * ROW_BYTES + (quad // 2)[None, :]
             raw = tl.load(codes_ptr + byte, mask=byte < byte_limit, other=0).to(tl.int32)
             raw = raw >> ((quad % 2) * 4)[None, :]
@@ -144,14 +148,15 @@ def _decode_tile(codes_ptr, scales_ptr, byte_limit, block_limit,
         # element 0 of a byte (of a nibble) sits in its low bits
         shifts = tl.arange(0, per_unit) * BITS
         codes = (raw[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        codes = tl.reshape(codes, [ROWS, BLOCK_SIZE])
+        codes = tl.reshape(codes, [ROWS, WIDTH])
     if BITS == 1:
         q = (codes * 2 - 1).to(tl.float32)
     elif BITS == 2:
         q = _two_bit_level(codes)
     else:
         q = (codes - ((1 << (BITS - 1)) - 1)).to(tl.float32)
-    scale = tl.load(scales_ptr + r, mask=r < block_limit, other=0.0)
+    block = r // SUB
+    scale = tl.load(scales_ptr + block, mask=block < block_limit, other=0.0)
     return q * scale[:, None]
 
 
@@ -352,16 +357,18 @@ def _quantize_kernel(
 def _dequantize_kernel(
     codes_ptr, scales_ptr, out_ptr, n, nblocks, n_code_bytes,
     BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr,
+    WIDTH: tl.constexpr,
 ):
     TILE: tl.constexpr = ROWS * BLOCK_SIZE
     ROW_BYTES: tl.constexpr = BLOCK_SIZE * BITS // 8
+    SUB: tl.constexpr = BLOCK_SIZE // WIDTH
     pid = tl.program_id(0).to(tl.int64)
     base = pid * TILE
     byte_base = pid * (ROWS * ROW_BYTES)
     block_base = pid * ROWS
-    d = _decode_tile(codes_ptr + byte_base, scales_ptr + block_base,
-                     n_code_bytes - byte_base, nblocks - block_base, BITS, BLOCK_SIZE, ROWS)
-    local = tl.arange(0, ROWS)[:, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+    d = _decode_tile(codes_ptr + byte_base, scales_ptr + block_base, n_code_bytes - byte_base,
+                     nblocks - block_base, BITS, WIDTH, ROWS * SUB, SUB)
+    local = tl.arange(0, ROWS * SUB)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
     real = local < n - base
     if OUT_BF16:
         tl.store(out_ptr + base + local, _f32_to_bf16_bits(d), mask=real)
@@ -375,14 +382,16 @@ def _dequant_accumulate_kernel(
     K, payload_stride, scale_stride,
     BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr, HAS_GUARD: tl.constexpr, LEVEL: tl.constexpr,
+    WIDTH: tl.constexpr,
 ):
     TILE: tl.constexpr = ROWS * BLOCK_SIZE
     ROW_BYTES: tl.constexpr = BLOCK_SIZE * BITS // 8
+    SUB: tl.constexpr = BLOCK_SIZE // WIDTH
     pid = tl.program_id(0).to(tl.int64)
     base = pid * TILE
     byte_base = pid * (ROWS * ROW_BYTES)
     block_base = pid * ROWS
-    local = tl.arange(0, ROWS)[:, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+    local = tl.arange(0, ROWS * SUB)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
     real = local < n - base
     acc = tl.load(out_ptr + base + local, mask=real, other=0.0)
     # Walk the K payloads by pointer increments (64-bit addresses; k * stride never overflows).
@@ -393,7 +402,7 @@ def _dequant_accumulate_kernel(
     total = tl.zeros([], tl.float64)  # accumulate_guard's sum, k in order, in float64
     for _ in range(K):
         d = _decode_tile(p_codes, p_scales, n_code_bytes - byte_base, nblocks - block_base,
-                         BITS, BLOCK_SIZE, ROWS)
+                         BITS, WIDTH, ROWS * SUB, SUB)
         if HAS_WEIGHTS:
             w = tl.load(p_w)
             d = d * w  # rounded product, then a rounded sum: no FMA (fusion is off)
@@ -450,6 +459,17 @@ def _rows(spec: QuantSpec) -> int:
     return max(1, TILE_ELEMS // spec.block_size)
 
 
+def _row_width(spec: QuantSpec) -> int:
+    """Values per row of the decoding kernels' tiles: the block, or DECODE_ROW_ELEMS of it for
+    wider blocks (laid out as several rows sharing one scale). A tile of one row of 2048 or
+    4096 values is laid out by Triton so that the 2- and 4-bit code bytes cross between threads
+    through shared memory, with a barrier, once per payload; as rows of 512 they stay with the
+    thread whose values they decode, as in the tiles of several smaller blocks, at every width
+    and block size without a spill (rows of 1024 spilled 4 B in the guarded 2-bit accumulate of
+    blocks of 4096: tests/kernels/compile_sm90.py)."""
+    return min(spec.block_size, DECODE_ROW_ELEMS)
+
+
 def _num_warps(spec: QuantSpec) -> int:
     return 8 if _rows(spec) * spec.block_size >= 4096 else 4
 
@@ -496,7 +516,7 @@ def _launch_dequantize(payload: torch.Tensor, spec: QuantSpec, out: torch.Tensor
         out.view(torch.int16) if out.dtype == torch.bfloat16 else out,
         n, nb, codes_nbytes(n, spec),
         BITS=spec.bits, BLOCK_SIZE=spec.block_size, ROWS=rows,
-        OUT_BF16=out.dtype == torch.bfloat16,
+        OUT_BF16=out.dtype == torch.bfloat16, WIDTH=_row_width(spec),
         num_warps=_num_warps(spec), enable_fp_fusion=False,
     )
 
@@ -517,7 +537,7 @@ def _launch_dequant_accumulate(payloads: torch.Tensor, spec: QuantSpec, out: tor
         n, nb, codes_nbytes(n, spec), k, nbytes, nbytes // 4,
         BITS=spec.bits, BLOCK_SIZE=spec.block_size, ROWS=rows,
         HAS_WEIGHTS=weights is not None, HAS_GUARD=guard is not None,
-        LEVEL=MAX_ABS_LEVEL[spec.bits],
+        LEVEL=MAX_ABS_LEVEL[spec.bits], WIDTH=_row_width(spec),
         num_warps=_num_warps(spec), enable_fp_fusion=False,
     )
 

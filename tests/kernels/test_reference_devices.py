@@ -91,7 +91,7 @@ def test_reference_bytes_are_the_same_on_every_device(bits: int, rounding: str,
     payloads = torch.stack([payload_cpu, second])
     weights = torch.tensor([0.3, 1.7])
     out_cpu = torch.randn(n, generator=g)
-    out_dev = out_cpu.to(device)
+    out_dev = out_cpu.to(device, copy=True)
     reference.dequant_accumulate_into(payloads, spec, out_cpu, weights)
     reference.dequant_accumulate_into(payloads.to(device), spec, out_dev, weights.to(device))
     assert torch.equal(out_dev.cpu().view(torch.int32), out_cpu.view(torch.int32))

@@ -366,11 +366,37 @@ def test_dequant_accumulate_matches_reference(case, weighted, gen_seed, device):
         weights = torch.randn(k, generator=g)
         weights[torch.rand(k, generator=g) < 0.2] = 1 / 3  # a weight no power of two
     want = torch.randn(n, generator=g) * 10.0 ** float(torch.randint(-3, 4, (), generator=g))
-    got = want.to(device)
+    got = want.to(device, copy=True)  # a copy on the CPU too: not the tensor the oracle writes
     reference.dequant_accumulate_into(payloads, spec, want, weights)
     triton_codec.dequant_accumulate_into(payloads.to(device), spec, got,
                                          weights.to(device) if weighted else None)
     assert_bits_equal(got, want, f"dequant_accumulate K={k} weighted={weighted}")
+
+
+@pytest.mark.parametrize(("bits", "block_size"), [(2, 4096), (4, 2048)] if COMPILED else [
+    (bits, bs) for bits in (1, 2, 4, 8) for bs in (1024, 2048, 4096)])
+def test_blocks_wider_than_a_decode_row_match_reference(bits, block_size, device):
+    """A block wider than the decoding kernels' row (512 values) is decoded as several rows
+    sharing its scale: every row takes its own block's scale, up to a last block cut short,
+    in dequantize and in a weighted dequantize-accumulate of three payloads."""
+    spec = QuantSpec(bits, block_size, "stochastic")
+    n = 2 * block_size + 700  # three blocks, the last one partial
+    payloads = torch.empty(3, packed_nbytes(n, spec), dtype=torch.uint8)
+    for i in range(3):  # blocks of very different scales, so a wrong scale shows
+        x = adversarial(n, 60 + i) * torch.tensor([1e-3, 1.0, 1e3]).repeat_interleave(
+            block_size)[:n]
+        reference.quantize_into(x, spec, payloads[i], None, None, 7 + i)
+    want = torch.empty(n)
+    got = torch.full((n,), 3.0, device=device)
+    reference.dequantize_into(payloads[1], spec, want)
+    triton_codec.dequantize_into(payloads[1].to(device), spec, got)
+    assert_bits_equal(got, want, "dequantize")
+    weights = torch.tensor([0.5, -1.0, 1 / 3])
+    want = torch.randn(n, generator=torch.Generator().manual_seed(bits))
+    got = want.to(device, copy=True)
+    reference.dequant_accumulate_into(payloads, spec, want, weights)
+    triton_codec.dequant_accumulate_into(payloads.to(device), spec, got, weights.to(device))
+    assert_bits_equal(got, want, "dequant_accumulate")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
