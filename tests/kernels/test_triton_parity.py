@@ -373,7 +373,8 @@ def test_dequant_accumulate_matches_reference(case, weighted, gen_seed, device):
     assert_bits_equal(got, want, f"dequant_accumulate K={k} weighted={weighted}")
 
 
-@pytest.mark.parametrize(("bits", "block_size"), [(2, 4096), (4, 2048)] if COMPILED else [
+# On a GPU one case, whose binaries the property tests above have built already.
+@pytest.mark.parametrize(("bits", "block_size"), [(4, 4096)] if COMPILED else [
     (bits, bs) for bits in (1, 2, 4, 8) for bs in (1024, 2048, 4096)])
 def test_blocks_wider_than_a_decode_row_match_reference(bits, block_size, device):
     """A block wider than the decoding kernels' row (512 values) is decoded as several rows
