@@ -72,7 +72,6 @@ __all__ = [
 ]
 
 
-
 class NonFiniteError(FloatingPointError):
     """Input to the codec holds NaN or Inf. Nothing was produced and no state was changed.
 

@@ -7,11 +7,14 @@ Three kernels, one per operation, each parameterized by constexprs instead of co
   packed codes, the block scales and the new residual once (error feedback in one pass).
 * ``_dequantize_kernel``: reads a payload once, writes fp32/fp16/bf16 values once.
 * ``_dequant_accumulate_kernel``: reads its slice of ``out`` once, decodes the K payloads one
-  after the other in registers (``acc = acc + d * w``), writes ``out`` once.
+  after the other in registers (``acc = acc + d * w``), writes ``out`` once; guarded, it
+  weighs the payloads' largest scales beside (:mod:`qcomm.kernels.accumulate_guard`) and
+  writes only a sum the rule allows.
 
 Each program owns ``ROWS`` whole quantization blocks as a ``[ROWS, BLOCK_SIZE]`` tile
 (``ROWS * BLOCK_SIZE`` = :data:`TILE_ELEMS` or one block if larger), so block reductions are
-reductions along axis 1 and never cross programs.
+reductions along axis 1 and never cross programs. The two decoding kernels lay a block wider
+than :data:`DECODE_ROW_ELEMS` out as several rows sharing its scale (:func:`_row_width`).
 
 Bit-exactness with the CPU reference rests on a few rules, each applied below where it matters
 (why each is needed: docs/wire_format.md, "Bit-exactness of the Triton kernels"): launches with
