@@ -467,7 +467,7 @@ class Runner:
             try:
                 med, runs = (self._per_call_in_a_graph(call) if impl == GRAPH_IMPL
                              else self.timer.per_call_in_a_stream(call, PER_CALL_CALLS))
-            except RuntimeError as exc:  # a capture torch refuses: reported, not fatal
+            except Exception as exc:  # a capture refused (any error): reported, not fatal
                 row.update(per_call_s=None, runs_s=[], error=f"{type(exc).__name__}: {exc}"[:300])
                 print(f"  per call     {OP_LABEL[op]:<12} {format_size(n):>5} {impl:<14} "
                       f"{row['error']}", file=sys.stderr, flush=True)
