@@ -214,6 +214,9 @@ def test_per_call_targets_judge_the_non_blocking_api_at_1m() -> None:
                                       row("qcomm-nb graph", 1 << 20, 6.5)])
     assert [(t["passed"], t["detail"]) for t in graphed] == [
         (False, "25.0 us; in a CUDA graph 6.5 us")]  # shown beside, judged on the eager calls
+    failed = {**row("qcomm-nb", 1 << 20, 1.0), "per_call_s": None, "error": "RuntimeError: x"}
+    assert [(t["passed"], t["detail"]) for t in bench.per_call_targets([failed])] == [
+        (False, "RuntimeError: x")]
 
 
 def test_targets_without_a_large_row_do_not_pass() -> None:
