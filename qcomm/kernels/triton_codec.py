@@ -357,22 +357,31 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _dequantize_kernel(
-    codes_ptr, scales_ptr, out_ptr, n, nblocks, n_code_bytes,
-    BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr,
-    WIDTH: tl.constexpr,
-):
+def _decoding_program(n, BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
+                      WIDTH: tl.constexpr):
+    """Where this program of a decoding kernel works: its first element, code byte and block
+    (int64), the offsets of its tile's elements from the first (``[ROWS * SUB, WIDTH]``, rows
+    of :func:`_row_width`) and the mask of those below ``n``."""
     TILE: tl.constexpr = ROWS * BLOCK_SIZE
     ROW_BYTES: tl.constexpr = BLOCK_SIZE * BITS // 8
     SUB: tl.constexpr = BLOCK_SIZE // WIDTH
     pid = tl.program_id(0).to(tl.int64)
     base = pid * TILE
-    byte_base = pid * (ROWS * ROW_BYTES)
-    block_base = pid * ROWS
+    local = tl.arange(0, ROWS * SUB)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
+    return base, pid * (ROWS * ROW_BYTES), pid * ROWS, local, local < n - base
+
+
+@triton.jit
+def _dequantize_kernel(
+    codes_ptr, scales_ptr, out_ptr, n, nblocks, n_code_bytes,
+    BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    SUB: tl.constexpr = BLOCK_SIZE // WIDTH
+    base, byte_base, block_base, local, real = _decoding_program(n, BITS, BLOCK_SIZE, ROWS,
+                                                                 WIDTH)
     d = _decode_tile(codes_ptr + byte_base, scales_ptr + block_base, n_code_bytes - byte_base,
                      nblocks - block_base, BITS, WIDTH, ROWS * SUB, SUB)
-    local = tl.arange(0, ROWS * SUB)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
-    real = local < n - base
     if OUT_BF16:
         tl.store(out_ptr + base + local, _f32_to_bf16_bits(d), mask=real)
     else:
@@ -387,15 +396,10 @@ def _dequant_accumulate_kernel(
     HAS_WEIGHTS: tl.constexpr, HAS_GUARD: tl.constexpr, LEVEL: tl.constexpr,
     WIDTH: tl.constexpr,
 ):
-    TILE: tl.constexpr = ROWS * BLOCK_SIZE
-    ROW_BYTES: tl.constexpr = BLOCK_SIZE * BITS // 8
     SUB: tl.constexpr = BLOCK_SIZE // WIDTH
     pid = tl.program_id(0).to(tl.int64)
-    base = pid * TILE
-    byte_base = pid * (ROWS * ROW_BYTES)
-    block_base = pid * ROWS
-    local = tl.arange(0, ROWS * SUB)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
-    real = local < n - base
+    base, byte_base, block_base, local, real = _decoding_program(n, BITS, BLOCK_SIZE, ROWS,
+                                                                 WIDTH)
     acc = tl.load(out_ptr + base + local, mask=real, other=0.0)
     # Walk the K payloads by pointer increments (64-bit addresses; k * stride never overflows).
     p_codes = payloads_ptr + byte_base
