@@ -42,6 +42,9 @@ __all__ = ["Channel", "GlooStreams", "GroupChannel"]
 # later: a stream carries at most `depth` messages per round trip. 16 keeps a 100 ms round trip
 # busy at a round every 6 ms; the buffers cost 16 messages per neighbour.
 DEFAULT_DEPTH = 16
+# How long close() waits in all for the links' threads to leave once their channels are
+# aborted (threads on a shared group, which close() cannot abort, may take longer: daemons).
+CLOSE_JOIN_S = 2.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,3 +470,13 @@ class GlooStreams(MessageStreams, LinkEnds):
         for link in self._links:
             if link.channel is not None:
                 link.channel.close()
+        # The aborted channels fail the waits still pending in the links' threads (a dropped
+        # link's too): let those threads come back from Gloo and leave before this returns. A
+        # daemon thread that returns from a C++ call while the interpreter finalizes aborts the
+        # process ("terminate called without an active exception") after a run that had
+        # finished: seen once, at the end of a job whose joiner had died during its join.
+        deadline = time.monotonic() + CLOSE_JOIN_S
+        for link in self._links:
+            for thread in (link.receiver, link.sender, link.vector_sender):
+                if thread is not None and thread.is_alive():
+                    thread.join(max(0.0, deadline - time.monotonic()))
