@@ -103,15 +103,18 @@ class GlooTransport(Transport, LinkEnds):
                                 self.peer_ranks, self.level)
         tag = round % TAG_MODULUS
         works: list[tuple[int, str, dist.Work]] = []
+        posting: list[int] = []  # the peer (global rank) whose operation is being posted
         # group_src/group_dst are member indices in `group`: no global-rank translation needed
         # (and none can go wrong when group is a sub-group).
         def post_recvs() -> None:
             for k, p in enumerate(self.peers):
+                posting[:] = [self.peer_ranks[k]]
                 works.append((self.peer_ranks[k], "recv",
                               dist.irecv(recv[k], group=self.group, tag=tag, group_src=p)))
 
         def post_sends() -> None:
             for k, p in enumerate(self.peers):
+                posting[:] = [self.peer_ranks[k]]
                 works.append((self.peer_ranks[k], "send",
                               dist.isend(payload, group=self.group, tag=tag, group_dst=p)))
 
@@ -124,7 +127,9 @@ class GlooTransport(Transport, LinkEnds):
                 post_recvs()
         except RuntimeError as e:  # a connection broke before this round (a peer died)
             self.failed = f"gossip round {round} (rank {self.rank})"
-            raise PeerLostError(self.failed, self.peer_ranks, self.level,
+            # Gloo refuses an operation on a broken connection: the peer it was posted to is
+            # the one lost (naming every neighbour blamed the live ones too).
+            raise PeerLostError(self.failed, posting or self.peer_ranks, self.level,
                                 detail=backend_detail(e)) from e
         if self.stats is not None and self.peers:
             self.stats.record(self.level, payload.numel() * len(self.peers),
