@@ -40,7 +40,7 @@ from qcomm.kernels.accumulate_guard import (
     FLOAT32_MAX,
     MAX_ABS_LEVEL,
     AccumulateGuard,
-    guard_total,
+    host_total,
 )
 from qcomm.kernels.backend import backend_for
 from qcomm.kernels.wire_format import (
@@ -275,10 +275,10 @@ def _resolve_seed(seed: int | None, spec: QuantSpec) -> int:
     return check_seed(seed)
 
 
-def _largest_magnitude(values: torch.Tensor) -> torch.Tensor:
-    """float32 ``[]``: the largest ``|value|`` of a non-empty float32 tensor, NaN or Inf when
-    one of them is (one reduction on the device, nothing read)."""
-    return torch.linalg.vector_norm(values, float("inf"))
+def _largest_magnitude(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """float32: the largest ``|value|`` of a non-empty float32 tensor (``[]``; along ``dim``
+    when given), NaN or Inf where one of them is (one reduction on the device, nothing read)."""
+    return torch.linalg.vector_norm(values, float("inf"), dim=dim)
 
 
 def _passes(verdict: torch.Tensor) -> bool:
@@ -532,7 +532,7 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
     scales = payload_scales(payloads, out.numel(), spec)
     # One reduction before the launch; the backend weighs the maxima beside its sum and
     # writes the verdict (accumulate_guard's rule): nothing is read on the host first.
-    guard = AccumulateGuard(torch.linalg.vector_norm(scales, float("inf"), dim=-1),
+    guard = AccumulateGuard(_largest_magnitude(scales, dim=-1),
                             torch.empty((), dtype=torch.bool, device=out.device))
     _dequant_accumulate_into(payloads, _flat(out), spec, w, guard)
     if non_blocking:
@@ -606,9 +606,7 @@ def _weights_tensor(weights: Sequence[float] | torch.Tensor | None, k: int,
 def _accumulate_bound(guard: AccumulateGuard, weights: torch.Tensor | None,
                       spec: QuantSpec) -> float:
     """The largest magnitude the decoded sum can reach (host reads: on failure only)."""
-    return guard_total(guard.scale_max.double().tolist(),
-                       None if weights is None else weights.double().tolist()
-                       ) * MAX_ABS_LEVEL[spec.bits]
+    return host_total(guard.scale_max, weights) * MAX_ABS_LEVEL[spec.bits]
 
 
 def _accumulate_refused(scales: torch.Tensor, weights: torch.Tensor | None,

@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["FLOAT32_MAX", "MAX_ABS_LEVEL", "AccumulateGuard", "guard_total", "slack_factor",
-           "verdict_of"]
+__all__ = ["FLOAT32_MAX", "MAX_ABS_LEVEL", "AccumulateGuard", "guard_total", "host_total",
+           "slack_factor", "verdict_of"]
 
 # |level| of the largest code of each width, valid or not (2**(bits-1) for 4 and 8 bits: the
 # unused top code decodes to L + 1), so the bound holds for any payload.
@@ -59,10 +59,14 @@ def guard_total(scale_max: list[float], weights: list[float] | None) -> float:
     return total
 
 
+def host_total(scale_max: torch.Tensor, weights: torch.Tensor | None) -> float:
+    """:func:`guard_total` of the tensors (float32 ``[K]`` each, or weights None), read on the
+    host."""
+    return guard_total(scale_max.double().tolist(),
+                       None if weights is None else weights.double().tolist())
+
+
 def verdict_of(scale_max: torch.Tensor, weights: torch.Tensor | None, bits: int) -> bool:
     """The rule on the host (reads ``scale_max`` and ``weights``): whether the sum may be
     written."""
-    k = scale_max.numel()
-    total = guard_total(scale_max.double().tolist(),
-                        None if weights is None else weights.double().tolist())
-    return total * slack_factor(bits, k) <= FLOAT32_MAX
+    return host_total(scale_max, weights) * slack_factor(bits, scale_max.numel()) <= FLOAT32_MAX
