@@ -9,6 +9,8 @@ ASSGD included), its model and torch's RNG state, so that a resumed run continue
   (:class:`CheckpointError`, :class:`UnsafeCheckpointError`).
 - :mod:`.sharded_checkpoint`: :func:`save_sharded_checkpoint` / :func:`load_sharded_checkpoint`,
   one torch.distributed.checkpoint (DCP) directory for a model sharded by FSDP2.
+- :mod:`.weights_only_planner`: the DCP load planner that unpickles through torch's weights-only
+  unpickler (imported at the first sharded load: DCP brings DTensor with it).
 - :mod:`.tensor_tree`: a state of nested containers as tensors only, and back (what DCP holds
   without pickles).
 - :mod:`.optimizer`: what a checkpoint saves of an optimizer (the base it derives from).

@@ -19,26 +19,15 @@ alone. The replicated modes keep their per-rank files (:mod:`qcomm.checkpoint.ch
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-from qcomm.checkpoint.checkpoint_file import CheckpointError, UnsafeCheckpointError
+from qcomm.checkpoint.checkpoint_file import CheckpointError
 from qcomm.checkpoint.optimizer import CheckpointableOptimizer
 from qcomm.checkpoint.tensor_tree import from_tensors, to_tensors
 from qcomm.validation import check_instance
@@ -47,6 +36,16 @@ __all__ = ["load_sharded_checkpoint", "save_sharded_checkpoint"]
 
 # How a wrong optimizer is told what was expected (the one checkpointable class there is).
 _OPTIMIZER = "a qcomm.sgd.hierarchical_optimizer.HierarchicalOptimizer"
+
+
+def _dcp() -> ModuleType:
+    """``torch.distributed.checkpoint``, with its ``state_dict`` functions, imported at the
+    first sharded save or load: it imports DTensor and its op tables, a third of the time of
+    ``import qcomm.sgd``, which a job with per-rank files never needs."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict  # noqa: F401  (dcp.state_dict below)
+
+    return dcp
 
 
 def _keys(optimizer: CheckpointableOptimizer) -> tuple[str, str, int]:
@@ -80,36 +79,13 @@ def save_sharded_checkpoint(directory: str | os.PathLike, optimizer: Checkpointa
     mine = to_tensors({"engine": optimizer.engine.state_dict(), "rng": torch.get_rng_state(),
                        "extra": extra})
     node_key, own_key, _ = _keys(optimizer)
-    state = {node_key: {"model": get_model_state_dict(model),
-                        "optim": get_optimizer_state_dict(model, optimizer.optimizer)},
+    dcp = _dcp()
+    state = {node_key: {"model": dcp.state_dict.get_model_state_dict(model),
+                        "optim": dcp.state_dict.get_optimizer_state_dict(
+                            model, optimizer.optimizer)},
              own_key: mine}
     dcp.save(state, checkpoint_id=str(directory))
     return Path(directory)
-
-
-class _WeightsOnlyPlanner(DefaultLoadPlanner):
-    """DCP's load planner, but what is not a tensor is unpickled by torch's weights-only
-    unpickler: plain data loads, an object whose unpickling would run code is refused."""
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__()
-        self.directory = directory
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UnsafeCheckpointError(
-                f"{self.directory}: item {fqn!r} holds objects torch's weights-only unpickler "
-                f"refuses ({e}); loading them could run code from the file, so it is not "
-                "loaded", self.directory, []) from e
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
 
 
 def _own_template(directory: Path, own_key: str, rank: int) -> dict[str, torch.Tensor]:
@@ -120,7 +96,7 @@ def _own_template(directory: Path, own_key: str, rank: int) -> dict[str, torch.T
             tensors.
     """
     try:
-        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+        metadata = _dcp().FileSystemReader(str(directory)).read_metadata()
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"{directory} is not a DCP checkpoint: {e}", directory) from e
     prefix = own_key + "."
@@ -130,7 +106,7 @@ def _own_template(directory: Path, own_key: str, rank: int) -> dict[str, torch.T
         raise CheckpointError(f"{directory} holds no qcomm state of rank {rank} (saved by a "
                               "job of other ranks, or not by save_sharded_checkpoint)",
                               directory)
-    if not all(isinstance(md, TensorStorageMetadata) for md in own.values()):
+    if not all(isinstance(md, _dcp().TensorStorageMetadata) for md in own.values()):
         raise CheckpointError(f"{directory}: qcomm's state of rank {rank} holds items that "
                               "are not tensors; it was not written by qcomm", directory)
     return {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in own.items()}
@@ -139,9 +115,12 @@ def _own_template(directory: Path, own_key: str, rank: int) -> dict[str, torch.T
 def _read(directory: Path, state: dict[str, Any]) -> None:
     """DCP's load of ``state`` from ``directory``, items that are not tensors through the
     weights-only unpickler; a refusal raised as itself, not wrapped in DCP's exception."""
+    from qcomm.checkpoint.weights_only_planner import WeightsOnlyPlanner
+
+    dcp = _dcp()
     try:
-        dcp.load(state, checkpoint_id=str(directory), planner=_WeightsOnlyPlanner(directory))
-    except CheckpointException as e:
+        dcp.load(state, checkpoint_id=str(directory), planner=WeightsOnlyPlanner(directory))
+    except dcp.CheckpointException as e:
         for failure in e.failures.values():
             exc = failure[0] if isinstance(failure, tuple) else failure
             if isinstance(exc, CheckpointError):
@@ -182,9 +161,11 @@ def load_sharded_checkpoint(directory: str | os.PathLike, optimizer: Checkpointa
     # nothing of the model or the optimizer. torch's get_optimizer_state_dict creates the
     # state of an optimizer that has none (a step at lr 0): taken back on a refusal.
     fresh = not optimizer.optimizer.state
+    state_dicts = _dcp().state_dict
     try:
-        node = {"model": _copied(get_model_state_dict(model)),
-                "optim": _copied(get_optimizer_state_dict(model, optimizer.optimizer))}
+        node = {"model": _copied(state_dicts.get_model_state_dict(model)),
+                "optim": _copied(state_dicts.get_optimizer_state_dict(model,
+                                                                      optimizer.optimizer))}
         _read(directory, {node_key: node, own_key: own})
         mine = from_tensors(own)
         optimizer.engine.check_state(mine["engine"])
@@ -192,8 +173,8 @@ def load_sharded_checkpoint(directory: str | os.PathLike, optimizer: Checkpointa
         if fresh:
             optimizer.optimizer.state.clear()
         raise
-    set_model_state_dict(model, node["model"])
-    set_optimizer_state_dict(model, optimizer.optimizer, node["optim"])
+    state_dicts.set_model_state_dict(model, node["model"])
+    state_dicts.set_optimizer_state_dict(model, optimizer.optimizer, node["optim"])
     optimizer.engine.load_state_dict(mine["engine"])
     torch.set_rng_state(mine["rng"])
     return mine["extra"]
