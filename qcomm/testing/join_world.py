@@ -164,6 +164,19 @@ def _resources() -> tuple[int, int]:
     return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
 
 
+def _settled_resources(first: tuple[int, int] | None) -> tuple[int, int]:
+    """:func:`_resources` once a closed link's threads have left: after 0.5 s for the first
+    visit (the count the others are held to); for a later one, as soon as the count is back
+    to the first's, else what it is after 2 s (a thread or descriptor left behind)."""
+    if first is None:
+        time.sleep(0.5)
+        return _resources()
+    deadline = time.monotonic() + 2.0
+    while (now := _resources()) != first and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return now
+
+
 def run_member(args: argparse.Namespace, store: dist.Store) -> None:
     """Mix for ``--steps`` steps (joining first with ``--join``), then drain, settle, sum."""
     events: dict[str, float] = {}
@@ -218,8 +231,7 @@ def run_host(args: argparse.Namespace, store: dist.Store) -> None:
         visits = int(store.add("visits", 0))
         if visits > closed and not g.membership.live_links():   # the visit left, link closed
             closed = visits
-            time.sleep(0.5)   # the link's threads are leaving
-            counts[closed] = _resources()
+            counts[closed] = _settled_resources(counts.get(1))
             store.set(f"closed/{closed}", "1")
     torch.save({"counts": counts, "losses": len(g.losses), "steps": g.steps}, args.out)
     watcher.close()
