@@ -67,7 +67,9 @@ def _finish_both_ways(rank: int, world_size: int) -> dict:
         out["from0"] = _take_all(streams, peers.index(0), 4)
         out["from1"] = _take_all(streams, peers.index(1), 4)
     dist.barrier()   # no rank leaves (and closes its connections) before the others took all
-    streams.close()
+    # with a goodbye (a last message), as the gossip closes: without one, each end waits for
+    # its neighbours' for 10 s, then leaves receivers blocked in Gloo
+    streams.close(_message(255))
     dist.destroy_process_group(group)  # frees the receives the finished streams left posted
     return out
 
