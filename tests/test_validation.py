@@ -157,7 +157,7 @@ def test_the_simulator_names_every_graph_it_takes() -> None:
      "x must have dtype in (uint8), got torch.float32"),
     (lambda: check_tensor("x", torch.zeros(4, 4).t(), contiguous=True, why="written in place"),
      ValueError, "x must be contiguous (written in place), got a non-contiguous tensor"),
-], ids=str)
+], ids=lambda v: v.__name__ if isinstance(v, type) else v if isinstance(v, str) else "call")
 def test_wording(call: Callable[[], object], exc: type, message: str) -> None:
     with pytest.raises(exc) as info:
         call()

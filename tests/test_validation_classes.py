@@ -69,7 +69,8 @@ CLASS_FOR_INSTANCE: list[tuple[Callable[[], object], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("call", "message"), CLASS_FOR_INSTANCE, ids=lambda c: str(c)[:60])
+@pytest.mark.parametrize(("call", "message"), CLASS_FOR_INSTANCE,
+                         ids=lambda c: c[:60] if isinstance(c, str) else c.__name__.strip("<>"))
 def test_a_class_for_an_instance_names_the_call_meant(call: Callable[[], object],
                                                       message: str) -> None:
     with pytest.raises(TypeError) as info:
