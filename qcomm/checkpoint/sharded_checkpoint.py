@@ -95,8 +95,9 @@ def _own_template(directory: Path, own_key: str, rank: int) -> dict[str, torch.T
         CheckpointError: the checkpoint holds no qcomm state of this rank, or one that is not
             tensors.
     """
+    dcp = _dcp()
     try:
-        metadata = _dcp().FileSystemReader(str(directory)).read_metadata()
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"{directory} is not a DCP checkpoint: {e}", directory) from e
     prefix = own_key + "."
@@ -106,7 +107,7 @@ def _own_template(directory: Path, own_key: str, rank: int) -> dict[str, torch.T
         raise CheckpointError(f"{directory} holds no qcomm state of rank {rank} (saved by a "
                               "job of other ranks, or not by save_sharded_checkpoint)",
                               directory)
-    if not all(isinstance(md, _dcp().TensorStorageMetadata) for md in own.values()):
+    if not all(isinstance(md, dcp.TensorStorageMetadata) for md in own.values()):
         raise CheckpointError(f"{directory}: qcomm's state of rank {rank} holds items that "
                               "are not tensors; it was not written by qcomm", directory)
     return {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in own.items()}

@@ -13,6 +13,7 @@ import pickle
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
@@ -39,8 +40,6 @@ class WeightsOnlyPlanner(DefaultLoadPlanner):
                 f"refuses ({e}); loading them could run code from the file, so it is not "
                 "loaded", self.directory, []) from e
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
