@@ -97,7 +97,7 @@ def test_an_end_that_closed_while_it_waited_is_dropped_for_the_next(relay) -> No
 
 def test_waiting_ends_are_bounded() -> None:
     # a wait bound no loaded machine outlasts while five ends connect (the fixture's 1 s let
-    # the first ends give up before the fifth came, on a loaded machine)
+    # the first ends give up before the fifth came)
     relay = LinkRelay("127.0.0.1", 0, TOKEN, wait_s=60.0, max_waiting=4)
     try:
         waiting = [_end(relay, f"w{i}", "dial") for i in range(4)]
