@@ -30,6 +30,7 @@ import importlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,7 +38,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from qcomm.testing.multiprocess import WorldError, free_ports
+from qcomm.testing.multiprocess import WorldError
 
 __all__ = ["describe_status", "fresh_world_exits"]
 
@@ -96,18 +97,30 @@ def fresh_world_exits(fn: Callable[[int, int], Any], world_size: int, *, runs: i
     return json.loads(lines[-1])["statuses"]
 
 
-def _rank(fn: Callable[[int, int], Any], rank: int, world_size: int, port: int,
+def _rank(fn: Callable[[int, int], Any], rank: int, world_size: int, listener: socket.socket,
           pg_timeout_s: float) -> int:
-    """One forked rank: join, run, leave the group; the exit code for ``sys.exit``."""
+    """One forked rank: join, run, leave the group; the exit code for ``sys.exit``. Rank 0
+    serves the store on ``listener``, which the launcher bound and listens on since before the
+    fork, so no other process can take the port in between; the other ranks connect to it."""
     import torch
     import torch.distributed as dist
 
+    port = listener.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=pg_timeout_s)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        if rank == 0:
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
+                                  timeout=timeout, wait_for_workers=False,
+                                  master_listen_fd=listener.detach())  # the store's now
+        else:
+            listener.close()
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                                  timeout=timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store),
+                                rank=rank, world_size=world_size, timeout=timeout)
         fn(rank, world_size)
         dist.destroy_process_group()
     except BaseException:
@@ -175,16 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     statuses: list[list[str]] = []
     for group in groups:
         pids: list[list[int]] = []
-        # Distinct ports for the worlds of a group: a port drawn and released for one world is
-        # free again until its rank 0 binds it, and a second draw could hand it to the next
-        # world (its rank 0 then fails to bind, its other ranks wait on the first world).
-        for port in free_ports(len(group)):
+        for _ in group:
+            listener = socket.create_server(("127.0.0.1", 0), backlog=64)
             pids.append([])
             for rank in range(args.world_size):
                 pid = os.fork()
                 if pid == 0:  # the child leaves main() and exits like any script
-                    return _rank(fn, rank, args.world_size, port, args.pg_timeout)
+                    return _rank(fn, rank, args.world_size, listener, args.pg_timeout)
                 pids[-1].append(pid)
+            listener.close()  # rank 0 holds it now
         deadline = time.monotonic() + per_group_s
         statuses += [_reap(world, deadline) for world in pids]
     print(json.dumps({"statuses": statuses}), flush=True)

@@ -104,24 +104,48 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _child(rank: int, world_size: int, port: int, env: dict[str, str], pg_timeout_s: float,
-           tasks: Any, results: Any) -> None:
+def _join(rank: int, world_size: int, store_ports: Any, pg_timeout_s: float) -> None:
+    """Join the world's Gloo group through a store that rank 0 serves on a port the kernel
+    picks as it binds, told to the other ranks through ``store_ports``.
+
+    A port drawn free beforehand (:func:`free_port`) stays free only until something else
+    binds it: the outgoing connections of other worlds (every Gloo pair takes a port of the same
+    range) or another test process, during the seconds the ranks spend importing torch. Bound by
+    the store itself, the port cannot be lost on the way."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=pg_timeout_s)
+    if rank == 0:
+        # No wait for the workers here: they connect only once they have the port.
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        for _ in range(world_size - 1):
+            store_ports.put(store.port)
+    else:
+        try:
+            port = store_ports.get(timeout=pg_timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"rank 0 served no store within {pg_timeout_s:.0f} s") from None
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    os.environ["MASTER_PORT"] = str(store.port)  # for bodies that read the job's address
+    # The prefix env:// rendezvous puts on the default group's keys, so that bodies using the
+    # job's store beside the group see the same keys as in a world started by torchrun.
+    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
+
+
+def _child(rank: int, world_size: int, store_ports: Any, env: dict[str, str],
+           pg_timeout_s: float, tasks: Any, results: Any) -> None:
     """One rank: join the Gloo group, then run ``(task id, fn, args)`` from ``tasks`` until
     None, putting ``(task id, rank, ok, pickled value or traceback)`` on ``results``."""
     os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # N processes on few cores: oversubscription makes tests crawl
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout_s),
-        )
+        _join(rank, world_size, store_ports, pg_timeout_s)
     except BaseException:
         results.put((None, rank, False, traceback.format_exc()))
         return
@@ -165,17 +189,18 @@ class WorldPool:
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
         self._results: Any = None
+        self._store_ports: Any = None
         self._ids = itertools.count()
         self._stopping = False
         self.starts = 0  # how many times a world was started (tests of the pool read it)
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = free_port()
+        self._store_ports = ctx.Queue()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
-            ctx.Process(target=_child, args=(r, self.world_size, port, self.env,
+            ctx.Process(target=_child, args=(r, self.world_size, self._store_ports, self.env,
                                               self.pg_timeout_s, self._tasks[r],
                                               self._results), daemon=True)
             for r in range(self.world_size)
@@ -289,7 +314,7 @@ class WorldPool:
         codes = [p.exitcode for p in self._procs]
         # The queues are dropped only now: one dropped while its feeder thread still holds a
         # stop message would never deliver it.
-        self._procs, self._tasks, self._results = [], [], None
+        self._procs, self._tasks, self._results, self._store_ports = [], [], None, None
         return codes
 
     def __enter__(self) -> WorldPool:
