@@ -45,17 +45,21 @@ def test_run_world_reports_a_dead_rank():
         run_world(_rank1_exits, 2, timeout_s=60)
 
 
-def _rank1_stops(rank: int, world_size: int) -> str | None:
+def _rank1_stops(rank: int, world_size: int) -> float | None:
+    """Rank 0 returns when it is done (``time.monotonic()``: one clock for every process of
+    the machine); rank 1 stops itself instead."""
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # alive and silent: never reports, never leaves
-    return "done"
+    return time.monotonic()
 
 
 def test_a_silent_rank_allowed_to_die_is_killed_not_waited_for():
-    t0 = time.monotonic()
     values = run_world(_rank1_stops, 2, timeout_s=60, allow_exit={1}, check_exit=True)
-    assert values == ["done", None]
-    assert time.monotonic() - t0 < 5.0  # close() would wait 5 s for it, then kill it
+    assert values[1] is None
+    # From rank 0's result to the return: close() would wait 5 s for the stopped rank, then
+    # kill it. Timed from the body's end, not from the call: the world's start-up (spawning,
+    # importing torch) took up to 5.4 s of the call with two test workers at a load of 24.
+    assert time.monotonic() - values[0] < 5.0
 
 
 def test_run_world_times_out_instead_of_hanging():
