@@ -79,11 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     use_qcomm_from(args.qcomm)
     import torch
 
+    import qcomm
     from qcomm import compress
 
     torch.set_num_threads(1)
-    compress.backend_for = lambda device: _NoKernels()
-    source = Path(compress.__file__).resolve().parent.parent
+    # Where the codec looks its backend up: qcomm.compress.unchecked (in a checkout from
+    # before the codec became a package, qcomm.compress itself).
+    getattr(compress, "unchecked", compress).backend_for = lambda device: _NoKernels()
+    source = Path(qcomm.__file__).resolve().parent.parent
     print(f"# qcomm from {source}; cpu {cpu_model()}; load {load_average()}; numel "
           f"{args.numel}, {args.loops} loops of {args.calls} calls")
     rows = []

@@ -53,10 +53,11 @@ print("device", torch.cuda.get_device_name(0), "| capability",
       torch.cuda.get_device_capability(0))
 EOF
 
-    # The kernel tests plus the public-API tests that exist in this checkout (a glob that
-    # matches nothing must not reach pytest as a literal path).
+    # The kernel tests plus the public-API tests that exist in this checkout (tests/compress;
+    # tests/test_compress*.py in checkouts from before it; a glob that matches nothing must
+    # not reach pytest as a literal path).
     local tests=(tests/kernels) f
-    for f in tests/test_compress*.py; do
+    for f in tests/compress tests/test_compress*.py; do
         [[ -e "$f" ]] && tests+=("$f")
     done
     echo "== tests (${tests[*]}), limit ${TEST_TIMEOUT_S}s"

@@ -62,7 +62,7 @@ PROFILED_STEPS = 8
 
 
 # ---------------------------------------------------------------------------------------------
-# the codec's time: every codec call goes through qcomm.compress.backend_for(device)
+# the codec's time: every codec call goes through qcomm.compress.unchecked.backend_for(device)
 
 
 class _TimedBackend:
@@ -128,17 +128,17 @@ def _codec_clock():
     """qcomm.compress's codec calls through :class:`_TimedBackend` while inside; restored on
     leaving, so a process that runs other work afterwards (a test's pooled world) gets the
     library as it was."""
-    import qcomm.compress as compress
+    from qcomm.compress import unchecked
 
-    inner = compress.backend_for
+    inner = unchecked.backend_for
 
     def backend_for(device: torch.device) -> Any:
         return _TimedBackend(inner(device), _CLOCK)
-    compress.backend_for = backend_for
+    unchecked.backend_for = backend_for
     try:
         yield
     finally:
-        compress.backend_for = inner
+        unchecked.backend_for = inner
 
 
 # ---------------------------------------------------------------------------------------------

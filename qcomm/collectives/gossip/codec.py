@@ -34,14 +34,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from qcomm.compress import (
-    QuantSpec,
-    _dequant_accumulate_into,
-    _largest_magnitude,
-    _nonfinite_error,
-    _quantize_into,
-    dequant_accumulate,
-)
+from qcomm.compress import QuantSpec, dequant_accumulate
+from qcomm.compress.errors import nonfinite_error
+from qcomm.compress.unchecked import dequant_accumulate_into, quantize_into
+from qcomm.compress.verdict import largest_magnitude
 from qcomm.kernels.accumulate_guard import FLOAT32_MAX
 from qcomm.kernels.wire_format import check_spec, packed_nbytes, payload_scales
 from qcomm.validation import check_int
@@ -86,18 +82,18 @@ class GossipCodec:
                 :func:`~qcomm.compress.quantize` names it); ``out`` then holds NaN scales and
                 must not be sent.
         """
-        _quantize_into(diff, self.spec, out, seed)
+        quantize_into(diff, self.spec, out, seed)
         largest = self.largest_scale(out)  # the one host read of the round's own message
         if largest <= MAX_SCALE:
             return True
         if largest <= FLOAT32_MAX:
             return False
-        raise _nonfinite_error(self.scales(out), "x", "(plus error) has")
+        raise nonfinite_error(self.scales(out), "x", "(plus error) has")
 
     def largest_scale(self, payload: torch.Tensor) -> float:
         """The largest ``|scale|`` of ``payload`` (uint8 ``[nbytes]``), NaN or Inf when one is:
         one reduction on the device and one host read."""
-        return float(_largest_magnitude(self.scales(payload)))
+        return float(largest_magnitude(self.scales(payload)))
 
     def bounded(self, payload: torch.Tensor) -> bool:
         """Whether every scale of ``payload`` (uint8 ``[nbytes]``) is finite and at most
@@ -126,7 +122,7 @@ class GossipCodec:
             return
         if payloads.dim() == 1:
             payloads = payloads.unsqueeze(0)
-        _dequant_accumulate_into(payloads, out, self.spec, weights)
+        dequant_accumulate_into(payloads, out, self.spec, weights)
 
 
 def check_state_buffer(name: str, t: object, numel: int | tuple[int, ...],

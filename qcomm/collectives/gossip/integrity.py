@@ -28,7 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
-from qcomm.compress import QuantSpec, _largest_magnitude
+from qcomm.compress import QuantSpec
+from qcomm.compress.verdict import largest_magnitude
 from qcomm.kernels.accumulate_guard import FLOAT32_MAX
 from qcomm.kernels.wire_format import packed_nbytes, payload_scales
 from qcomm.seeds import seal_key
@@ -88,7 +89,7 @@ def message_facts(messages: torch.Tensor, numel: int, spec: QuantSpec) -> torch.
     stored = stored.view(torch.int64).reshape(-1)
     scales = payload_scales(body[:, :packed_nbytes(numel, spec)], numel, spec)
     # One reduction: each message's largest |scale|, NaN or Inf when one scale is.
-    largest = _largest_magnitude(scales, dim=1)
+    largest = largest_magnitude(scales, dim=1)
     finite, small = largest <= FLOAT32_MAX, largest <= MAX_SCALE  # NaN compares False
     return torch.stack([_sums(body), stored, finite.to(torch.int64), small.to(torch.int64)])
 

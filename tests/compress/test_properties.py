@@ -4,7 +4,7 @@ Each test states a property that a wrong codec violates: error bounds with deriv
 exact error-feedback conservation, statistical unbiasedness with a stated false-failure
 probability, a bit-exact packing bijection checked against an independent packer written from
 the wire-format docstring, and bitwise dequant_accumulate. Argument errors are in
-test_compress_errors.py.
+test_errors.py.
 """
 
 from __future__ import annotations

@@ -20,9 +20,11 @@ from qcomm.compress import (
     ErrorFeedback,
     NonFiniteError,
     QuantSpec,
+    decode,
     dequant_accumulate,
     dequantize,
     quantize,
+    unchecked,
 )
 from qcomm.kernels.wire_format import split_payload
 
@@ -66,8 +68,8 @@ def host_reads(monkeypatch: pytest.MonkeyPatch, *, allowed: int = 0) -> Iterator
     seen: list[str] = []
     inside: list[bool] = []
     with monkeypatch.context() as m:
-        real_backend_for = compress.backend_for
-        m.setattr(compress, "backend_for", lambda d: _Backend(real_backend_for(d), inside))
+        real_backend_for = unchecked.backend_for
+        m.setattr(unchecked, "backend_for", lambda d: _Backend(real_backend_for(d), inside))
         for name in HOST_READS:
             real = getattr(torch.Tensor, name)
 
@@ -117,9 +119,9 @@ class _DeviceOps(TorchDispatchMode):
 def device_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """The names of the device ops the API launches inside the block, besides its backend's."""
     inside: list[bool] = []
-    real_backend_for = compress.backend_for
+    real_backend_for = unchecked.backend_for
     with monkeypatch.context() as m:
-        m.setattr(compress, "backend_for", lambda d: _Backend(real_backend_for(d), inside))
+        m.setattr(unchecked, "backend_for", lambda d: _Backend(real_backend_for(d), inside))
         with _DeviceOps(inside) as mode:
             yield mode.ops
 
@@ -260,13 +262,13 @@ def test_blocking_accumulate_reads_once_after_the_launch(monkeypatch: pytest.Mon
     """The kernel is launched before the check is read, so the host's launch overlaps the
     device's work: one read, after the kernel call."""
     events: list[str] = []
-    real = compress._dequant_accumulate_into
+    real = decode.dequant_accumulate_into
 
     def launch(*a, **kw):
         events.append("launch")
         return real(*a, **kw)
 
-    monkeypatch.setattr(compress, "_dequant_accumulate_into", launch)
+    monkeypatch.setattr(decode, "dequant_accumulate_into", launch)
     out = torch.zeros(128)
     payloads = _payloads(128, 2)
     with host_reads(monkeypatch, allowed=1) as reads:
