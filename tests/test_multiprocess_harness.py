@@ -1,3 +1,4 @@
+import atexit
 import os
 import signal
 import socket
@@ -7,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from qcomm.testing import multiprocess
 from qcomm.testing.multiprocess import WorldError, WorldPool, free_ports, run_world
 
 
@@ -98,6 +100,31 @@ def test_pool_restarts_after_a_failure():
         second = pool.run(_pid)
         assert pool.starts == 2 and set(first).isdisjoint(second)
         assert pool.run(_sum_ranks, args=(3,)) == [1.0, 1.0]
+
+
+def _rank1_aborts_at_exit(rank: int, world_size: int) -> int:
+    if rank == 1:
+        atexit.register(os.abort)  # after its result is in: only its exit status shows it
+    return rank
+
+
+def test_a_rank_that_aborts_after_reporting_fails_the_world() -> None:
+    with pytest.raises(WorldError, match="rank 1 reported, then exited with code -6"):
+        run_world(_rank1_aborts_at_exit, 2, timeout_s=60)
+    assert run_world(_rank1_aborts_at_exit, 2, timeout_s=60, check_exit=False) == [0, 1]
+
+
+def test_a_world_starts_when_every_port_drawn_free_is_taken(monkeypatch) -> None:
+    """Rank 0's store binds a port of the kernel's choosing: a port drawn free beforehand
+    and taken by another process before the store binds it (another world's connection, a
+    test running beside) cannot stop the world."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(multiprocess, "free_port", lambda: port)
+        monkeypatch.setattr(multiprocess, "free_ports", lambda count: [port] * count)
+        assert run_world(_sum_ranks, 2, args=(2,), timeout_s=60) == [1.0, 1.0]
+        with WorldPool(2) as pool:
+            assert pool.run(_sum_ranks, args=(2,)) == [1.0, 1.0]
 
 
 def test_free_ports_drawn_together_are_distinct_and_bindable() -> None:

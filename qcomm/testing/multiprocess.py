@@ -299,15 +299,18 @@ class WorldPool:
                 self._procs[r].kill()
                 self._procs[r].join(timeout=5)
 
-    def close(self, *, kill: bool = False) -> list[int | None]:
+    def close(self, *, kill: bool = False, leave_s: float = 5.0) -> list[int | None]:
         """Stop the processes (after their current call, unless ``kill``); returns their exit
-        codes. The pool can be used again: the next :meth:`run` starts a fresh world."""
+        codes. A process still there ``leave_s`` seconds after it was asked to leave is killed
+        (its code is then -9). The pool can be used again: the next :meth:`run` starts a fresh
+        world."""
         if not kill:
             self.request_stop()
+        deadline = time.monotonic() + leave_s
         for p in self._procs:
             if kill:
                 p.kill()
-            p.join(timeout=5)
+            p.join(timeout=max(deadline - time.monotonic(), 0.1))
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
@@ -354,7 +357,7 @@ class WorldPools:
 def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
               timeout_s: float = 120.0, pg_timeout_s: float = 60.0,
               env: dict[str, str] | None = None, allow_exit: set[int] | None = None,
-              check_exit: bool = False) -> list[Any]:
+              check_exit: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` freshly spawned processes over Gloo.
 
     Args:
@@ -368,7 +371,9 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         allow_exit: ranks allowed to die without reporting (tests that kill a peer on purpose);
             their result is None.
         check_exit: also fail when a rank that reported its result then exited abnormally
-            (e.g. aborted in ``destroy_process_group``); ranks in ``allow_exit`` excepted.
+            (e.g. aborted in ``destroy_process_group``, or still there 30 s after its result);
+            ranks in ``allow_exit`` excepted. On by default: a training script that aborts
+            at exit fails its job under torchrun although its work was done.
 
     Returns:
         The per-rank return values, in rank order.
@@ -382,7 +387,8 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     # with the dead): nothing will come from it, and waiting for it to leave only delays the
     # others' exit, which its open sockets can hold up.
     pool.kill_ranks([r for r in (allow_exit or ()) if values[r] is None])
-    codes = pool.close(kill=False)  # nothing left to do when a death already closed it
+    # nothing left to do when a death already closed it
+    codes = pool.close(kill=False, leave_s=30.0 if check_exit else 5.0)
     if check_exit and codes:
         bad = [f"rank {r} reported, then exited with code {c}" for r, c in enumerate(codes)
                if r not in (allow_exit or set()) and c != 0]
