@@ -105,6 +105,8 @@ def test_pool_restarts_after_a_failure():
 def _rank1_aborts_at_exit(rank: int, world_size: int) -> int:
     if rank == 1:
         atexit.register(os.abort)  # after its result is in: only its exit status shows it
+    else:
+        time.sleep(1)  # rank 1 has left (aborted) before the world's last result is in
     return rank
 
 

@@ -121,6 +121,11 @@ def _rank(fn: Callable[[int, int], Any], rank: int, world_size: int, listener: s
                                   timeout=timeout)
         dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store),
                                 rank=rank, world_size=world_size, timeout=timeout)
+        # Gloo's init returns on a rank once its own side of each connection is made; the
+        # peer may still be in its handshake, and a rank whose body has nothing to do would
+        # leave at once and close the connection under it (the peer's init then fails:
+        # "Connection closed by peer", 1 run in 21 with CPU-bound processes beside them).
+        dist.barrier()
         fn(rank, world_size)
         dist.destroy_process_group()
     except BaseException:

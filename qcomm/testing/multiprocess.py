@@ -132,6 +132,10 @@ def _join(rank: int, world_size: int, store_ports: Any, pg_timeout_s: float) -> 
     # job's store beside the group see the same keys as in a world started by torchrun.
     dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=rank,
                             world_size=world_size, timeout=timeout)
+    # Gloo's init returns on a rank once its own side of each connection is made: a rank whose
+    # first body returns at once and leaves (a one-shot world) would close a connection that
+    # its peer is still shaking hands on, and the peer's init fails.
+    dist.barrier()
 
 
 def _child(rank: int, world_size: int, store_ports: Any, env: dict[str, str],
@@ -239,7 +243,10 @@ class WorldPool:
             self.request_stop()
         expected = set(range(self.world_size)) - set(allow_exit or ())
         values, failures = self._collect(task_id, expected, timeout_s)
-        died = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
+        # A death breaks the pool, but after the last call the ranks leave on purpose: their
+        # exit codes are for close() to return (closed here, a rank that reported and then
+        # aborted while leaving would go unseen).
+        died = [] if last else [r for r, p in enumerate(self._procs) if p.exitcode is not None]
         if failures or died:
             self.close(kill=True)
         if failures:
