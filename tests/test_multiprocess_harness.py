@@ -112,7 +112,7 @@ def _rank1_aborts_at_exit(rank: int, world_size: int) -> int:
 
 def test_a_rank_that_aborts_after_reporting_fails_the_world() -> None:
     with pytest.raises(WorldError, match="rank 1 reported, then exited with code -6"):
-        run_world(_rank1_aborts_at_exit, 2, timeout_s=60)
+        run_world(_rank1_aborts_at_exit, 2, timeout_s=60, check_exit=True)
     assert run_world(_rank1_aborts_at_exit, 2, timeout_s=60, check_exit=False) == [0, 1]
 
 

@@ -364,7 +364,7 @@ class WorldPools:
 def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
               timeout_s: float = 120.0, pg_timeout_s: float = 60.0,
               env: dict[str, str] | None = None, allow_exit: set[int] | None = None,
-              check_exit: bool = True) -> list[Any]:
+              check_exit: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` freshly spawned processes over Gloo.
 
     Args:
@@ -379,8 +379,8 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
             their result is None.
         check_exit: also fail when a rank that reported its result then exited abnormally
             (e.g. aborted in ``destroy_process_group``, or still there 30 s after its result);
-            ranks in ``allow_exit`` excepted. On by default: a training script that aborts
-            at exit fails its job under torchrun although its work was done.
+            ranks in ``allow_exit`` excepted. (A training script that aborts at exit fails
+            its job under torchrun although its work was done.)
 
     Returns:
         The per-rank return values, in rank order.
