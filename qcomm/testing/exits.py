@@ -38,7 +38,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from qcomm.testing.multiprocess import WorldError
+from qcomm.testing.multiprocess import WorldError, join_group
 
 __all__ = ["describe_status", "fresh_world_exits"]
 
@@ -119,13 +119,7 @@ def _rank(fn: Callable[[int, int], Any], rank: int, world_size: int, listener: s
             listener.close()
             store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                                   timeout=timeout)
-        dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store),
-                                rank=rank, world_size=world_size, timeout=timeout)
-        # Gloo's init returns on a rank once its own side of each connection is made; the
-        # peer may still be in its handshake, and a rank whose body has nothing to do would
-        # leave at once and close the connection under it (the peer's init then fails:
-        # "Connection closed by peer", 1 run in 21 with CPU-bound processes beside them).
-        dist.barrier()
+        join_group(store, rank, world_size, timeout)
         fn(rank, world_size)
         dist.destroy_process_group()
     except BaseException:

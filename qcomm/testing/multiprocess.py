@@ -128,13 +128,22 @@ def _join(rank: int, world_size: int, store_ports: Any, pg_timeout_s: float) -> 
             raise TimeoutError(f"rank 0 served no store within {pg_timeout_s:.0f} s") from None
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
     os.environ["MASTER_PORT"] = str(store.port)  # for bodies that read the job's address
+    join_group(store, rank, world_size, timeout)
+
+
+def join_group(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    """The Gloo default group over ``store`` (a ``TCPStore``), as a test world's rank joins
+    it (here and in :mod:`qcomm.testing.exits`)."""
+    import torch.distributed as dist
+
     # The prefix env:// rendezvous puts on the default group's keys, so that bodies using the
     # job's store beside the group see the same keys as in a world started by torchrun.
     dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=rank,
                             world_size=world_size, timeout=timeout)
     # Gloo's init returns on a rank once its own side of each connection is made: a rank whose
-    # first body returns at once and leaves (a one-shot world) would close a connection that
-    # its peer is still shaking hands on, and the peer's init fails.
+    # body has nothing to do would leave at once and close a connection its peer is still
+    # shaking hands on, and the peer's init fails ("Connection closed by peer", 1 run in 21 of
+    # two-rank worlds with CPU-bound processes beside them).
     dist.barrier()
 
 
