@@ -65,7 +65,10 @@ def test_failed_peer_gives_named_error_on_every_survivor(nodes: int, ppn: int, h
         assert r["type"] in ("PeerLostError", "PeerTimeoutError", "PeerError"), where
         assert r["at"] - fault_time <= TIMEOUT_S + MARGIN_S, where
         assert r["link"] in ("intra", "inter") and r["peers"], where
-        assert r["close_s"] < 1.0, where
+        # close() waited for no failed peer: a wait on one lasts TIMEOUT_S. What it does take
+        # is the live peers' rounds in flight and one full garbage collection of a process
+        # holding ~300k objects (0.1-0.8 s in all on an idle 2-core machine, past 1 s loaded).
+        assert r["close_s"] < TIMEOUT_S, where
         if how == "stop" and rank == victim - 1:  # the hung rank's node-mate
             assert r["type"] == "PeerTimeoutError" and r["peers"] == [victim], where
             assert r["link"] == "intra", where
