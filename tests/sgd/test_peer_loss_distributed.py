@@ -181,7 +181,8 @@ def test_a_lost_node_comes_back_at_the_next_restart(tmp_path, nodes_after: int,
     # from before the loss: its momentum is rank 0's, bit for bit (the others keep theirs).
     for a, b in zip(back[VICTIM]["momenta"], back[0]["momenta"], strict=True):
         assert torch.equal(a, b)
-    assert not all(torch.equal(a, b) for a, b in zip(back[2]["momenta"], back[0]["momenta"]))
+    others = zip(back[2]["momenta"], back[0]["momenta"], strict=True)
+    assert not all(torch.equal(a, b) for a, b in others)
     # and it trains on from there: two steps moved it, as they moved the others
     loaded = torch.cat([p.reshape(-1) for p in back[VICTIM]["loaded"]])
     assert all(not torch.equal(r["after"], loaded) for r in back)
