@@ -113,9 +113,10 @@ def test_broken_kernel_and_failed_compile_are_reported(tmp_path: Path, monkeypat
     # Leave torch._dynamo's global config alone for the other tests in this process.
     monkeypatch.setattr(bench, "configure_dynamo", lambda: None)
     out = tmp_path / "k.json"
+    # No per-call group: its default 1M-element stream costs a minute here and is not judged.
     rc = bench.main(["--device", "cpu", "--sizes", "4K", "--bits", "2", "--ops", "quantize",
                      "--impls", "kernel,eager,compiled", "--repeat", "1", "--warmup", "0",
-                     "--json", str(out)])
+                     "--per-call-sizes", "none", "--json", str(out)])
     capsys.readouterr()
     assert rc == 1
     rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
@@ -133,7 +134,7 @@ def _run_baseline(bench, tmp_path: Path, source: str) -> tuple[int, dict]:
     out = tmp_path / "k.json"
     rc = bench.main(["--device", "cpu", "--sizes", "4K", "--bits", "4", "--ops", "quantize",
                      "--impls", "kernel,baseline", "--baseline", str(path), "--repeat", "1",
-                     "--warmup", "0", "--json", str(out)])
+                     "--warmup", "0", "--per-call-sizes", "none", "--json", str(out)])
     rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
     return rc, rows
 
