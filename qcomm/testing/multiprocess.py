@@ -373,7 +373,7 @@ class WorldPools:
 def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
               timeout_s: float = 120.0, pg_timeout_s: float = 60.0,
               env: dict[str, str] | None = None, allow_exit: set[int] | None = None,
-              check_exit: bool = False) -> list[Any]:
+              check_exit: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` freshly spawned processes over Gloo.
 
     Args:
@@ -386,10 +386,10 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         env: extra environment variables for the children.
         allow_exit: ranks allowed to die without reporting (tests that kill a peer on purpose);
             their result is None.
-        check_exit: also fail when a rank that reported its result then exited abnormally
-            (e.g. aborted in ``destroy_process_group``, or still there 30 s after its result);
-            ranks in ``allow_exit`` excepted. (A training script that aborts at exit fails
-            its job under torchrun although its work was done.)
+        check_exit: also fail (the default) when a rank that reported its result then exited
+            abnormally (e.g. aborted in ``destroy_process_group``, or still there 30 s after
+            its result); ranks in ``allow_exit`` excepted. (A training script that aborts at
+            exit fails its job under torchrun although its work was done.)
 
     Returns:
         The per-rank return values, in rank order.
