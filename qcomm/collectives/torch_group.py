@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from qcomm.collectives.gloo.link_groups import link_connect
 from qcomm.collectives.gloo.streams import GlooStreams
 from qcomm.collectives.gloo.transport import GlooTransport
 from qcomm.collectives.group import REDUCE_OPS, CommGroup, Work, World
@@ -116,9 +117,12 @@ class TorchGroup(CommGroup):
     def streams(self, peers: list[int], *, nbytes: int, max_backlog: int, timeout_s: float,
                 stream_end: Callable[[torch.Tensor, int], str | None], stats: CommStats | None,
                 level: str) -> MessageStreams:
+        # Each link a Gloo group of its own: on the shared one, a wait that times out on a
+        # silent neighbour would close the links to the others too (gloo.link_groups).
         return GlooStreams(self.ranks, self.process_group, self.rank, peers, nbytes,
                            max_backlog=max_backlog, timeout_s=timeout_s,
-                           stream_end=stream_end, stats=stats, level=level)
+                           stream_end=stream_end, stats=stats, level=level,
+                           connect=link_connect(self.process_group, self.rank))
 
     def __repr__(self) -> str:
         return f"TorchGroup({self.process_group!r})"

@@ -10,11 +10,12 @@ waits on the oldest, and a sender thread that keeps ``depth`` sends in flight; v
 (:meth:`GlooStreams.send_vector`, taken by the peer's caller) go out on a third thread while
 any are queued. All block in Gloo's C++ code with the GIL released: no CPU while they wait.
 
-A link's messages move on a *channel*: by default point-to-point with the neighbour on the one
-process group of all members (:class:`GroupChannel`); a group whose links change while the job
-runs gives each link a group of its own (``connect=``, :mod:`qcomm.collectives.gloo.pair_group`),
-made by the link's receiver thread (so opening a link never blocks the caller) and aborted when
-the link is dropped or the streams close.
+A link's messages move on a *channel*: without ``connect=``, point-to-point with the neighbour
+on the one process group of all members (:class:`GroupChannel`); with it, a group of its own
+per link (a ``torch.distributed`` group's streams: :mod:`.link_groups`, since a wait that times
+out closes every connection of its group; a group whose links change while the job runs:
+:mod:`.pair_group`), made by the link's receiver thread (so opening a link never blocks the
+caller) and aborted when the link is dropped or the streams close.
 """
 
 from __future__ import annotations
