@@ -33,6 +33,7 @@ import itertools
 import os
 import pickle
 import queue
+import random
 import signal
 import socket
 import time
@@ -43,8 +44,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["WorldError", "WorldPool", "WorldPools", "descendants", "free_port", "free_ports",
-           "kill_sessions", "run_world"]
+__all__ = ["CHECKED_LEAVE_S", "WorldError", "WorldPool", "WorldPools", "descendants",
+           "free_port", "free_ports", "kill_sessions", "run_world"]
 
 
 class WorldError(RuntimeError):
@@ -87,17 +88,41 @@ def kill_sessions(procs: list) -> None:
         p.wait(timeout=10)
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel draws ports from for a bind to port 0 and for every outgoing
+    connection (``ip_local_port_range``; Linux's default where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_ports(count: int) -> list[int]:
     """``count`` distinct TCP ports on localhost that are free right now.
 
-    All sockets stay bound until every port is drawn, so the kernel cannot hand the same port
-    out twice: worlds started together (whose stores bind only later) get distinct ports."""
-    sockets = []
+    Drawn at random below the kernel's ephemeral range: a port from it (a bind to port 0)
+    could be handed to a Gloo device or to an outgoing connection of another test between
+    this draw and its use. All sockets stay bound until every port is drawn, so the same port
+    is not drawn twice: worlds started together (whose stores bind only later) get distinct
+    ports."""
+    high = _ephemeral_ports()[0]
+    low = max(high - 12000, 1024)
+    rng = random.Random()   # not the global generator: tests seed it
+    sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
+        for _ in range(100 * count):
+            if len(sockets) == count:
+                break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind(("127.0.0.1", rng.randrange(low, high)))
+            except OSError:   # taken
+                s.close()
+                continue
             sockets.append(s)
-            s.bind(("127.0.0.1", 0))
+        if len(sockets) < count:
+            raise RuntimeError(f"no {count} free ports between {low} and {high}")
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
@@ -370,6 +395,11 @@ class WorldPools:
         self.pools.clear()
 
 
+# How long run_world(check_exit=True) lets a rank that reported take to leave before it is
+# killed and counted as a failure (its interpreter exit, destroy_process_group included).
+CHECKED_LEAVE_S = 30.0
+
+
 def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
               timeout_s: float = 120.0, pg_timeout_s: float = 60.0,
               env: dict[str, str] | None = None, allow_exit: set[int] | None = None,
@@ -387,9 +417,10 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         allow_exit: ranks allowed to die without reporting (tests that kill a peer on purpose);
             their result is None.
         check_exit: also fail (the default) when a rank that reported its result then exited
-            abnormally (e.g. aborted in ``destroy_process_group``, or still there 30 s after
-            its result); ranks in ``allow_exit`` excepted. (A training script that aborts at
-            exit fails its job under torchrun although its work was done.)
+            abnormally (e.g. aborted in ``destroy_process_group``, or still there
+            ``CHECKED_LEAVE_S`` after its result); ranks in ``allow_exit`` excepted. (A
+            training script that aborts at exit fails its job under torchrun although its
+            work was done.)
 
     Returns:
         The per-rank return values, in rank order.
@@ -404,7 +435,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     # others' exit, which its open sockets can hold up.
     pool.kill_ranks([r for r in (allow_exit or ()) if values[r] is None])
     # nothing left to do when a death already closed it
-    codes = pool.close(kill=False, leave_s=30.0 if check_exit else 5.0)
+    codes = pool.close(kill=False, leave_s=CHECKED_LEAVE_S if check_exit else 5.0)
     if check_exit and codes:
         bad = [f"rank {r} reported, then exited with code {c}" for r, c in enumerate(codes)
                if r not in (allow_exit or set()) and c != 0]
