@@ -37,6 +37,22 @@ def _fixed_batch_loss(model: torch.nn.Module, world: int) -> float:
         return statistics.fmean(float(_teacher_loss(model, b)) for b in range(32))
 
 
+def _victims_neighbours(world: int, ppn: int) -> list[int]:
+    """The ranks whose rail neighbour on the ring of nodes is the victim's rank on that rail."""
+    nodes = world // ppn
+    return [r for r in range(world)
+            if r // ppn != VICTIM and (nodes == 2 or abs(r // ppn - VICTIM) in (1, nodes - 1))]
+
+
+def _found_by_all_neighbours(opt: ASSGD, rank: int, world: int, ppn: int) -> bool:
+    """Whether every rail neighbour of the victim has dropped it (each says so in the job's
+    store once it has)."""
+    store = dist.distributed_c10d._get_default_store()
+    if VICTIM * ppn + rank % ppn in opt.stats()["dropped_ranks"]:
+        store.set(f"dropped_by/{rank}", "1")
+    return store.check([f"dropped_by/{r}" for r in _victims_neighbours(world, ppn)])
+
+
 def _kill_body(rank: int, world: int, ppn: int, mode: str, how: str = "kill") -> dict:
     from qcomm.collectives.errors import PeerError
 
@@ -47,7 +63,16 @@ def _kill_body(rank: int, world: int, ppn: int, mode: str, how: str = "kill") ->
     opt = ASSGD(model.parameters(), lr=0.05, momentum=0.9, procs_per_node=ppn,
                 wait_free=True, on_peer_loss=mode, timeout_s=20 if how == "kill" else 4)
     losses = []
-    for step in range(STEPS):
+    step = 0
+    deadline = time.monotonic() + 90
+    # A hung node: every survivor steps on until the victim's neighbours have dropped it. A
+    # survivor that waited in average_parameters() for them instead would send nothing for
+    # about timeout_s, and its own neighbours would count it silent too.
+    # (the ranks of a node stop at the same step: node_any)
+    while not opt.node_any(step >= STEPS and (how == "kill" or mode == "raise"
+                                              or _found_by_all_neighbours(opt, rank, world,
+                                                                          ppn))):
+        assert time.monotonic() < deadline, f"rank {rank}: the hung node was not dropped"
         if rank // ppn == VICTIM and step == KILL_AT:
             # the machine is gone (no goodbye), or hung: alive, silent, its sockets open
             os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
@@ -60,11 +85,12 @@ def _kill_body(rank: int, world: int, ppn: int, mode: str, how: str = "kill") ->
             return {"error": type(e).__name__, "peers": e.peers, "step": step}
         if step == KILL_AT - 1:
             losses.append(_fixed_batch_loss(model, world))
+        step += 1
     try:
         opt.average_parameters()
     except PeerError as e:
         opt.close()
-        return {"error": type(e).__name__, "peers": e.peers, "step": STEPS}
+        return {"error": type(e).__name__, "peers": e.peers, "step": step}
     losses.append(_fixed_batch_loss(model, world))
     st = opt.stats()
     params = [p.detach().clone() for p in model.parameters()]
@@ -95,12 +121,8 @@ def test_a_killed_node_is_dropped_and_the_survivors_finish_in_agreement(
         assert r["losses"][1] < r["losses"][0], r["losses"]
     # the victim's rail neighbours saw it go
     dropped = {rank: r["dropped"] for rank, r in enumerate(res) if rank not in victims}
-    for rank in range(world):
-        if rank in victims:
-            continue
-        node = rank // ppn
-        if nodes == 2 or abs(node - VICTIM) % nodes in (1, nodes - 1):
-            assert dropped[rank] == [VICTIM * ppn + rank % ppn], dropped
+    for rank in _victims_neighbours(world, ppn):
+        assert dropped[rank] == [VICTIM * ppn + rank % ppn], dropped
 
 
 def test_with_raise_a_killed_node_is_the_named_error() -> None:
