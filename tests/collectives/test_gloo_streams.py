@@ -173,3 +173,72 @@ def test_a_link_slow_to_make_is_waited_for_and_its_silence_counts_from_when_it_w
     finally:
         for s in ends:
             s.close()
+
+
+def _silent_member_in_a_ring(rank: int, world_size: int) -> dict | None:
+    """Ranks 0, 1, 2 in a ring over the default group (what the gossip makes over a
+    torch.distributed group: each link a group of its own); rank 2 stops once every link
+    carried a message. Ranks 0 and 1 go on sending to each other (a message every 0.1 s, as
+    steps would) until each finds rank 2 silent, drop it, and send five more."""
+    import os
+    import signal
+
+    from qcomm.collectives.torch_group import TorchGroup
+
+    peers = [(rank + 1) % 3, (rank - 1) % 3]
+    streams = TorchGroup(None).streams(peers, nbytes=NBYTES, max_backlog=64, timeout_s=2.0,
+                                       stream_end=_stream_end, stats=None, level="inter")
+    assert streams.send(_message(rank)) == []
+    silent, live = (peers.index(2), 1 - peers.index(2)) if rank != 2 else (0, 1)
+    got: list[int] = []
+    for k, peer in enumerate(peers):   # every link made and carrying
+        first = _take_all(streams, k, 1)
+        assert first[0] == peer, first
+        if k == live:   # a live neighbour may already have sent more
+            got += first[1:]
+    dist.barrier()   # every first message taken: rank 2's too, by both its neighbours
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)   # alive, silent, its sockets open
+    deadline = time.monotonic() + 30
+    while (err := streams.take(silent)[1]) is None and time.monotonic() < deadline:
+        assert streams.send_to(live, _message(10)) is None
+        msgs, live_err = streams.take(live)
+        assert live_err is None, live_err
+        got += [int(m[0]) for m in msgs]
+        time.sleep(0.1)
+    streams.drop(silent)
+    for i in range(5):
+        assert (sent := streams.send(_message(20 + i))) == [], sent
+    while len([v for v in got if v >= 20]) < 5 and time.monotonic() < deadline:
+        msgs, live_err = streams.take(live)
+        assert live_err is None, live_err
+        got += [int(m[0]) for m in msgs]
+        streams.wait_any(0.5)
+    streams.close()
+    return {"silent": (type(err).__name__, err.peers if err else None), "got": got}
+
+
+def test_a_silent_member_fails_its_links_only() -> None:
+    """Gloo closes every connection of a group when one of its waits times out: on the one
+    group of all members, rank 0's wait on the silent rank 2 cut its link to rank 1, which
+    then saw rank 0 as lost. Each link on a group of its own fails alone."""
+    res = run_world(_silent_member_in_a_ring, 3, timeout_s=120, allow_exit={2})
+    for rank in (0, 1):
+        assert res[rank]["silent"] == ("PeerTimeoutError", [2]), res[rank]
+        # what the other sent while it waited, then its five after the drop, all in order
+        got = res[rank]["got"]
+        assert got[-5:] == list(range(20, 25)) and set(got[:-5]) <= {10}, res[rank]
+
+
+def test_a_group_made_by_hand_keeps_point_to_point_on_itself() -> None:
+    """A process group torch.distributed did not make has no store to make links over: the
+    streams then move on the group itself (no ``connect``)."""
+    import datetime
+
+    from qcomm.collectives.gloo.link_groups import link_connect
+
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=10)
+    opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, opts)
+    assert link_connect(group, 0) is None
