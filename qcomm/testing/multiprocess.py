@@ -88,14 +88,14 @@ def kill_sessions(procs: list) -> None:
         p.wait(timeout=10)
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The range the kernel draws ports from for a bind to port 0 and for every outgoing
-    connection (``ip_local_port_range``; Linux's default where it cannot be read)."""
+def _first_ephemeral_port() -> int:
+    """Where the range starts that the kernel draws ports from for a bind to port 0 and for
+    every outgoing connection (``ip_local_port_range``; Linux's default where it cannot be
+    read)."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_ports(count: int) -> list[int]:
@@ -106,7 +106,7 @@ def free_ports(count: int) -> list[int]:
     this draw and its use. All sockets stay bound until every port is drawn, so the same port
     is not drawn twice: worlds started together (whose stores bind only later) get distinct
     ports."""
-    high = _ephemeral_ports()[0]
+    high = _first_ephemeral_port()
     low = max(high - 12000, 1024)
     rng = random.Random()   # not the global generator: tests seed it
     sockets: list[socket.socket] = []

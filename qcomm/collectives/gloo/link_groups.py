@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from qcomm.rendezvous.shared_client import SharedClient
 
-from .pair_group import PairChannel, gloo_devices
+from .pair_group import PairChannel, open_pair_channel
 
 __all__ = ["LinkGroups", "link_connect"]
 
@@ -97,14 +97,5 @@ class LinkGroups:
         with self._lock:
             n = self._opened[peer] = self._opened.get(peer, 0) + 1
         lo, hi = sorted((self.member, peer))
-        store = dist.PrefixStore(f"{self.prefix}/{lo}-{hi}/{n}/", self.store)
-        # The options (they hold the link's own Gloo device) are passed, never named, so that
-        # they go with a call that fails (why: pair_group.PairGroup._channel).
-        pg = dist.ProcessGroupGloo(store, 0 if self.member == lo else 1, 2, self._options())
-        return PairChannel(pg, 1 if self.member == lo else 0)
-
-    def _options(self) -> dist.ProcessGroupGloo._Options:
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = self.timeout
-        opts._devices = gloo_devices()
-        return opts
+        return open_pair_channel(dist.PrefixStore(f"{self.prefix}/{lo}-{hi}/{n}/", self.store),
+                                 self.member == lo, self.timeout)

@@ -36,7 +36,8 @@ from ..group import CommGroup, Work
 from ..links import MessageStreams
 from .streams import GlooStreams
 
-__all__ = ["INCARNATION_KEY", "PairChannel", "PairGroup", "claim_incarnation"]
+__all__ = ["INCARNATION_KEY", "PairChannel", "PairGroup", "claim_incarnation",
+           "open_pair_channel"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,29 @@ class PairChannel:
         pg, self.pg = self.pg, None
         if pg is not None:
             pg.abort()
+
+
+def _pair_options(timeout: datetime.timedelta) -> dist.ProcessGroupGloo._Options:
+    """A link's Gloo options: its timeout and a device of its own."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = gloo_devices()
+    return opts
+
+
+def open_pair_channel(store: dist.Store, first: bool, timeout: datetime.timedelta
+                      ) -> PairChannel:
+    """A link's Gloo group of two over ``store`` (both ends call this with the same store;
+    ``first``: this end is the group's rank 0), blocking until the other end is there, up to
+    ``timeout`` (RuntimeError then)."""
+    # The options (they hold the link's Gloo device: its listening socket and thread) are
+    # passed, never named here, so that they go with a call that fails: where this end gave up
+    # waiting for the other ("Connect timeout") and the other dials late, a device still alive
+    # hands that connection to the pair Gloo freed with the failed group (SIGSEGV or SIGABRT),
+    # and a frame of the error's traceback kept it alive while the error was handled; gone, it
+    # refuses the late end, whose link then fails (a loss).
+    pg = dist.ProcessGroupGloo(store, 0 if first else 1, 2, _pair_options(timeout))
+    return PairChannel(pg, 1 if first else 0)
 
 
 class PairGroup(CommGroup):
@@ -208,25 +232,11 @@ class PairGroup(CommGroup):
                  other: tuple[int, int]) -> PairChannel:
         """The link's channel once both ends are here: a Gloo group of two over the store
         under ``prefix``, rank 0 the lower ``(member, incarnation)``."""
-        lo = min(me, other)
-        # The options (they hold the link's Gloo device: its listening socket and thread) are
-        # passed, never named here, so that they go with a call that fails: where this end
-        # gave up waiting for the other ("Connect timeout") and the other dials late, a device
-        # still alive hands that connection to the pair Gloo freed with the failed group
-        # (SIGSEGV or SIGABRT), and a frame of the error's traceback kept it alive while the
-        # error was handled; gone, it refuses the late end, whose link then fails (a loss).
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store),
-                                   0 if me == lo else 1, 2, self._options())
+        channel = open_pair_channel(dist.PrefixStore(prefix, store), me == min(me, other),
+                                    self.timeout)
         log.info("link to rank %d: Gloo, through the rendezvous at %s:%d, in clear",
                  self.ranks[other[0]], self.host, self.port)
-        return PairChannel(pg, 1 if me == lo else 0)
-
-    def _options(self) -> dist.ProcessGroupGloo._Options:
-        """A link's Gloo options: its timeout and a device of its own."""
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = self.timeout
-        opts._devices = gloo_devices()
-        return opts
+        return channel
 
     def streams(self, peers: list[int], *, nbytes: int, max_backlog: int, timeout_s: float,
                 stream_end, stats, level: str) -> MessageStreams:
