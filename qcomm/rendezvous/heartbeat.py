@@ -24,7 +24,7 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["BEAT_EVERY_S", "PULSE_KEY", "PulseWatch", "start_heartbeat"]
+__all__ = ["BEAT_EVERY_S", "PULSE_KEY", "Heartbeat", "PulseWatch", "start_heartbeat"]
 
 log = logging.getLogger(__name__)
 
@@ -32,42 +32,58 @@ BEAT_EVERY_S = 1.0
 PULSE_KEY = "qcomm/pulse/{rank}/{incarnation}"
 
 
-def start_heartbeat(host: str, port: int, rank: int, incarnation: int,
-                    timeout_s: float) -> threading.Thread:
-    """Start this process's beat at the rendezvous ``host:port``: a daemon thread that adds 1
-    to ``PULSE_KEY`` (global ``rank``, the node's ``incarnation``) every :data:`BEAT_EVERY_S`
-    seconds over a connection of its own, until the process ends or the rendezvous stops
-    answering (it may end once the job runs: nothing else needs it then). Returns the thread.
-    """
-    from .tunnel import store_client
+class Heartbeat:
+    """This process's beat at the rendezvous (made by :func:`start_heartbeat`): a daemon
+    thread that adds 1 to ``PULSE_KEY`` (global ``rank``, ``incarnation``) in ``store`` every
+    :data:`BEAT_EVERY_S` seconds until :meth:`stop`, or until the rendezvous (``where``, for
+    the log) stops answering; ``timeout_s`` is the store's own timeout."""
 
-    key = PULSE_KEY.format(rank=rank, incarnation=incarnation)
-    store = store_client(host, port, datetime.timedelta(seconds=timeout_s))
-    store.add(key, 1)   # the first beat before the call returns: a peer sees it at once
+    def __init__(self, store: dist.Store, rank: int, incarnation: int, where: str,
+                 timeout_s: float) -> None:
+        self.store, self.where, self.timeout_s = store, where, timeout_s
+        self.key = PULSE_KEY.format(rank=rank, incarnation=incarnation)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True,
+                                       name=f"qcomm-pulse-{rank}")
+        self.thread.start()
 
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(BEAT_EVERY_S):
+    def _beat(self) -> None:
+        while not self._stop.wait(BEAT_EVERY_S):
             try:
-                store.add(key, 1)
+                self.store.add(self.key, 1)
             except Exception as e:   # the rendezvous ended (or its connection): so does the beat
-                log.info("qcomm: rank %d stops beating at the rendezvous %s:%d (%s)", rank,
-                         host, port, e)
+                log.info("qcomm: %s stops beating at the rendezvous %s (%s)", self.key,
+                         self.where, e)
                 return
 
-    thread = threading.Thread(target=beat, daemon=True, name=f"qcomm-pulse-{rank}")
-    thread.start()
+    def stop(self) -> None:
+        """End the beat and wait until its thread has left, up to the store's timeout: an add
+        in flight returns within it. Run at exit, before the interpreter finalizes: a daemon
+        thread that comes back from a C++ call (the store's add) once finalization started is
+        ended inside it, and the process aborts ("terminate called without an active
+        exception") after a run that had finished. The wait used to be 5 beats, and an add can
+        take longer: the rendezvous's store serves on one thread, which a name lookup holds for
+        the resolver's timeout (5 s) where the DNS server drops a query."""
+        self._stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=self.timeout_s + BEAT_EVERY_S)
 
-    def end() -> None:
-        # Before the interpreter finalizes: a daemon thread that comes back from a C++ call
-        # (the store's add) once it has started is ended inside it, and the process aborts
-        # ("terminate called without an active exception") after a run that had finished.
-        stop.set()
-        thread.join(timeout=5 * BEAT_EVERY_S)
 
-    atexit.register(end)
-    return thread
+def start_heartbeat(host: str, port: int, rank: int, incarnation: int,
+                    timeout_s: float) -> Heartbeat:
+    """Start this process's beat at the rendezvous ``host:port``: a daemon thread that adds 1
+    to ``PULSE_KEY`` (global ``rank``, the node's ``incarnation``) every :data:`BEAT_EVERY_S`
+    seconds over a connection of its own (``timeout_s``: its timeout), until the process ends
+    (stopped at exit) or the rendezvous stops answering (it may end once the job runs: nothing
+    else needs it then)."""
+    from .tunnel import store_client
+
+    store = store_client(host, port, datetime.timedelta(seconds=timeout_s))
+    # the first beat before the call returns: a peer sees it at once
+    store.add(PULSE_KEY.format(rank=rank, incarnation=incarnation), 1)
+    beat = Heartbeat(store, rank, incarnation, f"{host}:{port}", timeout_s)
+    atexit.register(beat.stop)
+    return beat
 
 
 class PulseWatch:

@@ -86,8 +86,12 @@ def test_a_finished_stream_delivers_its_last_message_and_nothing_after_it() -> N
     assert r2["from1"] == [1, 2, 3, 4]
 
 
-def _linked_pair(timeout_s: float, max_backlog: int, delay_s: float = 0.0
-                 ) -> tuple[list[GlooStreams], dist.Store]:
+def _goodbye(message: torch.Tensor, sender: int) -> str | None:
+    return "goodbye" if int(message[0]) == 255 else None
+
+
+def _linked_pair(timeout_s: float, max_backlog: int, delay_s: float = 0.0,
+                 stream_end=_stream_end) -> tuple[list[GlooStreams], dist.Store]:
     """Members 0 and 1's streams in this process over a rendezvous, each link made by a
     PairGroup (``delay_s`` late), and the rendezvous's store (keep it while they run)."""
     import datetime
@@ -110,7 +114,7 @@ def _linked_pair(timeout_s: float, max_backlog: int, delay_s: float = 0.0
         return connect
 
     ends = [GlooStreams([0, 1], None, m, [1 - m], NBYTES, max_backlog=max_backlog,
-                        timeout_s=timeout_s, stream_end=_stream_end, connect=late(groups[m]))
+                        timeout_s=timeout_s, stream_end=stream_end, connect=late(groups[m]))
             for m in (0, 1)]
     return ends, master
 
@@ -150,6 +154,39 @@ def test_two_ends_that_fill_their_backlogs_before_taking_each_others_hello_go_on
             got = torch.zeros(4)
             assert s.recv_vector(0, got, 5.0) is None
             assert torch.equal(got, torch.full((4,), float(1 - m)))
+    finally:
+        for s in ends:
+            s.close()
+
+
+def test_a_full_backlog_no_one_took_still_hears_the_goodbye_at_close() -> None:
+    """Member 1 sends a backlog's worth that member 0 never takes (a faster neighbour, at the
+    end of a run), then both close with a goodbye: each end hears the other's and returns
+    at once. Member 0's receiver thread used to wait for room in its full backlog, so the
+    goodbye was never received and both closes waited out their bound (10 s) for it."""
+    backlog = 4
+    ends, _rendezvous = _linked_pair(timeout_s=20.0, max_backlog=backlog, stream_end=_goodbye)
+    try:
+        assert all(s.wait_made(20) for s in ends)
+        assert [ends[1].send_to(0, _message(v)) for v in range(backlog)] == [None] * backlog
+        deadline = time.monotonic() + 10
+        while len(ends[0]._links[0].ready) < backlog and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(ends[0]._links[0].ready) == backlog   # member 0's backlog is full
+        took: dict[int, float] = {}
+
+        def close(m: int) -> None:
+            t0 = time.monotonic()
+            ends[m].close(_message(255))
+            took[m] = time.monotonic() - t0
+
+        closers = [threading.Thread(target=close, args=(m,), daemon=True) for m in (0, 1)]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(30)
+        assert ends[0].ended(0) and ends[1].ended(0)   # each heard the other's goodbye
+        assert max(took.values()) < 5.0, took          # not the 10 s bound of the wait
     finally:
         for s in ends:
             s.close()

@@ -162,3 +162,32 @@ def test_a_starting_member_is_given_up_when_refused_or_silent(rendezvous, caplog
     assert "starts without member 2 (rank 2): the job refused it (its bits is 2" in text, text
     assert "starts without member 1 (rank 1): rank 1 (incarnation 1) never beat" in text, text
     assert "starts without members [3] (ranks [3]): not set up within 2 s" in text, text
+
+
+class _SlowStore:
+    """A store whose second add takes ``add_s`` (a rendezvous held by a name lookup)."""
+
+    def __init__(self, add_s: float) -> None:
+        self.add_s, self.adds = add_s, 0
+        self.slow_add_began = threading.Event()
+
+    def add(self, key: str, value: int) -> int:
+        self.adds += 1
+        if self.adds == 2:
+            self.slow_add_began.set()
+            time.sleep(self.add_s)
+        return self.adds
+
+
+def test_stopping_waits_for_an_add_in_flight_up_to_the_stores_timeout(monkeypatch) -> None:
+    """At exit the beat's thread must have left before the interpreter finalizes (one that
+    comes back from the store's C++ add then aborts the process): ``stop`` waits for an add
+    in flight that takes longer than 5 beats, the old bound, within the store's timeout."""
+    from qcomm.rendezvous import heartbeat
+
+    monkeypatch.setattr(heartbeat, "BEAT_EVERY_S", 0.05)   # 5 beats: 0.25 s
+    store = _SlowStore(add_s=1.0)
+    beat = heartbeat.Heartbeat(store, 1, 0, "nowhere:0", timeout_s=5.0)
+    assert store.slow_add_began.wait(5)
+    beat.stop()
+    assert not beat.thread.is_alive() and store.adds == 2

@@ -102,6 +102,7 @@ class _Link:
         self.channel: Channel | None = None  # made by the receiver thread
         # receiving
         self.ready: deque[torch.Tensor] = deque()
+        self.discarding = False   # closing: what arrives is dropped, not kept for take()
         self.ended = False
         self.last_in = False  # its last message came (the stream was finished on its side)
         self.recv_error: PeerError | None = None
@@ -185,7 +186,8 @@ class _Link:
                         self.ended = True
                         self.cond.notify_all()
                         return
-                    self.ready.append(buf)
+                    if not self.discarding:
+                        self.ready.append(buf)
                     self.cond.notify_all()
                     if end == "last":  # nothing follows: the receives still posted stay
                         self.last_in = True  # unmatched until the group is destroyed
@@ -437,6 +439,11 @@ class GlooStreams(MessageStreams, LinkEnds):
             # Dropped streams were given up for dead: nothing is said to them or awaited.
             links = [link for k, link in enumerate(self._links) if k not in self._dropped]
             for link in links:
+                # Nothing ready is taken any more: what comes is dropped, so a full backlog
+                # does not keep the receiver from the neighbour's goodbye or the link's end
+                # (it waited for room, and close() waited out its bound for them).
+                link.discarding = True
+                link.ready.clear()
                 if (goodbye is not None and link.send_error is None
                         and link.k not in self._finished):
                     link.outbox.append(goodbye)

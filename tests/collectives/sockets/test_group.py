@@ -80,10 +80,12 @@ def _goodbye(message: torch.Tensor, sender: int) -> str | None:
     return "goodbye" if int(message[0]) == 255 else None
 
 
-def _member(port: int, member: int, out: dict, count: int = 5, **group_kwargs) -> None:
+def _member(port: int, member: int, out: dict, count: int = 5, until_end: bool = False,
+            **group_kwargs) -> None:
     """Member ``member`` of 2: opens its stream to the other, sends ``count`` random
-    messages, takes what comes until ``count`` came or the stream failed; ``out[member]`` is
-    (sent, received, the stream's error or None)."""
+    messages, takes what comes until ``count`` came (``until_end``: until the stream fails,
+    whatever came) or the stream failed; ``out[member]`` is (sent, received, the stream's
+    error or None)."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=10))
     claim_incarnation(store, member)
@@ -91,6 +93,10 @@ def _member(port: int, member: int, out: dict, count: int = 5, **group_kwargs) -
                         **group_kwargs)
     streams = GlooStreams(group.ranks, None, member, [1 - member], 64, max_backlog=8,
                           timeout_s=10, stream_end=_goodbye, connect=group.connect)
+    # The link made (or failed) before the first send: a backlog sent into a link not made yet
+    # waits for it only half the silence bound (seen: a store connection stalled 5 s by a name
+    # lookup that timed out, and both ends gave up on the backlog first).
+    assert streams.wait_made(20)
     g = torch.Generator().manual_seed(member)
     sent = [torch.randint(0, 255, (64,), dtype=torch.uint8, generator=g) for _ in range(count)]
     for m in sent:
@@ -100,14 +106,15 @@ def _member(port: int, member: int, out: dict, count: int = 5, **group_kwargs) -
     for _ in range(100):
         msgs, err = streams.take(0)
         got += msgs
-        if len(got) == count or err is not None:
+        if (len(got) == count and not until_end) or err is not None:
             break
         streams.wait_any(0.2)
     out[member] = (sent, got, err)
     streams.close(torch.full((64,), 255, dtype=torch.uint8))
 
 
-def run_pair(kwargs: tuple[dict, dict], count: int = 5, relay: str | None = None) -> dict:
+def run_pair(kwargs: tuple[dict, dict], count: int = 5, relay: str | None = None,
+             until_end: bool = False) -> dict:
     """Members 0 and 1 (:func:`_member`, ``kwargs[m]`` for member m's group) in threads, over
     a rendezvous in a thread (that names ``relay``, ``"HOST:PORT"``, as its relay); what each
     ended with."""
@@ -121,7 +128,8 @@ def run_pair(kwargs: tuple[dict, dict], count: int = 5, relay: str | None = None
         dist.TCPStore("127.0.0.1", port, is_master=False,
                       timeout=datetime.timedelta(seconds=10)).set(RELAY_KEY, relay)
     out: dict = {}
-    threads = [threading.Thread(target=_member, args=(port, m, out, count), kwargs=kwargs[m])
+    threads = [threading.Thread(target=_member, args=(port, m, out, count, until_end),
+                                kwargs=kwargs[m])
                for m in (0, 1)]
     for t in threads:
         t.start()

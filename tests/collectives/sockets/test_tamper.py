@@ -51,8 +51,12 @@ def test_a_flipped_byte_ends_the_link_as_a_lost_peer_named() -> None:
     proxy = threading.Thread(target=_proxy, args=(listening, real), daemon=True)
     proxy.start()
     # Member 0 listens behind the proxy (its advertised address); member 1 dials through it.
+    # Both take until their stream ends: member 0's 30 messages may all reach member 1 before
+    # member 0 reads the flipped frame and ends the link (seen: member 1 stopped at 30, its
+    # stream not yet failed).
     out = run_pair(({"listen": f"127.0.0.1:{real}", "advertise": f"127.0.0.1:{front}",
-                     "token": SECRET}, {"listen": "", "token": SECRET}), count=30)
+                     "token": SECRET}, {"listen": "", "token": SECRET}), count=30,
+                   until_end=True)
     proxy.join(5)
     listening.close()
     sent_by_1 = out[1][0]
