@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 from qcomm.validation import check_real
 
+from .waiting import raise_if_abandoned
+
 __all__ = ["SharedClient"]
 
 
@@ -51,6 +53,7 @@ class SharedClient(dist.Store):
         """Return once every key of ``keys`` is set; DistStoreError after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
+            raise_if_abandoned()   # a link's wait for its other end, given up by its streams
             with self._lock:
                 if self.inner.check(keys):
                     return

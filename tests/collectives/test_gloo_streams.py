@@ -192,6 +192,35 @@ def test_a_full_backlog_no_one_took_still_hears_the_goodbye_at_close() -> None:
             s.close()
 
 
+def test_closing_abandons_a_link_whose_other_end_never_came() -> None:
+    """Member 0's stream to member 1, who took its seat but never opens the link (refused, or
+    dead before it): close() returns at once and the link's thread has left its wait in the
+    store. It used to wait on to the link's bound (here 20 s, a job's start bound: minutes),
+    past close(), and a daemon thread still inside torch's store when the interpreter exits
+    aborts the process after a run that had finished (seen in a rejoin test)."""
+    import datetime
+
+    from qcomm.collectives.gloo.pair_group import PairGroup
+    from qcomm.rendezvous.seat import claim_incarnation
+    from qcomm.testing.multiprocess import free_port
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    for m in (0, 1):
+        claim_incarnation(master, m)
+    group = PairGroup(f"127.0.0.1:{port}", 0, 2, timeout_s=20)
+    streams = GlooStreams([0, 1], None, 0, [1], NBYTES, max_backlog=8, timeout_s=20.0,
+                          stream_end=_goodbye, connect=group.connect)
+    assert not streams.wait_made(0.5)   # waiting in the store for member 1
+    receiver = streams._links[0].receiver
+    t0 = time.monotonic()
+    streams.close(_message(255))
+    took = time.monotonic() - t0
+    assert not receiver.is_alive()
+    assert took < 5.0, took   # not the 10 s the goodbyes are waited for
+
+
 def test_a_link_slow_to_make_is_waited_for_and_its_silence_counts_from_when_it_was_made(
         ) -> None:
     """Two members' streams in one process over a rendezvous, each link made 1.5 s late with a

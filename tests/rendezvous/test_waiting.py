@@ -13,7 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from qcomm.rendezvous.refusals import record_refusal, refusal_of_member, refusal_of_this_run
-from qcomm.rendezvous.waiting import wait_keys
+from qcomm.rendezvous.shared_client import SharedClient
+from qcomm.rendezvous.waiting import WaitAbandoned, abandon_when, wait_keys
 
 WHERE = "10.0.0.9:29400"
 
@@ -67,6 +68,22 @@ def test_a_check_ends_the_wait_with_its_error() -> None:
 
     with pytest.raises(RuntimeError, match="member 1 was refused"):
         wait_keys(store, {"a": "member 1"}, 30.0, WHERE, every_s=0.1, check=refused)
+
+
+def test_a_wait_abandoned_from_another_thread_ends_at_its_next_poll() -> None:
+    """A link being made waits here and in Gloo's rendezvous (a SharedClient ``get``); once
+    its streams close, both waits end with WaitAbandoned (a RuntimeError), not at their
+    bounds; outside the block, waits are not abandoned; the other keys of the message."""
+    store = dist.HashStore()
+    closing = threading.Event()
+    threading.Timer(0.3, closing.set).start()
+    with abandon_when(closing.is_set, "link to rank 1"):
+        with pytest.raises(WaitAbandoned, match="link to rank 1: abandoned"):
+            wait_keys(store, {"a": "member 1"}, 30.0, WHERE)
+        with pytest.raises(RuntimeError, match="abandoned"):
+            SharedClient(store, 30.0).get("b")
+    store.set("c", "1")
+    wait_keys(store, {"c": "member 1"}, 5.0, WHERE)   # closing is set, but not this wait's
 
 
 @pytest.mark.parametrize(("name", "kwargs"), [("timeout_s", {"timeout_s": 0}),

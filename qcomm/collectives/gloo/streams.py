@@ -33,6 +33,7 @@ import torch.distributed as dist
 from qcomm.collectives.errors import PeerError, PeerLostError, PeerTimeoutError, backend_detail
 from qcomm.collectives.links import TAG_MODULUS, MessageStreams, record
 from qcomm.collectives.stats import CommStats
+from qcomm.rendezvous.waiting import abandon_when
 
 from .ends import LinkEnds
 
@@ -132,7 +133,10 @@ class _Link:
         when it cannot be made (the failure is on the link, for both directions)."""
         o = self.owner
         try:
-            channel = o.connect(self.peer, self.rank)
+            # close() or drop() abandons the waits of a link still being made (its peer may
+            # never come): the thread leaves at once instead of at the connect's bound
+            with abandon_when(lambda: self.closing, f"gossip link to rank {self.rank}"):
+                channel = o.connect(self.peer, self.rank)
         except RuntimeError as e:
             err = _peer_error(e, f"gossip link to rank {self.rank} (rank {o.rank})",
                               o.timeout_s, self.rank, o.level, self.heard)
@@ -436,8 +440,12 @@ class GlooStreams(MessageStreams, LinkEnds):
 
     def close(self, goodbye: torch.Tensor | None = None) -> None:
         with self.cond:
-            # Dropped streams were given up for dead: nothing is said to them or awaited.
+            # Dropped streams were given up for dead: nothing is said to them or awaited. Nor
+            # are links not made yet: their making is abandoned (nothing came or went on them).
             links = [link for k, link in enumerate(self._links) if k not in self._dropped]
+            for link in [link for link in links if link.channel is None]:
+                link.closing = True
+            links = [link for link in links if link.channel is not None]
             for link in links:
                 # Nothing ready is taken any more: what comes is dropped, so a full backlog
                 # does not keep the receiver from the neighbour's goodbye or the link's end
