@@ -440,12 +440,10 @@ class GlooStreams(MessageStreams, LinkEnds):
 
     def close(self, goodbye: torch.Tensor | None = None) -> None:
         with self.cond:
-            # Dropped streams were given up for dead: nothing is said to them or awaited. Nor
-            # are links not made yet: their making is abandoned (nothing came or went on them).
+            # Dropped streams were given up for dead: nothing is said to them or awaited. A
+            # link still being made is waited for with the rest (a member that leaves soon
+            # after its join still says goodbye), then abandoned below.
             links = [link for k, link in enumerate(self._links) if k not in self._dropped]
-            for link in [link for link in links if link.channel is None]:
-                link.closing = True
-            links = [link for link in links if link.channel is not None]
             for link in links:
                 # Nothing ready is taken any more: what comes is dropped, so a full backlog
                 # does not keep the receiver from the neighbour's goodbye or the link's end
@@ -469,7 +467,8 @@ class GlooStreams(MessageStreams, LinkEnds):
                                min(self.timeout_s, 10.0))
             # Threads blocked in a Gloo wait cannot be interrupted (Gloo cancels nothing, and a
             # wait that times out closes the connection); they are daemons, and a goodbye or
-            # the group's destruction ends their waits.
+            # the group's destruction ends their waits. A link still being made is abandoned:
+            # its waits in the store end at their next poll (see _Link._connect).
             for link in self._links:
                 link.closing = True
             self.cond.notify_all()
