@@ -43,6 +43,7 @@ class Heartbeat:
         self.store, self.where, self.timeout_s = store, where, timeout_s
         self.key = PULSE_KEY.format(rank=rank, incarnation=incarnation)
         self._stop = threading.Event()
+        store.add(self.key, 1)   # the first beat before the thread: a peer sees it at once
         self.thread = threading.Thread(target=self._beat, daemon=True,
                                        name=f"qcomm-pulse-{rank}")
         self.thread.start()
@@ -65,8 +66,7 @@ class Heartbeat:
         take longer: the rendezvous's store serves on one thread, which a name lookup holds for
         the resolver's timeout (5 s) where the DNS server drops a query."""
         self._stop.set()
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout=self.timeout_s + BEAT_EVERY_S)
+        self.thread.join(timeout=self.timeout_s + BEAT_EVERY_S)
 
 
 def start_heartbeat(host: str, port: int, rank: int, incarnation: int,
@@ -79,8 +79,6 @@ def start_heartbeat(host: str, port: int, rank: int, incarnation: int,
     from .tunnel import store_client
 
     store = store_client(host, port, datetime.timedelta(seconds=timeout_s))
-    # the first beat before the call returns: a peer sees it at once
-    store.add(PULSE_KEY.format(rank=rank, incarnation=incarnation), 1)
     beat = Heartbeat(store, rank, incarnation, f"{host}:{port}", timeout_s)
     atexit.register(beat.stop)
     return beat

@@ -90,13 +90,11 @@ def _goodbye(message: torch.Tensor, sender: int) -> str | None:
     return "goodbye" if int(message[0]) == 255 else None
 
 
-def _linked_pair(timeout_s: float, max_backlog: int, delay_s: float = 0.0,
-                 stream_end=_stream_end) -> tuple[list[GlooStreams], dist.Store]:
-    """Members 0 and 1's streams in this process over a rendezvous, each link made by a
-    PairGroup (``delay_s`` late), and the rendezvous's store (keep it while they run)."""
+def _seated_rendezvous() -> tuple[str, dist.Store]:
+    """A rendezvous in this process where members 0 and 1 have taken their seats: its
+    address and its store (keep it while the links run)."""
     import datetime
 
-    from qcomm.collectives.gloo.pair_group import PairGroup
     from qcomm.rendezvous.seat import claim_incarnation
     from qcomm.testing.multiprocess import free_port
 
@@ -105,7 +103,17 @@ def _linked_pair(timeout_s: float, max_backlog: int, delay_s: float = 0.0,
                            timeout=datetime.timedelta(seconds=30))
     for m in (0, 1):
         claim_incarnation(master, m)
-    groups = [PairGroup(f"127.0.0.1:{port}", m, 2, timeout_s=20) for m in (0, 1)]
+    return f"127.0.0.1:{port}", master
+
+
+def _linked_pair(timeout_s: float, max_backlog: int, delay_s: float = 0.0,
+                 stream_end=_stream_end) -> tuple[list[GlooStreams], dist.Store]:
+    """Members 0 and 1's streams in this process over a rendezvous, each link made by a
+    PairGroup (``delay_s`` late), and the rendezvous's store (keep it while they run)."""
+    from qcomm.collectives.gloo.pair_group import PairGroup
+
+    address, master = _seated_rendezvous()
+    groups = [PairGroup(address, m, 2, timeout_s=20) for m in (0, 1)]
 
     def late(g: PairGroup):
         def connect(peer: int, rank: int):
@@ -199,18 +207,10 @@ def test_closing_abandons_a_link_whose_other_end_never_came() -> None:
     returns. It used to wait on to the link's own bound (here 20 s, a job's start bound:
     minutes), and a daemon thread still inside torch's store when the interpreter exits
     aborts the process after a run that had finished (seen in a rejoin test)."""
-    import datetime
-
     from qcomm.collectives.gloo.pair_group import PairGroup
-    from qcomm.rendezvous.seat import claim_incarnation
-    from qcomm.testing.multiprocess import free_port
 
-    port = free_port()
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=30))
-    for m in (0, 1):
-        claim_incarnation(master, m)
-    group = PairGroup(f"127.0.0.1:{port}", 0, 2, timeout_s=20)
+    address, _rendezvous = _seated_rendezvous()
+    group = PairGroup(address, 0, 2, timeout_s=20)
     streams = GlooStreams([0, 1], None, 0, [1], NBYTES, max_backlog=8, timeout_s=2.0,
                           stream_end=_goodbye, connect=group.connect)
     assert not streams.wait_made(0.5)   # waiting in the store for member 1
