@@ -19,25 +19,35 @@ and nothing on either side waits for the other's progress, but for memory: at mo
 ``timeout_s``). A stream silent past ``timeout_s`` fails with
 :class:`~qcomm.collectives.errors.PeerTimeoutError`, a broken connection with
 :class:`~qcomm.collectives.errors.PeerLostError`; a goodbye (:meth:`MessageStreams.close`)
-ends it without an error. Streams can be dropped and opened while the others go on, finished one
-at a time (a last message, then nothing more on it), and carry whole vectors beside the
-fixed-size messages.
+ends it without an error. A member that waits in a collective point (a drain, an exact sum) and
+sends nothing meanwhile keeps its streams alive (:meth:`MessageStreams.keeping_alive`): a
+keepalive every fraction of ``timeout_s``, which the neighbour's stream reads and does not
+deliver, so only a member that is really silent is counted so. Streams can be dropped and opened
+while the others go on, finished one at a time (a last message, then nothing more on it), and
+carry whole vectors beside the fixed-size messages.
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from qcomm.collectives.errors import PeerError
 from qcomm.collectives.stats import CommStats
 
-__all__ = ["TAG_MODULUS", "MessageStreams", "RoundHandle", "Transport", "record"]
+__all__ = ["KEEPALIVES_PER_TIMEOUT", "TAG_MODULUS", "MessageStreams", "RoundHandle", "Transport",
+           "record"]
 
 # Point-to-point tags of rounds are taken modulo this (the rounds in flight between a pair
 # never reach it), vectors from it on.
 TAG_MODULUS = 1 << 20
+# Keepalives a waiting member sends per ``timeout_s``: its neighbours hear it several times
+# within each bound, however late in a period their last message came.
+KEEPALIVES_PER_TIMEOUT = 4
 
 
 class RoundHandle(ABC):
@@ -100,6 +110,7 @@ class MessageStreams(ABC):
         peers: neighbour member indices; stream ``k`` connects with ``peers[k]``.
         peer_ranks: the neighbours' global ranks (for error messages).
         level: the stats level the bytes are counted under (``"inter"``).
+        timeout_s: the silence after which a stream fails.
     """
 
     member: int
@@ -107,6 +118,7 @@ class MessageStreams(ABC):
     peers: list[int]
     peer_ranks: list[int]
     level: str
+    timeout_s: float
     # True in a step-by-step simulation: nothing arrives while a member waits, so a wait for
     # what has not come yet fails at once instead of blocking.
     simulated: bool = False
@@ -191,6 +203,39 @@ class MessageStreams(ABC):
     @abstractmethod
     def ended(self, k: int) -> bool:
         """True once the stream from ``peers[k]`` ended with a goodbye."""
+
+    def keepalive(self, message: torch.Tensor) -> None:  # noqa: B027 (optional: no silence)
+        """Tell every open neighbour that this member is alive, delivering nothing:
+        ``message`` (uint8 ``[nbytes]``, not modified afterwards) is one the neighbours'
+        ``stream_end`` calls ``"keepalive"``. Never waits; a stream whose previous keepalive
+        has not left yet gets no second one. Streams that measure no silence do nothing."""
+
+    @contextmanager
+    def keeping_alive(self, message: torch.Tensor) -> Iterator[None]:
+        """While the body runs, :meth:`keepalive` ``KEEPALIVES_PER_TIMEOUT`` times per
+        ``timeout_s`` (the silence the neighbours allow; once at the start) from a thread of
+        its own: for a caller that waits in a collective point and sends nothing meanwhile.
+        Only inside such bounded waits: a member hung elsewhere must still fall silent.
+        Nothing in a simulation (no silence is measured there)."""
+        if self.simulated:
+            yield
+            return
+        stop = threading.Event()
+        period_s = self.timeout_s / KEEPALIVES_PER_TIMEOUT
+
+        def tick() -> None:
+            while not stop.wait(period_s):
+                self.keepalive(message)
+
+        self.keepalive(message)
+        ticker = threading.Thread(target=tick, daemon=True,
+                                  name=f"qcomm-keepalive-{self.member}")
+        ticker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            ticker.join()
 
     @abstractmethod
     def close(self, goodbye: torch.Tensor | None = None) -> None:

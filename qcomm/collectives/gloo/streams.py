@@ -111,6 +111,9 @@ class _Link:
         # sending
         self.outbox: deque[torch.Tensor] = deque()   # messages queued, not yet posted
         self.unconfirmed = 0   # messages queued or posted, not yet received by the peer
+        # A keepalive queued or posted, not yet sent (not counted in unconfirmed: the peer's
+        # receiver reads it, its caller never takes it); at most one at a time.
+        self.keepalive: torch.Tensor | None = None
         # Vectors (their own tags, taken by the peer's caller, not by its receiver thread) go
         # out on a thread of their own, started when one is queued and gone when none is
         # left: confirmed in line with the messages, a vector the peer's caller had not yet
@@ -190,6 +193,8 @@ class _Link:
                         self.ended = True
                         self.cond.notify_all()
                         return
+                    if end == "keepalive":   # the neighbour waits, alive: nothing to deliver
+                        continue
                     if not self.discarding:
                         self.ready.append(buf)
                     self.cond.notify_all()
@@ -205,7 +210,7 @@ class _Link:
 
     def _send_loop(self) -> None:
         o = self.owner
-        posted: deque[tuple[object, float]] = deque()
+        posted: deque[tuple[object, float, bool]] = deque()
         seq = 0
         started = time.monotonic()
         with self.cond:   # the receiver thread makes the channel
@@ -224,19 +229,24 @@ class _Link:
                         return
                     batch = []
                     while self.outbox and len(posted) + len(batch) < o.depth:
-                        batch.append(self.outbox.popleft())
-                for msg in batch:
+                        msg = self.outbox.popleft()
+                        batch.append((msg, msg is self.keepalive))
+                for msg, keepalive in batch:
                     # the work holds the tensor until it completes
-                    posted.append((self.channel.isend(msg, seq % TAG_MODULUS), time.monotonic()))
+                    posted.append((self.channel.isend(msg, seq % TAG_MODULUS), time.monotonic(),
+                                   keepalive))
                     seq += 1
                 if not posted:
                     continue
-                work, started = posted[0]
+                work, started, keepalive = posted[0]
                 left = max(o.timeout_s - (time.monotonic() - started), 1e-3)
                 work.wait(timeout=datetime.timedelta(seconds=left))
                 posted.popleft()
                 with self.cond:
-                    self.unconfirmed -= 1
+                    if keepalive:
+                        self.keepalive = None
+                    else:
+                        self.unconfirmed -= 1
                     self.cond.notify_all()
         except RuntimeError as e:
             # A peer silent for timeout_s timed out, whichever side's wait noticed first (a
@@ -374,6 +384,17 @@ class GlooStreams(MessageStreams, LinkEnds):
             self.cond.notify_all()
         record(self.level, self.stats, message)
         return None
+
+    def keepalive(self, message: torch.Tensor) -> None:
+        with self.cond:
+            for k, link in enumerate(self._links):
+                if (k in self._dropped or k in self._finished or link.closing
+                        or link.send_error is not None or link.keepalive is not None):
+                    continue
+                link.keepalive = message
+                link.outbox.append(message)
+                record(self.level, self.stats, message)
+            self.cond.notify_all()
 
     def send_vector(self, k: int, vector: torch.Tensor) -> None:
         link = self._links[k]

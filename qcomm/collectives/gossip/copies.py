@@ -9,12 +9,19 @@ Applying a neighbour's messages first owes the mirrors of the terms its sender a
 member's copy (:mod:`.mirrors`), then decodes them into the copy, per fragment in one decode
 whatever their number (a slow member takes many at a time, and its time per message must not
 grow with its lag).
+
+During a drain nothing a neighbour sent after its marker of that drain is applied: it waits in
+its box until the drain is over (:meth:`NeighbourCopies.cut_at`). A neighbour that passed the
+drain first goes on and sends rounds while this member still waits for another's marker;
+applied, they made the saved state hold rounds its sender's own state had not sent yet, and a
+run resumed from the two expected rounds the sender then sent again (a failed verification).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -66,6 +73,17 @@ class NeighbourCopies:
         self.acked = [0] * links
         self.boxes: list[deque[torch.Tensor]] = [deque() for _ in range(links)]
         self.pending: list[list[Verified]] = [[] for _ in range(links)]
+        self.cut: int | None = None   # the drain in progress (markers sent), None: none
+
+    @contextmanager
+    def cut_at(self, drains: int) -> Iterator[None]:
+        """While the body runs (a drain's wait, ``drains`` markers sent), what comes after a
+        neighbour's marker of that drain stays in its box (module docstring)."""
+        self.cut = drains
+        try:
+            yield
+        finally:
+            self.cut = None
 
     def ensure(self, numel: int, device: torch.device) -> None:
         if self.copies is None:
@@ -164,7 +182,7 @@ class NeighbourCopies:
         for k, box in enumerate(self.boxes):
             link = members.links[k]
             batch, taken = verdicts.get(k, []), 0  # the verdicts hold while rounds pass
-            while box and link.live:
+            while box and link.live and (self.cut is None or link.markers < self.cut):
                 m = box[0]
                 if taken < len(batch) and batch[taken][0] is None:
                     self.pending[k].append((self._next_round(k), m, batch[taken][1]))

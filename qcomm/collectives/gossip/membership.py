@@ -306,12 +306,9 @@ class Membership:
         return self.layout.control(GOODBYE_ROUND)
 
     def stream_end(self, message: torch.Tensor, slot: int) -> str | None:
-        """Whether ``message`` from the member at index ``slot`` of the group ends its stream:
-        ``"goodbye"`` (it left), ``"last"`` (its retire: delivered, nothing follows)."""
-        sender = self.slots.index(slot)
-        if self.layout.is_control(message, GOODBYE_ROUND, sender):
-            return "goodbye"
-        return "last" if self.layout.is_control(message, RETIRE_ROUND, sender) else None
+        """What ``message`` from the member at index ``slot`` of the group is to its stream
+        (:meth:`MessageLayout.stream_end`: a goodbye, a retire, a keepalive, or None)."""
+        return self.layout.stream_end(message, self.slots.index(slot))
 
     # -----------------------------------------------------------------------------------------
     # a member arrives: the ring opens

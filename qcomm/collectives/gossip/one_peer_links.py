@@ -70,6 +70,7 @@ class PeerLink:
         self.acked = 0                       # own messages the partner's last term held
         self.terms = self.mirrors = 0        # terms added, mirrors owed (statistics)
         self.markers = 0                     # drain markers received
+        self.inbox: deque[torch.Tensor] = deque()   # taken, not sorted yet (past a drain's cut)
         # (seq, fragment, codec bytes, scales bounded): own messages from ``acked`` on
         self.own: deque[tuple[int, int, torch.Tensor, bool]] = deque()
 

@@ -91,6 +91,7 @@ class OnePeerWaitFree(GossipMember):
         self._scratch: torch.Tensor | None = None
         self._device: torch.device | None = None
         self._drains = 0
+        self._cut: int | None = None   # during a drain's wait: the markers sent
         self._drained_at: int | None = None
 
     # -----------------------------------------------------------------------------------------
@@ -108,7 +109,7 @@ class OnePeerWaitFree(GossipMember):
         return self._streams
 
     def _stream_end(self, message: torch.Tensor, slot: int) -> str | None:
-        return "goodbye" if self._control.is_control(message, GOODBYE_ROUND, slot) else None
+        return self._control.stream_end(message, slot)   # (no retire on this graph)
 
     def _ensure(self, device: torch.device) -> None:
         if self._owed is None:
@@ -153,10 +154,14 @@ class OnePeerWaitFree(GossipMember):
     def _take_in(self) -> None:
         streams = self._streams_now()
         for p in self.live_links():
-            k = self._k(p)
+            k, link = self._k(p), self.links[p]
             msgs, err = streams.take(k)
-            for m in msgs:
-                self._sort(self.links[p], m)
+            link.inbox.extend(msgs)
+            # During a drain nothing past the peer's marker of it is applied: the state saved
+            # after it is a consistent cut (a peer through the drain first sends on meanwhile).
+            while link.inbox and (self._cut is None or link.markers < self._cut):
+                self._sort(link, link.inbox[0])   # (a message that fails stays)
+                link.inbox.popleft()
             if err is not None:
                 self._fail(p, err)
             elif streams.ended(k):   # a goodbye: it left on purpose, no loss
@@ -305,17 +310,24 @@ class OnePeerWaitFree(GossipMember):
         """Second half of :meth:`drain`."""
         streams = self._streams_now()
         deadline = time.monotonic() + self.timeout_s
-        while True:
-            self._take_in()
-            waiting = [p for p in self.live_links() if self.links[p].markers < self._drains]
-            if not waiting:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0 or streams.simulated:
-                raise PeerTimeoutError(
-                    f"gossip drain (rank {self.group_ranks[self.member]}): no marker",
-                    self.timeout_s, [self.group_ranks[p] for p in waiting], self.level)
-            streams.wait_any(left)
+        self._cut = self._drains   # (reset however the wait ends)
+        try:
+            # sending nothing meanwhile: keepalives, or the neighbours would count this one silent
+            with streams.keeping_alive(self._control.keepalive()):
+                while True:
+                    self._take_in()
+                    waiting = [p for p in self.live_links()
+                               if self.links[p].markers < self._drains]
+                    if not waiting:
+                        break
+                    left = deadline - time.monotonic()
+                    if left <= 0 or streams.simulated:
+                        raise PeerTimeoutError(
+                            f"gossip drain (rank {self.group_ranks[self.member]}): no marker",
+                            self.timeout_s, [self.group_ranks[p] for p in waiting], self.level)
+                    streams.wait_any(left)
+        finally:
+            self._cut = None
         self._drained_at = self.rounds_started
 
     def close(self) -> None:
@@ -336,9 +348,11 @@ class OnePeerWaitFree(GossipMember):
             self._ensure(t.device)   # the links, before any round
         if not self.live_links():
             return t.clone(), 1
-        total, count, told = flood_sum(
-            self.member, self.size, lambda: [(p, self._k(p)) for p in self.live_links()],
-            self._streams_now(), t, op, self.lost, 2 * self.timeout_s, self._fail)
+        streams = self._streams_now()
+        with streams.keeping_alive(self._control.keepalive()):   # (as in the drain)
+            total, count, told = flood_sum(
+                self.member, self.size, lambda: [(p, self._k(p)) for p in self.live_links()],
+                streams, t, op, self.lost, 2 * self.timeout_s, self._fail)
         self.lost |= told - set(self.live_links()) - {self.member}
         return total, count
 

@@ -39,6 +39,15 @@ def survivors_sum(members: Membership, streams: MessageStreams, t: torch.Tensor,
         PeerError: a member was lost during the sum (nothing is returned; the graph has closed
             over it, and another call sums the remaining members).
     """
+    # Waiting for the partials, this member sends no round: keepalives, or its neighbours
+    # would count it silent (a partial may take 2 timeout_s, upstream members finding a loss).
+    with streams.keeping_alive(members.layout.keepalive()):
+        return _ring_sum(members, streams, t, op, wait_s, fail)
+
+
+def _ring_sum(members: Membership, streams: MessageStreams, t: torch.Tensor, op: str,
+              wait_s: float, fail: Callable[[int, PeerError], None]
+              ) -> tuple[torch.Tensor, int]:
     right, left = members.nearest_live(1), members.nearest_live(-1)
     kr, kl = members.link_to(right), members.link_to(left)
     cpu = t.detach().to("cpu", copy=True).contiguous()

@@ -355,21 +355,23 @@ class WaitFreeGossip(GossipMember):
 
     def await_markers(self) -> None:
         """Second half of :meth:`drain`: take and apply every message until each neighbour's
-        marker of this drain (or its goodbye) has come."""
-        streams = self._streams_now()
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            if self._take_in(goodbyes=False):  # new neighbours get the full time to answer
-                deadline = time.monotonic() + self.timeout_s
-            waiting = self.membership.awaiting_markers(streams.ended)
-            if not waiting:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0 or streams.simulated:
-                raise PeerTimeoutError(
-                    f"gossip drain (rank {self.membership.rank}): no marker", self.timeout_s,
-                    [self.peer_ranks[k] for k in waiting], self.level)
-            streams.wait_any(left)
+        marker of this drain (or its goodbye) has come, none past it (the cut), keepalives
+        sent meanwhile (nothing else is: the neighbours would count this member silent)."""
+        streams, deadline = self._streams_now(), time.monotonic() + self.timeout_s
+        with streams.keeping_alive(self.membership.layout.keepalive()), \
+                self._links.cut_at(self.membership.drains):
+            while True:
+                if self._take_in(goodbyes=False):  # new neighbours get the full time
+                    deadline = time.monotonic() + self.timeout_s
+                waiting = self.membership.awaiting_markers(streams.ended)
+                if not waiting:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0 or streams.simulated:
+                    raise PeerTimeoutError(
+                        f"gossip drain (rank {self.membership.rank}): no marker",
+                        self.timeout_s, [self.peer_ranks[k] for k in waiting], self.level)
+                streams.wait_any(left)
         self._apply_pending()
         self._drained_at = self.rounds_started
 

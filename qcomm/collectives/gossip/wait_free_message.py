@@ -5,9 +5,9 @@
 The header says how the sender mixed in the round that sent it: per member of the group, its
 *ack* (1 + the rounds of that member the sender's copy held when it mixed with it; 0 when it
 did not), then 1 + the fragment it mixed (0: none) and the version of its own copy in its terms.
-A control message (hello, marker, retire, goodbye) is sealed with a round far beyond any real
-one; a hello, a retire and a goodbye have zero codec bytes, a marker carries the lost members it
-knows of.
+A control message (hello, marker, retire, keepalive, goodbye) is sealed with a round far beyond
+any real one; a hello, a retire, a keepalive and a goodbye have zero codec bytes, a marker
+carries the lost members it knows of.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from qcomm.seeds import seal_key
 
 from .integrity import SEAL_NBYTES, seal_
 
-__all__ = ["ACK_NBYTES", "GOODBYE_ROUND", "HELLO_ROUND", "MARKER_ROUND", "RETIRE_ROUND",
-           "MessageLayout"]
+__all__ = ["ACK_NBYTES", "GOODBYE_ROUND", "HELLO_ROUND", "KEEPALIVE_ROUND", "MARKER_ROUND",
+           "RETIRE_ROUND", "MessageLayout"]
 
-# The rounds a retire, a hello, a marker (the d-th drain: MARKER_ROUND + d) and a goodbye are
-# sealed with, far beyond any real round.
+# The rounds a keepalive, a retire, a hello, a marker (the d-th drain: MARKER_ROUND + d) and a
+# goodbye are sealed with, far beyond any real round.
+KEEPALIVE_ROUND = 1 << 58
 RETIRE_ROUND = 1 << 59
 HELLO_ROUND = 1 << 60
 MARKER_ROUND = 1 << 61
@@ -70,6 +71,21 @@ class MessageLayout:
             m[:body.numel()] = body
         seal_(m, round, self.member)
         return m
+
+    def keepalive(self) -> torch.Tensor:
+        """What this member sends while it waits in a collective point (the streams'
+        keepalive: read by the neighbour's stream, never delivered)."""
+        return self.control(KEEPALIVE_ROUND)
+
+    def stream_end(self, message: torch.Tensor, sender: int) -> str | None:
+        """What ``message`` from member ``sender`` is to its stream: ``"goodbye"`` (it left:
+        the stream ends), ``"last"`` (its retire: delivered, nothing follows),
+        ``"keepalive"`` (it waits, alive: not delivered), None (a message to deliver)."""
+        for round, end in ((GOODBYE_ROUND, "goodbye"), (KEEPALIVE_ROUND, "keepalive"),
+                           (RETIRE_ROUND, "last")):
+            if self.is_control(message, round, sender):
+                return end
+        return None
 
     def is_control(self, message: torch.Tensor, round: int, sender: int) -> bool:
         """Whether ``message`` from member ``sender`` is its control message ``round``: zero

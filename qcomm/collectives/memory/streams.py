@@ -45,6 +45,7 @@ class Mailboxes:
         self._aborted = False
         self.killed: set[int] = set()
         self.cuts: set[frozenset[int]] = set()   # connections broken, their ends running
+        self._alive: dict[tuple[int, int], float] = {}   # (src, dst): src's last keepalive
 
     def _queue(self, src: int, dst: int, kind: str = "m") -> deque:
         return self._queues.setdefault((src, dst, kind), deque())
@@ -60,6 +61,18 @@ class Mailboxes:
                 return
             self._queue(src, dst, kind).append((at, message))
             self._cond.notify_all()
+
+    def touch(self, src: int, dst: int) -> None:
+        """``src`` tells ``dst`` it is alive (a keepalive: nothing is queued); not from or to
+        a killed member, nor over a cut."""
+        with self._cond:
+            if src not in self.killed and dst not in self.killed and not self.is_cut(src, dst):
+                self._alive[(src, dst)] = time.monotonic()
+
+    def touched(self, src: int, dst: int) -> float:
+        """When ``src`` last told ``dst`` it is alive (``time.monotonic()``; 0: never)."""
+        with self._cond:
+            return self._alive.get((src, dst), 0.0)
 
     def kill(self, member: int) -> None:
         """``member`` dies: what it sent and is queued stays (it was on the wire); then each
@@ -97,6 +110,7 @@ class Mailboxes:
             self.cuts = {c for c in self.cuts if member not in c}
             for key in [key for key in self._queues if member in key[:2]]:
                 del self._queues[key]
+            self._alive = {key: t for key, t in self._alive.items() if member not in key}
             self._cond.notify_all()
 
     def lost(self, src: int, dst: int, kind: str = "m") -> bool:
@@ -258,11 +272,18 @@ class MemoryStreams(MessageStreams):
         elif got:
             self._heard[k] = now
         elif (self._failed[k] is None and not self._ended[k] and not self.simulated
-              and now - self._heard[k] > self.timeout_s):
+              and now - max(self._heard[k], self.boxes.touched(self.peers[k], self.member))
+              > self.timeout_s):
             self._failed[k] = PeerTimeoutError(
                 f"gossip stream from rank {self.peer_ranks[k]} (member {self.member})",
                 self.timeout_s, [self.peer_ranks[k]], self.level)
         return out, self._failed[k]
+
+    def keepalive(self, message: torch.Tensor) -> None:
+        for k, p in enumerate(self.peers):
+            if self._open(k) and k not in self._finished:
+                self.boxes.touch(self.member, p)
+                record(self.level, self.stats, message)
 
     def send_vector(self, k: int, vector: torch.Tensor) -> None:
         if k not in self._dropped:
