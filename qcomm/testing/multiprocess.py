@@ -13,7 +13,7 @@ For tests of collectives (ours and users' own): a bug fails within the timeout, 
         assert pool.run(body, args=(8,)) == [6.0] * 4
         assert pool.run(body, args=(2,)) == [6.0] * 4
 
-Starting a world costs seconds (each process imports torch and joins the group), so a test
+Starting a world still costs time (each process joins the group), so a test
 suite with many small multi-process tests keeps one :class:`WorldPool` per world size for the
 whole session and runs each test's body in it (PyTorch's ``MultiProcContinousTest`` pattern;
 ``tests/conftest.py`` has the fixture). A body that fails, dies or runs past its timeout breaks
@@ -21,12 +21,17 @@ the pool: its processes are killed and the next :meth:`WorldPool.run` starts a f
 one failure cannot leave a half-finished collective in the way of the next test. Bodies that
 break the world on purpose (a killed or silent peer) belong in :func:`run_world`.
 
-``fn`` must be importable by the child processes (defined at module level), since they are
-started with the "spawn" method (fork after torch initialized its thread pools can deadlock).
+``fn`` must be importable by the child processes (defined at module level). Each rank is
+forked from one server process that imported torch once (multiprocessing's "forkserver"; "spawn"
+where a platform has none): a fresh process all the same, started in a fraction of the seconds an
+interpreter takes to import torch. The server runs no torch op, so no thread pool is copied into
+a fork (a fork of a process that ran them can deadlock), and a rank takes the parent's
+environment and working directory as they are when its world starts, as a spawned one would.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import itertools
@@ -36,6 +41,7 @@ import queue
 import random
 import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -46,6 +52,21 @@ import torch.multiprocessing as mp
 
 __all__ = ["CHECKED_LEAVE_S", "WorldError", "WorldPool", "WorldPools", "descendants",
            "free_port", "free_ports", "kill_sessions", "run_world"]
+
+
+# What the server imports once for every rank forked from it: torch, its process groups, and
+# the compiler stack torch.optim.Optimizer imports at its first construction (about as long as
+# torch's own import). A module missing here is skipped by multiprocessing, not an error.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+def _start_context() -> Any:
+    """The multiprocessing context ranks start from (module docstring)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)   # read when the server first starts
+    return ctx
 
 
 class WorldError(RuntimeError):
@@ -172,10 +193,27 @@ def join_group(store: Any, rank: int, world_size: int, timeout: datetime.timedel
     dist.barrier()
 
 
+def _leave_as_an_interpreter_does() -> None:
+    """What a forked rank's exit would skip: multiprocessing ends its fork children with
+    ``os._exit``, past the interpreter's shutdown. Its Python part runs here, in its order:
+    wait for the threads that are not daemons, then the ``atexit`` handlers, so that a rank
+    that would hang or abort at exit still shows it in its exit status. (C++ static destructors
+    run only at a real exit: :mod:`qcomm.testing.exits` checks those.)"""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+
+
 def _child(rank: int, world_size: int, store_ports: Any, env: dict[str, str],
-           pg_timeout_s: float, tasks: Any, results: Any) -> None:
+           pg_timeout_s: float, tasks: Any, results: Any, forked: bool) -> None:
     """One rank: join the Gloo group, then run ``(task id, fn, args)`` from ``tasks`` until
-    None, putting ``(task id, rank, ok, pickled value or traceback)`` on ``results``."""
+    None, putting ``(task id, rank, ok, pickled value or traceback)`` on ``results``; then,
+    ``forked``, leave as :func:`_leave_as_an_interpreter_does` says."""
+    # A forked rank holds the server's environment, from when it started: the parent's as it
+    # is now replaces it, as a spawned rank would have inherited it.
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size))
     import torch
@@ -206,10 +244,12 @@ def _child(rank: int, world_size: int, store_ports: Any, env: dict[str, str],
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if forked:
+        _leave_as_an_interpreter_does()
 
 
 class WorldPool:
-    """A Gloo world of ``world_size`` spawned processes that runs one function after another.
+    """A Gloo world of ``world_size`` processes that runs one function after another.
 
     Args:
         world_size: number of processes.
@@ -233,14 +273,16 @@ class WorldPool:
         self.starts = 0  # how many times a world was started (tests of the pool read it)
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _start_context()
+        forked = ctx.get_start_method() == "forkserver"
         self._store_ports = ctx.Queue()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
-            ctx.Process(target=_child, args=(r, self.world_size, self._store_ports, self.env,
+            ctx.Process(target=_child, args=(r, self.world_size, self._store_ports,
+                                              {**os.environ, **self.env},
                                               self.pg_timeout_s, self._tasks[r],
-                                              self._results), daemon=True)
+                                              self._results, forked), daemon=True)
             for r in range(self.world_size)
         ]
         for p in self._procs:
@@ -404,7 +446,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
               timeout_s: float = 120.0, pg_timeout_s: float = 60.0,
               env: dict[str, str] | None = None, allow_exit: set[int] | None = None,
               check_exit: bool = True) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` freshly spawned processes over Gloo.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes over Gloo.
 
     Args:
         fn: module-level function; its return value must be picklable (tensors are fine: they
