@@ -151,3 +151,33 @@ def test_free_ports_drawn_together_are_distinct_and_bindable() -> None:
         for port in ports:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind(("127.0.0.1", port))
+
+
+def _env_and_cwd(rank: int, world_size: int) -> tuple[str | None, str | None, str]:
+    return os.environ.get("QCOMM_TEST_SET"), os.environ.get("QCOMM_TEST_GONE"), os.getcwd()
+
+
+def test_a_rank_takes_the_environment_and_directory_of_its_worlds_start(monkeypatch,
+                                                                         tmp_path) -> None:
+    """Ranks fork from a server started once (with the environment of that moment): a
+    variable set or removed afterwards, and the working directory, are as the parent holds
+    them when the world starts, as for a spawned rank."""
+    monkeypatch.setenv("QCOMM_TEST_GONE", "before")
+    assert run_world(_env_and_cwd, 2, timeout_s=60)[0][1] == "before"   # the server runs
+    monkeypatch.delenv("QCOMM_TEST_GONE")
+    monkeypatch.setenv("QCOMM_TEST_SET", "after")
+    monkeypatch.chdir(tmp_path)
+    assert run_world(_env_and_cwd, 2, timeout_s=60) == [("after", None, str(tmp_path))] * 2
+
+
+def _rank1_leaves_a_thread_that_aborts(rank: int, world_size: int) -> int:
+    if rank == 1:   # not a daemon: an interpreter's exit waits for it, and so does a rank's
+        import threading
+
+        threading.Thread(target=lambda: (time.sleep(0.5), os.abort())).start()
+    return rank
+
+
+def test_a_ranks_exit_waits_for_its_threads_that_are_not_daemons() -> None:
+    with pytest.raises(WorldError, match="rank 1 reported, then exited with code -6"):
+        run_world(_rank1_leaves_a_thread_that_aborts, 2, timeout_s=60, check_exit=True)

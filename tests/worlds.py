@@ -3,10 +3,16 @@
 A test body runs in the processes of a session-wide world (the ``gloo`` fixture of
 ``tests/conftest.py``), one body after another. Creating process groups is collective and costs
 a round of connections, so the groups of a layout are created once per world, by the first body
-that asks for them, and reused by the later ones: :func:`topology`.
+that asks for them, and reused by the later ones: :func:`topology`. Ranks of a one-shot world
+leave as soon as they are done; bodies whose survivors must not see each other leave as a second
+loss meet first: :func:`survivors_meet`.
 """
 
 from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
 
 from qcomm.collectives.topology import Topology
 
@@ -22,3 +28,14 @@ def topology(procs_per_node: int) -> Topology:
         _ = topo.intra_group  # creates every group now, on every rank
         _TOPOLOGIES[procs_per_node] = topo
     return topo
+
+
+def survivors_meet(key: str, count: int, wait_s: float = 30.0) -> None:
+    """Until ``count`` ranks have called this with ``key`` (through the world's store), or
+    ``wait_s``: the survivors of a fault leave together, so that one leaving is not a second
+    loss to another still finding the first."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add(key, 1)
+    deadline = time.monotonic() + wait_s
+    while int(store.add(key, 0)) < count and time.monotonic() < deadline:
+        time.sleep(0.01)

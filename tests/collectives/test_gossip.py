@@ -30,6 +30,7 @@ from qcomm.collectives.gossip.integrity import SEAL_NBYTES
 from qcomm.collectives.memory import GossipSimulator
 from qcomm.compress import QuantSpec, packed_nbytes
 from qcomm.testing.multiprocess import run_world
+from tests.worlds import survivors_meet
 
 NUMEL = 1000  # not a multiple of the block: the last block is partial
 ROUNDS = 20
@@ -210,10 +211,14 @@ def _world_fail(rank: int, world: int, how: str) -> dict | None:
         elapsed = time.monotonic() - t0
         t1 = time.monotonic()
         gs.close()  # must not hang on a broken group
-        return {"peers": e.peers, "type": type(e).__name__, "link": e.link,
-                "timeout": getattr(e, "timeout_s", None), "msg": str(e), "elapsed": elapsed,
-                "close_s": time.monotonic() - t1, "rounds": gs.rounds_started}
-    return {"peers": None}
+        out = {"peers": e.peers, "type": type(e).__name__, "link": e.link,
+               "timeout": getattr(e, "timeout_s", None), "msg": str(e), "elapsed": elapsed,
+               "close_s": time.monotonic() - t1, "rounds": gs.rounds_started}
+    else:
+        out = {"peers": None}
+    survivors_meet("world_fail", world - 1)
+    return out
+
 
 
 @pytest.mark.parametrize("how", ["exit", "hang"])

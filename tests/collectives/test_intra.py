@@ -423,14 +423,21 @@ def _late_peer_body(rank: int, world_size: int) -> object:
     if rank == 1:
         time.sleep(2.0)
     h = late.mean_([torch.ones(8)], async_op=True)
+    store = dist.distributed_c10d._get_default_store()
     if rank == 1:
         h.wait()
+        store.set("late_peer_done", "1")
         return None
     try:
         h.wait(timeout_s=0.3)
     except PeerTimeoutError as e:
-        return (str(e), e.peers, e.timeout_s)
-    return None
+        out = (str(e), e.peers, e.timeout_s)
+    else:
+        out = None
+    # Rank 1's collective completes with rank 0's, still in flight here: rank 0 leaving at once
+    # would close the connection under it (ranks leave as soon as they are done).
+    store.wait(["late_peer_done"])
+    return out
 
 
 @pytest.mark.timeout(150)

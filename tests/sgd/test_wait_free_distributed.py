@@ -16,6 +16,7 @@ import torch
 from qcomm.sgd import ASSGD
 from qcomm.testing.multiprocess import run_world
 from tests.engine.problems import mlp, mlp_loss
+from tests.worlds import survivors_meet
 
 SLOW_STEPS = 2
 FAST_STEPS = 24   # < max_backlog (64): node 0 holds every message sent to it while it stalls
@@ -100,9 +101,13 @@ def _silent_body(rank: int, world: int, directory: str) -> dict:
             at = time.time()
             t0 = time.monotonic()
             opt.close()
-            return {"type": type(e).__name__, "peers": e.peers, "link": e.link, "at": at,
-                    "close_s": time.monotonic() - t0}
-    return {"type": None}
+            out = {"type": type(e).__name__, "peers": e.peers, "link": e.link, "at": at,
+                   "close_s": time.monotonic() - t0}
+            break
+    else:
+        out = {"type": None}
+    survivors_meet("silent", world - 1)
+    return out
 
 
 def test_a_silent_neighbour_is_the_named_timeout_within_the_deadline(tmp_path) -> None:
