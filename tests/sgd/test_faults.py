@@ -16,7 +16,6 @@ from qcomm.sgd import ASSGD
 from qcomm.testing.exits import fresh_world_exits
 from qcomm.testing.multiprocess import run_world
 from tests.engine.problems import mlp, mlp_loss
-from tests.worlds import survivors_meet
 
 TIMEOUT_S = 3.0
 MARGIN_S = 2.0
@@ -44,16 +43,11 @@ def _fault_body(rank: int, world: int, ppn: int, victim: int, how: str, director
             raised_at = time.time()
             t0 = time.monotonic()
             opt.close()  # releases, never re-raises the peer's failure
-            out = {"type": type(e).__name__, "peers": e.peers, "link": e.link,
-                   "msg": str(e), "at": raised_at, "close_s": time.monotonic() - t0}
-            break
+            return {"type": type(e).__name__, "peers": e.peers, "link": e.link,
+                    "msg": str(e), "at": raised_at, "close_s": time.monotonic() - t0}
         except Exception as e:  # a raw backend error is a failure of this test
-            out = {"type": f"raw {type(e).__name__}", "msg": str(e)}
-            break
-    else:
-        out = {"type": None}
-    survivors_meet("fault", world - 1)
-    return out
+            return {"type": f"raw {type(e).__name__}", "msg": str(e)}
+    return {"type": None}
 
 
 @pytest.mark.parametrize(("nodes", "ppn", "how"), [
