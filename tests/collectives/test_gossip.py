@@ -220,7 +220,6 @@ def _world_fail(rank: int, world: int, how: str) -> dict | None:
     return out
 
 
-
 @pytest.mark.parametrize("how", ["exit", "hang"])
 def test_dead_or_silent_peer_raises_timeout(how: str) -> None:
     world = 3

@@ -24,6 +24,8 @@ from tests.examples.test_train_charlm import EXAMPLE, REPO, TINY, TORCHRUN
 LAUNCH_TIMEOUT_S = 150  # a hang fails the test instead of stalling the suite
 STOP_FILE = "stop"  # a --stop-file, relative to the nodes' working directory (Job.end)
 UNREACHED = 100000  # a --steps the job never reaches: it ends on its --stop-file
+# the line of a node that ran to the job's end on its stop file (not a failure's)
+ENDED = rf"^stopped at step (\d+) of {UNREACHED}: {STOP_FILE} exists$"
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
     [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]), OMP_NUM_THREADS="1")
 
@@ -164,8 +166,7 @@ def test_node_zero_killed_the_others_finish_agree_and_exit_0(tmp_path: Path) -> 
         out = job.output(n)
         assert "nodes live at the end: 2 (ranks dropped: [0])" in out, out[-3000:]
         dropped = re.search(rf"rank {n} dropped its gossip neighbour rank 0 at step (\d+)", out)
-        ended = re.search(rf"^stopped at step (\d+) of {UNREACHED}: {STOP_FILE} exists$", out,
-                          re.M)
+        ended = re.search(ENDED, out, re.M)
         assert dropped is not None and ended is not None, out[-3000:]
         assert int(ended.group(1)) > int(dropped.group(1)), out[-3000:]
 
@@ -211,8 +212,7 @@ def test_the_rendezvous_killed_mid_run_stops_no_node_linked(tmp_path: Path) -> N
     for n in (0, 1):
         out = job.output(n)
         assert "nodes live at the end: 2" in out and "dropped" not in out, out[-3000:]
-        ended = re.search(rf"^stopped at step (\d+) of {UNREACHED}: {STOP_FILE} exists$", out,
-                          re.M)
+        ended = re.search(ENDED, out, re.M)
         assert ended is not None and int(ended.group(1)) >= 300, out[-3000:]
 
 

@@ -20,18 +20,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.rendezvous.test_launch import (  # noqa: F401
+    ENDED,
     STOP_FILE,
+    UNREACHED,
     Job,
     _digest,
     _outputs,
     pytestmark,
 )
 
-STEPS = 100000   # a bound the job never reaches: it ends on its --stop-file
+STEPS = UNREACHED   # a bound the job never reaches: it ends on its --stop-file
 LINKED = ["--steps", str(STEPS), "--log-every", "100", "--wait-free", "--on-peer-loss",
           "continue", "--timeout-s", "20", "--stop-file", STOP_FILE]
-# the line of a node that ran to the job's end (the stop file's, not a failure's)
-ENDED = rf"^stopped at step (\d+) of {STEPS}: {STOP_FILE} exists$"
 BACK = r"\(node 1 joined: the parameters a running neighbour handed it\)$"
 
 
