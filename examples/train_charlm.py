@@ -447,6 +447,8 @@ def train(args: argparse.Namespace, place: Place, options: dict[str, object]) ->
             opt.zero_grad()
             loss = next_token_loss(net, batch.to(place.device))
             loss.backward()
+            if args.compute_ms:   # a larger model's kernels: the CPU and the GIL left free
+                time.sleep(args.compute_ms / 1e3)
             if args.clip > 0:
                 # The node's mean gradient first, so that every rank clips the same gradient.
                 opt.sync_gradients()
@@ -524,6 +526,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0,
                    help="Seed of the model, of the batches and of stochastic rounding.")
     g.add_argument("--log-every", type=int, default=25, help="Steps between loss lines.")
+    g.add_argument("--compute-ms", type=float, default=0.0, metavar="MS",
+                   help="Emulated compute: sleep MS after each step's backward, as a larger "
+                        "model's GPU kernels would take, the CPU and the GIL left free (the "
+                        "wait-free gossip's overlap on a laptop; several tiny nodes on one "
+                        "machine paced instead of spinning).")
     g.add_argument("--stop-file", default=None, metavar="PATH",
                    help="End the run before --steps once PATH exists (looked for at every "
                         "--log-every step; a node's ranks agree on it): the run averages, "
@@ -621,6 +628,9 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.steps, args.log_every, args.batch_size, args.context) < 1 or args.save_every < 0:
         ap.error("--steps, --log-every, --batch-size and --context must be >= 1, "
                  "--save-every >= 0")
+    if not 0 <= args.compute_ms <= 60_000:   # NaN fails both
+        ap.error(f"--compute-ms must be a number of milliseconds from 0 to 60000, got "
+                 f"{args.compute_ms}")
     if args.stop_file and not args.wait_free and ("RANK" in os.environ or args.rendezvous):
         # Lockstep nodes would see the file at different steps: one would average while
         # another still gossips.

@@ -1,21 +1,22 @@
 """The cluster benchmark's sharded runs (``--fsdp``): which methods have a sharded form and why
 the others do not, the byte formulas of one shard per rail, the flags' refusals, FSDP2's whole
 model back from its shards and the mean of the shards between nodes (a pooled Gloo world of 2
-nodes x 2 ranks), and whole runs of workload.py on this machine: two torchruns of 2 ranks each
-(no namespaces, no link emulation), every sharded method training a small transformer."""
+nodes x 2 ranks), and whole runs of workload.py on this machine, every sharded method training a
+small transformer: 2 nodes x 2 ranks with the environment torchrun gives them (no namespaces, no
+link emulation), forked from a server that imported torch once (four interpreters and two
+torchrun agents per run cost more than the runs; the smoke of the emulated cluster runs
+workload.py under torchrun)."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from bench.cluster import charlm
 from bench.cluster import compare as C
@@ -24,6 +25,7 @@ from bench.cluster import sharding as S
 from bench.cluster import training as T
 from bench.cluster import workload as WL
 from bench.cluster import workloads as W
+from qcomm.testing.multiprocess import free_ports, run_world
 from tests.bench.test_cluster_kill import _error  # a flag refused: exit 2, argparse's message
 
 REPO = Path(__file__).resolve().parents[2]
@@ -208,12 +210,6 @@ def test_shards_gather_to_the_whole_model_and_rails_average_the_nodes(gloo):
 # whole runs on this machine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def charlm_data(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("charlm") / "charlm.npz"
@@ -229,26 +225,45 @@ TINY = ["--workload", "charlm", "--width", "32", "--depth", "2", "--context", "1
 SHARDED = ("hsdp", "torchft-hsdp", "qcomm-hier-4-h2f2-g100-n", "torchft-diloco-h4")
 
 
+class _Left(Exception):
+    """workload.py's ``os._exit(code)``, raised in a test rank instead."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _leave(code: int) -> None:
+    raise _Left(code)
+
+
+def _workload_rank(rank: int, world: int, argv: list[str], port: int) -> int:
+    """One rank of workload.py on a node of two, as torchrun starts it: torchrun's variables,
+    then its main, which makes its own Gloo world through MASTER_ADDR:MASTER_PORT (the test
+    world's group is left first). The code it leaves with (``os._exit``, once rank 0 wrote the
+    JSON: it skips the group's teardown) comes back as the rank's result."""
+    dist.destroy_process_group()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank % 2),
+                      LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2), GROUP_WORLD_SIZE="2",
+                      QCB_IFACE="lo")
+    exit_now, os._exit = os._exit, _leave
+    try:
+        WL.main(argv)
+    except _Left as left:
+        return left.code
+    finally:
+        os._exit = exit_now
+    raise AssertionError("workload.py returned instead of leaving through os._exit")
+
+
 def _two_nodes(method: str, data: Path, out: Path, *extra: str) -> dict[str, Any]:
-    """workload.py as 2 nodes x 2 ranks: two torchruns on localhost, one per node."""
-    port = _free_port()
-    env = {**os.environ, "QCB_IFACE": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-         str(k), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-         str(port), str(REPO / "bench/cluster/workload.py"), "--method", method,
-         "--data", str(data), "--out", str(out), *TINY, *extra],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for k in (0, 1)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    """workload.py as 2 nodes x 2 ranks on localhost; its JSON."""
+    argv = ["--method", method, "--data", str(data), "--out", str(out), *TINY, *extra]
+    (port,) = free_ports(1)
+    # check_exit off: workload.py leaves its group to the OS rather than tear it down
+    codes = run_world(_workload_rank, 4, args=(argv, port), timeout_s=240,
+                      env={"OMP_NUM_THREADS": "1"}, check_exit=False)
+    assert codes == [0, 0, 0, 0], codes
     return json.loads(out.read_text())
 
 

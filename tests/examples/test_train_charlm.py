@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -189,15 +190,47 @@ def test_a_stop_file_ends_the_run_at_the_next_logged_step_as_its_end(
     assert math.isfinite(_val_loss(run.stdout, 4)), run.stdout[-3000:]
     assert "step 8/1000" not in run.stdout, run.stdout[-3000:]
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step0000004"]
-    spec = importlib.util.spec_from_file_location("train_charlm", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "train_charlm", example)   # its dataclasses look it up
-    spec.loader.exec_module(example)
+    example = _example_module(monkeypatch)
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as refused:
         example.main(args)
     assert refused.value.code == 2
     assert "--stop-file needs --wait-free" in capsys.readouterr().err
+
+
+def _example_module(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """examples/train_charlm.py imported in this process."""
+    spec = importlib.util.spec_from_file_location("train_charlm", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_charlm", example)   # its dataclasses look it up
+    spec.loader.exec_module(example)
+    return example
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "60001"])
+def test_compute_ms_out_of_range_is_refused_naming_it(
+        value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = _example_module(monkeypatch)
+    with pytest.raises(SystemExit) as refused:
+        example.main([*TINY, "--compute-ms", value])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "--compute-ms must be a number of milliseconds from 0 to 60000" in err, err
+
+
+def test_compute_ms_paces_every_step(monkeypatch: pytest.MonkeyPatch,
+                                     capfd: pytest.CaptureFixture[str]) -> None:
+    """--compute-ms 50: each step sleeps 50 ms after its backward, so no logged rate reaches
+    20 steps/s (a lower bound on the time, whatever the machine), and the run ends as any."""
+    example = _example_module(monkeypatch)
+    monkeypatch.delenv("RANK", raising=False)
+    assert example.main([*TINY, "--steps", "8", "--log-every", "4", "--compute-ms", "50"]) \
+        in (0, None)
+    out = capfd.readouterr().out   # the digest line goes to the file descriptor itself
+    rates = [float(r) for r in re.findall(r"^step \d+/8: .* ([\d.]+) steps/s$", out, re.M)]
+    assert len(rates) == 2 and all(r < 20 for r in rates), out[-3000:]
+    assert math.isfinite(_val_loss(out, 8)), out[-3000:]
 
 
 def test_a_job_restarted_by_its_torchrun_resumes_from_its_newest_checkpoint(

@@ -11,7 +11,13 @@ import os
 
 from qcomm.testing.multiprocess import free_ports
 from tests.rendezvous.test_launch import Job, pytestmark  # noqa: F401
-from tests.rendezvous.test_rejoin import LINKED, STEPS, _assert_rejoined, _end_once_back
+from tests.rendezvous.test_rejoin import (
+    KILL_AT,
+    LINKED,
+    STEPS,
+    _assert_rejoined,
+    _end_once_back,
+)
 
 TOKEN = "the-job-token-0123456789abcdef"
 
@@ -26,7 +32,7 @@ def test_the_two_site_recipe_trains_loses_a_node_and_takes_it_back(tmp_path) -> 
     try:
         for node in range(3):
             job.start(node, LINKED, restarts=1, node_id=True, env=envs[node])
-        job.wait_for(1, rf"^step 500/{STEPS}")
+        job.wait_for(1, rf"^step {KILL_AT}/{STEPS}")
         job.kill_worker(1)   # its torchrun starts it again: it takes its seat back
         _end_once_back(job)
         codes = job.exit_codes([0, 1, 2])

@@ -30,8 +30,13 @@ from tests.rendezvous.test_launch import (  # noqa: F401
 )
 
 STEPS = UNREACHED   # a bound the job never reaches: it ends on its --stop-file
-LINKED = ["--steps", str(STEPS), "--log-every", "100", "--wait-free", "--on-peer-loss",
-          "continue", "--timeout-s", "20", "--stop-file", STOP_FILE]
+KILL_AT = 200       # the step node 1 dies at; the others train on past it
+# Each step sleeps 20 ms after its backward (a larger model's compute): the tiny model's steps,
+# a few ms of CPU each, would otherwise spin on every core while the test waits for a restart,
+# and slow that very restart.
+PACE = ["--compute-ms", "20"]
+LINKED = ["--steps", str(STEPS), "--log-every", "50", "--wait-free", "--on-peer-loss",
+          "continue", "--timeout-s", "20", "--stop-file", STOP_FILE, *PACE]
 BACK = r"\(node 1 joined: the parameters a running neighbour handed it\)$"
 
 
@@ -72,7 +77,7 @@ def _assert_rejoined(job: Job, codes: list[int | None]) -> None:
     back = job.output(1)
     assert "node 1 (incarnation 2) joins the running job" in back, back[-3000:]
     at = re.search(r"node 1 joined at step (\d+) from a running neighbour's state", back)
-    assert at is not None and int(at.group(1)) > 500, back[-3000:]   # where the others were
+    assert at is not None and int(at.group(1)) > KILL_AT, back[-3000:]   # where the others were
     # its first validation loss is of the parameters it joined with, not of its fresh ones
     joined = back.split("node 1 joins the running job: its validation loss follows")
     assert len(joined) == 2, back[-3000:]
@@ -107,14 +112,14 @@ def _assert_two_nodes_of_two_end_in_one_model(job: Job, codes: list[int | None])
 
 def _machine_restarted(tmp: Path, args: list[str], then: Callable[[Job], None]
                        ) -> tuple[Job, list[int | None]]:
-    """Node 1's machine dies at step 500, agent and all; once its neighbour dropped it, a new
+    """Node 1's machine dies at step KILL_AT, agent and all; once its neighbour dropped it, a new
     torchrun with --node-id 1 and ``args``; ``then(job)`` waits for what follows and ends the
     run. The job and the three exit codes."""
     job = Job(tmp, 3)
     try:
         for node in range(3):
             job.start(node, LINKED)
-        job.wait_for(1, rf"^step 500/{STEPS}")
+        job.wait_for(1, rf"^step {KILL_AT}/{STEPS}")
         job.kill(1)
         job.wait_for(0, r"dropped its gossip neighbour rank 1")
         job.start(1, args)
@@ -132,7 +137,7 @@ def test_a_worker_restarted_by_its_torchrun_rejoins_the_running_job(tmp_path: Pa
         for node in range(3):
             job.start(node, LINKED, restarts=1, node_id=False)
             job.wait_for(node, r"parameters; 3 processes")   # seated: the next arrives after
-        job.wait_for(1, rf"^step 500/{STEPS}")
+        job.wait_for(1, rf"^step {KILL_AT}/{STEPS}")
         job.kill_worker(1)   # its torchrun starts it again: it takes its seat back
         _end_once_back(job)
         codes = job.exit_codes([0, 1, 2])
@@ -223,14 +228,14 @@ def test_a_fourth_node_started_later_joins_a_job_of_three(tmp_path: Path) -> Non
 
 
 def test_a_node_of_two_ranks_restarted_by_its_torchrun_rejoins_as_one_node(tmp_path: Path) -> None:
-    """Two nodes of two ranks: node 1's workers die at step 500 and its torchrun starts both
+    """Two nodes of two ranks: node 1's workers die at step KILL_AT and its torchrun starts both
     again. Each rank takes its own rail's neighbour's state; the node's two ranks agree on one
     step and one model, and the four ranks end with one model."""
     job = Job(tmp_path, 2)
     try:
         for node in range(2):
             job.start(node, LINKED, restarts=1, nproc=2)
-        job.wait_for(1, rf"^step 500/{STEPS}")
+        job.wait_for(1, rf"^step {KILL_AT}/{STEPS}")
         job.kill_worker(1)
         # the end once both ranks joined, from both rails, and trained to a logged step
         job.wait_for(1, r"node 1 joined at step \d+ from a running neighbour's state", count=2)
@@ -244,7 +249,7 @@ def test_a_node_of_two_ranks_restarted_by_its_torchrun_rejoins_as_one_node(tmp_p
     back = job.output(1)
     joined = re.findall(r"node 1 joined at step (\d+) from a running neighbour's state", back)
     assert len(joined) == 2 and len(set(joined)) == 1, back[-3000:]   # one step, both ranks
-    assert int(joined[0]) > 500, back[-3000:]
+    assert int(joined[0]) > KILL_AT, back[-3000:]
     offered = re.findall(r"node 0 offered its state to node 1 \(incarnation 2\)", job.output(0))
     assert len(offered) == 2, job.output(0)[-3000:]   # one per rail
     for n in range(2):
