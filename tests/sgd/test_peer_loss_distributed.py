@@ -17,6 +17,7 @@ import torch.distributed as dist
 from qcomm.sgd import ASSGD
 from qcomm.testing.multiprocess import run_world
 from tests.engine.problems import mlp, mlp_loss
+from tests.worlds import survivors_meet
 
 STEPS, KILL_AT, VICTIM = 90, 30, 1   # node 1 dies at step 30 of 90
 
@@ -176,10 +177,7 @@ def _rejoin_body(rank: int, world: int, directory: str, mode: str) -> dict:
     # A node that closes says goodbye, and a neighbour still stepping counts it out: no rank
     # closes before every rank has read its stats (a barrier on the job's store, which carries
     # no gossip message).
-    store = dist.distributed_c10d._get_default_store()
-    store.add("stats_read", 1)
-    while int(store.add("stats_read", 0)) < world:
-        time.sleep(0.01)
+    survivors_meet("stats_read", world)
     opt.close()
     return {"loaded": loaded, "momenta": momenta, "after": after, "live": st["live_nodes"],
             "steps": st["steps"], "rounds": st["gossip_rounds"]}
