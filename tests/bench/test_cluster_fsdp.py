@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -226,15 +227,7 @@ SHARDED = ("hsdp", "torchft-hsdp", "qcomm-hier-4-h2f2-g100-n", "torchft-diloco-h
 
 
 class _Left(Exception):
-    """workload.py's ``os._exit(code)``, raised in a test rank instead."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
-
-
-def _leave(code: int) -> None:
-    raise _Left(code)
+    """Raised in a test rank instead of workload.py's ``os._exit(code)``."""
 
 
 def _workload_rank(rank: int, world: int, argv: list[str], port: int) -> int:
@@ -246,13 +239,11 @@ def _workload_rank(rank: int, world: int, argv: list[str], port: int) -> int:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank % 2),
                       LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2), GROUP_WORLD_SIZE="2",
                       QCB_IFACE="lo")
-    exit_now, os._exit = os._exit, _leave
-    try:
-        WL.main(argv)
-    except _Left as left:
-        return left.code
-    finally:
-        os._exit = exit_now
+    with mock.patch.object(WL.os, "_exit", side_effect=_Left) as leave:
+        try:
+            WL.main(argv)
+        except _Left:
+            return leave.call_args.args[0]
     raise AssertionError("workload.py returned instead of leaving through os._exit")
 
 
