@@ -44,6 +44,7 @@ from qcomm.collectives.gossip.joining import (
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.topology import Topology
 from qcomm.engine.agreement import check_agreement, check_job_agreement
+from qcomm.rendezvous.departures import NoRunningMemberError, RunningMembers, leave, returns
 from qcomm.rendezvous.joins import JoinWatcher, announce, await_state, offer_state
 from qcomm.rendezvous.node import LinkedSeat
 from qcomm.rendezvous.refusals import RefusedError, record_refusal
@@ -150,6 +151,8 @@ class NodeJoins:
         self.store = torch.distributed.PrefixStore(self.prefix, self._client)
         self._watcher: JoinWatcher | None = None
         self._seen = 0
+        # an optimizer of this process that closed before said this rank left: it is back
+        returns(self.store, seat.node, seat.incarnation)
 
     # -----------------------------------------------------------------------------------------
     # the node that joins
@@ -162,6 +165,9 @@ class NodeJoins:
 
         Raises:
             TimeoutError: no running node offered a state within ``timeout_s``.
+            NoRunningMemberError: no other member is left to offer one (each left, was
+                refused, never took its seat or went silent: the job ended), found within
+                a few seconds.
             ValueError: the running nodes' gossip or model differ from this one's (named);
                 nothing of this rank changed.
             RuntimeError: another rank of this node could not join; nothing of this rank
@@ -174,7 +180,7 @@ class NodeJoins:
         state, failure = None, None
         try:
             state = self._received(seq)
-        except (TimeoutError, ValueError) as e:
+        except (TimeoutError, ValueError, NoRunningMemberError) as e:
             failure = e
         others_failed = bool(self._node_max(int(failure is not None)))
         if failure is not None:
@@ -204,8 +210,12 @@ class NodeJoins:
     def _received(self, seq: int) -> dict:
         """The state a running neighbour offered to join ``seq``, checked against this rank's
         model."""
-        payload = await_state(self.store, seq, self.seat.timeout_s, self.seat.rendezvous,
-                              token=self._token())
+        seat = self.seat
+        others = {m: m * seat.procs_per_node + seat.local_rank for m in range(seat.nodes)
+                  if m != seat.node}
+        running = RunningMembers(self._client, self.store, others, seat.timeout_s)
+        payload = await_state(self.store, seq, seat.timeout_s, seat.rendezvous,
+                              token=self._token(), check=running.check)
         state = torch.load(io.BytesIO(payload), weights_only=True)
         x, flat = state["x"], self.node.flat
         if x.shape != flat.flat.shape:
@@ -337,7 +347,16 @@ class NodeJoins:
         return out.getvalue()
 
     def close(self) -> None:
-        """Stop watching (its thread and connection go)."""
+        """Stop watching (its thread and connection go), and say at the rendezvous that this
+        rank left: a node that joins after every member left stops waiting for a state at
+        once (:mod:`~qcomm.rendezvous.departures`)."""
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
+        try:
+            leave(self.store, self.seat.node, self.seat.incarnation)
+        except (RuntimeError, OSError) as e:
+            # The rendezvous is gone or dropped us: a joiner then finds this rank by its
+            # silent beat instead, after the silence bound.
+            log.info("qcomm: node %d could not say at the rendezvous that it left (%s)",
+                     self.seat.node, str(e).splitlines()[0] if str(e) else type(e).__name__)

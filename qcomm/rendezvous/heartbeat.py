@@ -87,11 +87,12 @@ def start_heartbeat(host: str, port: int, rank: int, incarnation: int,
 class PulseWatch:
     """Whether a peer (global ``rank``, ``incarnation``) still beats, as seen from a wait for
     it: :meth:`check` raises once its count stood still for ``silence_s`` seconds (a peer
-    that never beat counts from the watch's making)."""
+    that never beat counts from the watch's making), its message ending with ``lost_as``
+    (what the silence means to the wait)."""
 
     def __init__(self, store: dist.Store, rank: int, incarnation: int,
-                 silence_s: float) -> None:
-        self.store = store
+                 silence_s: float, lost_as: str = "lost before it opened its link") -> None:
+        self.store, self.lost_as = store, lost_as
         self.key = PULSE_KEY.format(rank=rank, incarnation=incarnation)
         self.rank, self.incarnation = rank, incarnation
         self.silence_s = silence_s
@@ -110,4 +111,4 @@ class PulseWatch:
             state = "never beat" if count == 0 else f"stopped beating {now - self.moved:.0f} s ago"
             raise RuntimeError(
                 f"rank {self.rank} (incarnation {self.incarnation}) {state} at the rendezvous "
-                f"(no sign of life within {self.silence_s:g} s): lost before it opened its link")
+                f"(no sign of life within {self.silence_s:g} s): {self.lost_as}")

@@ -21,6 +21,7 @@ import datetime
 import logging
 import secrets
 import threading
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -78,9 +79,11 @@ def offer_state(store: dist.Store, seq: int, payload: bytes, token: bytes | None
 
 
 def await_state(store: dist.Store, seq: int, timeout_s: float, where: str = "",
-                token: bytes | None = None) -> bytes:
+                token: bytes | None = None, check: Callable[[], None] | None = None) -> bytes:
     """The state offered to join ``seq`` (the wait says every few seconds what it waits for,
-    naming the rendezvous ``where``); with the job ``token``, opened with it.
+    naming the rendezvous ``where``); with the job ``token``, opened with it. ``check`` is
+    called before each of those lines: what it raises ends the wait (no member left to
+    offer: :meth:`~qcomm.rendezvous.departures.RunningMembers.check`).
 
     Raises:
         TimeoutError: no running member offered it within ``timeout_s``;
@@ -90,7 +93,7 @@ def await_state(store: dist.Store, seq: int, timeout_s: float, where: str = "",
     key = _state_key(seq)
     try:
         wait_keys(store, {key: f"a running node to hand it its state (join {seq})"}, timeout_s,
-                  where or "of this job", who="this joining node")
+                  where or "of this job", who="this joining node", check=check)
     except TimeoutError as e:
         raise TimeoutError(f"no running member handed this joiner its state within "
                            f"{timeout_s:g} s (join {seq})") from e

@@ -4,11 +4,9 @@ pair_group`, :mod:`qcomm.rendezvous.joins`): three processes and a rendezvous on
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from qcomm.rendezvous import serve
 from qcomm.testing.join_world import member_command, wait_progress
-from qcomm.testing.multiprocess import free_ports
+from tests.rendezvous_thread import rendezvous_in_thread
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,16 +33,8 @@ def _worker(member: int, port: int, steps: int, out: Path, *extra: str, size: in
 @pytest.fixture
 def rendezvous() -> Iterator[tuple[int, dist.Store]]:
     """A rendezvous on localhost (in a thread of this process): its port and a client."""
-    (port,) = free_ports(1)
-    ready, stop = threading.Event(), threading.Event()
-    server = threading.Thread(target=serve, args=("127.0.0.1", port, 3),
-                              kwargs={"ready": ready, "stop": stop}, daemon=True)
-    server.start()
-    assert ready.wait(10)
-    yield port, dist.TCPStore("127.0.0.1", port, is_master=False,
-                              timeout=datetime.timedelta(seconds=10))
-    stop.set()
-    server.join(5)
+    with rendezvous_in_thread(client_timeout_s=10) as served:
+        yield served
 
 
 def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:

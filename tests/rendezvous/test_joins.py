@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
 
-from qcomm.rendezvous import serve
 from qcomm.rendezvous.joins import (
     STATE_PART_BYTES,
     JoinWatcher,
@@ -25,25 +23,13 @@ from qcomm.rendezvous.joins import (
     offer_state,
 )
 from qcomm.testing.multiprocess import free_port
-
-
-def _serve(port: int) -> tuple[threading.Thread, threading.Event]:
-    ready, stop = threading.Event(), threading.Event()
-    t = threading.Thread(target=serve, args=("127.0.0.1", port, 3),
-                         kwargs={"ready": ready, "stop": stop}, daemon=True)
-    t.start()
-    assert ready.wait(10)
-    return t, stop
+from tests.rendezvous_thread import rendezvous_in_thread, serve_in_thread
 
 
 @pytest.fixture
 def rendezvous() -> Iterator[tuple[int, dist.Store]]:
-    port = free_port()
-    t, stop = _serve(port)
-    yield port, dist.TCPStore("127.0.0.1", port, is_master=False,
-                              timeout=datetime.timedelta(seconds=5))
-    stop.set()
-    t.join(5)
+    with rendezvous_in_thread() as served:
+        yield served
 
 
 def _collect(watcher: JoinWatcher, count: int, timeout_s: float = 10.0) -> list:
@@ -114,7 +100,7 @@ def test_a_rendezvous_that_is_down_stops_nothing_and_joins_wait_for_it(caplog) -
         while "does not answer" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.05)
         assert caplog.text.count("does not answer") == 1   # once, however many polls fail
-        t, stop = _serve(port)                 # back
+        t, stop = serve_in_thread(port)        # back
         store = dist.TCPStore("127.0.0.1", port, is_master=False,
                               timeout=datetime.timedelta(seconds=5))
         announce(store, 2, 2)

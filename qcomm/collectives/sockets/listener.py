@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 
+from qcomm.rendezvous.waiting import raise_if_abandoned
 from qcomm.validation import check_host_port
 from qcomm.wire.admission import HANDSHAKE_TIMEOUT_S, AdmissionError, Admitted, accept, cut
 from qcomm.wire.frames import FrameError
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # Handshakes in progress at once, at most (each holds a thread up to HANDSHAKE_TIMEOUT_S).
 MAX_ADMITTING = 64
+# Seconds between a waiting claim's looks at whether its wait was abandoned.
+CLAIM_POLL_S = 0.05
 
 
 def parse_listen(address: object, name: str = "listen") -> tuple[str, int]:
@@ -133,24 +136,40 @@ class Listener:
             c.close()
 
     def claim(self, link: str, timeout_s: float) -> tuple[socket.socket, Admitted]:
-        """The connection admitted for ``link``, waiting for it up to ``timeout_s``.
+        """The connection admitted for ``link``, waiting for it up to ``timeout_s``. The wait
+        ends early when the calling thread's wait is abandoned
+        (:func:`~qcomm.rendezvous.waiting.abandon_when`: its link's streams closed while the
+        other end never came) or the listener closes.
 
         Raises:
-            TimeoutError: it did not come within ``timeout_s``.
+            TimeoutError: it did not come within ``timeout_s``;
+            WaitAbandoned: the wait was abandoned (a RuntimeError);
+            RuntimeError: the listener closed.
         """
+        deadline = time.monotonic() + timeout_s
         with self.cond:
-            if not self.cond.wait_for(lambda: link in self._parked, timeout_s):
-                raise TimeoutError(f"the other end of link {link} did not connect to "
-                                   f"{self.address} within {timeout_s:g} s")
+            while link not in self._parked:
+                # In slices: a daemon thread still waiting here when the interpreter exits
+                # outlives its streams' close() by up to the bound (minutes) otherwise.
+                raise_if_abandoned()
+                if self._closed:
+                    raise RuntimeError(f"link {link}: the listener on {self.address} closed "
+                                       "while the link waited for its other end")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the other end of link {link} did not connect to "
+                                       f"{self.address} within {timeout_s:g} s")
+                self.cond.wait(min(left, CLAIM_POLL_S))
             conn, admitted, _ = self._parked.pop(link)
         return conn, admitted
 
     def close(self) -> None:
-        """Stop accepting; parked connections close."""
+        """Stop accepting; parked connections close, and claims waiting end."""
         self._closed = True
         self.sock.close()
         with self.cond:
             parked, self._parked = list(self._parked.values()), {}
+            self.cond.notify_all()
         for conn, _, _ in parked:
             conn.close()
 

@@ -11,12 +11,16 @@ import struct
 import threading
 
 from qcomm.rendezvous.link_relay import PAIRED, RELAY_LINK
+from qcomm.rendezvous.waiting import WaitAbandoned, raise_if_abandoned
 from qcomm.wire.admission import HANDSHAKE_TIMEOUT_S, AdmissionError, cut, dial
 from qcomm.wire.frames import FrameError, recv_exact
 
 from .listener import connect_to
 
 __all__ = ["dial_relay"]
+
+# Seconds between a relayed link's looks at whether its wait for the other end was abandoned.
+PAIRING_POLL_S = 0.05
 
 
 def dial_relay(address: str, link: str, side: str, token: bytes | None, timeout_s: float
@@ -36,13 +40,41 @@ def dial_relay(address: str, link: str, side: str, token: bytes | None, timeout_
     deadline.start()
     try:
         dial(sock, {"link": RELAY_LINK, "pair": link, "side": side}, token)
-        answer = bytes(recv_exact(sock, 1))
+        answer = _pairing_answer(sock)
         if answer != PAIRED:
             (n,) = struct.unpack("!H", recv_exact(sock, 2))
             raise AdmissionError(bytes(recv_exact(sock, n)).decode(errors="replace"))
     except (AdmissionError, FrameError, OSError) as e:
         sock.close()
         raise RuntimeError(f"link through the relay at {address}: {e}") from e
+    except WaitAbandoned:
+        sock.close()
+        raise
     finally:
         deadline.cancel()
     return sock
+
+
+def _pairing_answer(sock: socket.socket) -> bytes:
+    """The relay's first byte once it has both ends (or its refusal's), read in slices of
+    :data:`PAIRING_POLL_S`: the wait for the other end, which may never come, ends at the next
+    slice once the calling thread's wait is abandoned (its link's streams closed:
+    :func:`~qcomm.rendezvous.waiting.abandon_when`), not at its bound.
+
+    Raises:
+        WaitAbandoned: the wait was abandoned; FrameError: the relay closed the connection.
+    """
+    before = sock.gettimeout()
+    sock.settimeout(PAIRING_POLL_S)
+    try:
+        while True:
+            raise_if_abandoned()
+            try:
+                got = sock.recv(1)
+            except TimeoutError:
+                continue
+            if not got:
+                raise FrameError("connection closed by the peer")
+            return got
+    finally:
+        sock.settimeout(before)

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
+import time
 
 import torch
 
 from qcomm.collectives.errors import PeerLostError
+from qcomm.collectives.sockets.relayed import dial_relay
 from qcomm.rendezvous.link_relay import LinkRelay
+from qcomm.rendezvous.waiting import WaitAbandoned, abandon_when
 
 from .test_group import SECRET, run_pair
 
@@ -95,3 +99,38 @@ def test_without_a_port_on_either_end_nor_a_relay_the_error_says_so() -> None:
     for m in (0, 1):
         err = out[m][2]
         assert err is not None and "the rendezvous relays no links (--relay-port)" in str(err)
+
+
+def test_a_wait_for_the_other_end_through_the_relay_is_abandoned_at_once() -> None:
+    """One end dials the relay and the other never comes: while the relay holds it (its own
+    wait, 30 s here), the link's streams closing abandons the wait within a slice, and the
+    connection to the relay is closed (the relay sees it go)."""
+    relay = LinkRelay("127.0.0.1", 0, SECRET.encode(), wait_s=30)
+    abandoned = threading.Event()
+    out: dict = {}
+
+    def dial_alone() -> None:
+        t0 = time.monotonic()
+        try:
+            with abandon_when(abandoned.is_set, "gossip link to rank 1"):
+                dial_relay(_address(relay), link, "dial", SECRET.encode(), 30)
+        except Exception as e:   # what ended the wait, and when
+            out["error"] = e
+        out["took"] = time.monotonic() - t0
+
+    link = "qcomm/link/g/0.1-1.1/1/"
+    t = threading.Thread(target=dial_alone, daemon=True)
+    try:
+        t.start()
+        deadline = time.monotonic() + 10
+        while link not in relay._waiting and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert link in relay._waiting            # the relay holds this end for the other
+        abandoned.set()
+        t.join(5)
+        assert not t.is_alive()
+        assert isinstance(out["error"], WaitAbandoned), out
+        assert out["took"] < 10.0                # not the relay's 30 s
+        assert relay._waiting[link].gone()       # its connection to the relay closed
+    finally:
+        relay.close()
