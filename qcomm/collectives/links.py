@@ -40,7 +40,7 @@ from qcomm.collectives.errors import PeerError
 from qcomm.collectives.stats import CommStats
 
 __all__ = ["KEEPALIVES_PER_TIMEOUT", "TAG_MODULUS", "MessageStreams", "RoundHandle", "Transport",
-           "record"]
+           "record", "take_through_goodbye"]
 
 # Point-to-point tags of rounds are taken modulo this (the rounds in flight between a pair
 # never reach it), vectors from it on.
@@ -242,6 +242,24 @@ class MessageStreams(ABC):
         """Send ``goodbye`` (the last message: the neighbours' streams from us end cleanly)
         when given, then stop. Never raises; waits a few seconds at most for the goodbye to
         leave and for the neighbours' own goodbyes."""
+
+
+def take_through_goodbye(streams: MessageStreams, k: int
+                         ) -> tuple[list[torch.Tensor], PeerError | None, bool]:
+    """What stream ``k`` brought (:meth:`MessageStreams.take`), its failure, and whether it
+    ended with a goodbye with every message before the goodbye in this take: the caller may
+    then close the link with nothing left behind.
+
+    A peer's messages come before its goodbye, so once the goodbye is seen one more take has
+    them all; the goodbye is read before the take, and when it came during the take, the
+    stream is taken again. Read only after a take, a goodbye that came just after it said
+    the stream ended while its last messages were still waiting to be taken."""
+    ended = streams.ended(k)
+    msgs, err = streams.take(k)
+    if not ended and streams.ended(k):
+        more, err = streams.take(k)
+        msgs, ended = msgs + more, True
+    return msgs, err, ended
 
 
 def record(level: str, stats: CommStats | None, message: torch.Tensor) -> None:

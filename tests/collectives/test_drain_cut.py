@@ -3,7 +3,9 @@ exactly what that neighbour had sent when it passed its own drain, even when the
 passed first and went on sending while this member still waited in it. The state saved then
 (a checkpoint) is what a resumed run starts from on both ends: a member that had applied more
 expected rounds its neighbour then sent again, and failed their verification (seen in a job
-restarted by torchrun from its checkpoint, on a loaded machine)."""
+restarted by torchrun from its checkpoint, on a loaded machine). A neighbour that leaves
+(goodbye) leaves nothing it sent unapplied: not past a drain's cut, nor when its goodbye
+comes between a take and the look at whether its stream ended."""
 
 from __future__ import annotations
 
@@ -79,3 +81,118 @@ def test_what_a_drain_applies_is_what_the_neighbour_sent_before_its_marker(kind:
     res = _run(kind)
     assert res[0]["applied"] == res[1]["sent"], res   # not the PAST rounds after it
     assert res[0]["after"] == res[1]["after"] == res[1]["sent"] + PAST, res
+
+
+
+@pytest.mark.parametrize("kind", ["ring", "one-peer"])
+def test_what_a_neighbour_sent_past_the_cut_before_its_goodbye_is_applied(kind: str) -> None:
+    """Member 1 passes the drain, sends PAST rounds and leaves (its goodbye) while member 0
+    still waits in the drain; member 0 then drains again alone. The one-peer goodbye used to
+    close the link at once, during the drain, and the rounds held past the cut went with it:
+    sent, never applied (the ring holds its goodbyes until the drain is over)."""
+    world = MemoryWorld(2, timeout_s=30)
+    gone = threading.Event()   # member 1 sent PAST rounds after the drain and closed
+
+    def body(rank: int) -> dict:
+        g = _gossip(kind, world.group([0, 1], rank))
+        x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(rank))
+        _steps(g, x, 6)
+        if rank == 1:
+            g.drain()
+            sent = _sent_now(kind, g)   # rounds sent to member 0 before its marker
+            _steps(g, x, PAST)
+            after = _sent_now(kind, g)
+            g.close()
+            gone.set()
+            return {"sent": sent, "after": after}
+        g.send_marker()
+        assert gone.wait(20)
+        g.await_markers()          # member 1's marker, its PAST rounds and its goodbye wait
+        applied = _received_from_1(kind, g)
+        g.drain()                  # after the cut: what was held is applied
+        after = _received_from_1(kind, g)
+        _steps(g, x, 1)            # and the link closes (the ring's at its next step)
+        out = {"applied": applied, "after": after, "losses": len(g.losses),
+               "live": g.live_members()}
+        g.close()
+        return out
+
+    res = world.run(body, timeout_s=60)
+    assert res[0]["applied"] == res[1]["sent"], res
+    assert res[0]["after"] == res[1]["after"] == res[1]["sent"] + PAST, res
+    assert res[0]["losses"] == 0 and res[0]["live"] == 1, res   # it left: no loss
+
+
+def _sent_now(kind: str, g) -> int:
+    """Member 1's rounds sent to member 0 so far."""
+    return g.rounds_started if kind == "ring" else g.links[0].sent
+
+
+def _received_from_1(kind: str, g) -> int:
+    """Member 0's rounds applied of member 1, its link live or closed."""
+    if kind == "ring":
+        return max(g._links.received[k] for k, link in enumerate(g.membership.links)
+                   if link.peer == 1)
+    return g.links[1].received
+
+
+class _LateGoodbye:
+    """Member 0's streams as its receiver thread can make them look: the peer's last
+    messages and its goodbye arrive just after a take (that take finds nothing; the goodbye
+    is there when looked at next, the messages at the next take)."""
+
+    def __init__(self, streams) -> None:
+        self.streams, self.armed, self.hidden = streams, False, False
+
+    def take(self, k: int):
+        if self.armed and not self.hidden:
+            self.hidden = True   # this take came first: it gets nothing
+            return [], None
+        return self.streams.take(k)
+
+    def ended(self, k: int) -> bool:
+        if self.armed:
+            return self.hidden   # the goodbye came right after that take
+        return self.streams.ended(k)
+
+    def __getattr__(self, name: str):
+        return getattr(self.streams, name)
+
+
+
+@pytest.mark.parametrize("kind", ["ring", "one-peer"])
+def test_a_goodbye_that_comes_just_after_a_take_leaves_no_message_behind(kind: str) -> None:
+    """Member 1 sends PAST rounds and leaves; member 0's look takes nothing, and then finds
+    the goodbye (both came in between, as a receiver thread can make it). The link used to
+    close then, its last rounds never taken; they are applied first, then it closes."""
+    world = MemoryWorld(2, timeout_s=30)
+    gone = threading.Event()
+
+    def body(rank: int) -> dict:
+        g = _gossip(kind, world.group([0, 1], rank))
+        x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(rank))
+        _steps(g, x, 6)
+        g.drain()
+        if rank == 1:
+            _steps(g, x, PAST)
+            sent = _sent_now(kind, g)
+            g.close()
+            gone.set()
+            return {"sent": sent}
+        assert gone.wait(20)
+        before = _received_from_1(kind, g)
+        late = _LateGoodbye(g._streams_now())
+        g._streams, late.armed = late, True
+        g._take_in()
+        if kind == "ring":
+            g._apply_pending()
+        out = {"before": before, "after": _received_from_1(kind, g),
+               "live": g.live_members(), "losses": len(g.losses)}
+        g._streams = late.streams
+        g.close()
+        return out
+
+    res = world.run(body, timeout_s=60)
+    assert res[0]["before"] == res[1]["sent"] - PAST, res
+    assert res[0]["after"] == res[1]["sent"], res           # every round it sent, applied
+    assert res[0]["live"] == 1 and res[0]["losses"] == 0, res   # and it left: no loss

@@ -128,8 +128,8 @@ def _one_node_body(world: MemoryWorld, out: dict) -> callable:
             for p in model.parameters():
                 p.fill_(float(rank + 1))
                 opt.optimizer.state[p]["momentum_buffer"].fill_(float(10 * (rank + 1)))
-        seat = SimpleNamespace(local_rank=rank % PPN, node=rank // PPN, timeout_s=10.0,
-                               store=dist.HashStore)
+        seat = SimpleNamespace(local_rank=rank % PPN, node=rank // PPN, incarnation=2,
+                               timeout_s=10.0, store=dist.HashStore)
         NodeJoins(seat, node, None, opt.optimizer)._one_node()
         out[rank] = {"steps": opt.engine.steps,
                      "momentum": [opt.optimizer.state[p]["momentum_buffer"].clone()

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 
 from qcomm.collectives.errors import CorruptPayloadError, PeerError
-from qcomm.collectives.links import MessageStreams
+from qcomm.collectives.links import MessageStreams, take_through_goodbye
 
 from .codec import GossipCodec
 from .integrity import bad_messages, judge, message_facts
@@ -74,6 +74,7 @@ class NeighbourCopies:
         self.boxes: list[deque[torch.Tensor]] = [deque() for _ in range(links)]
         self.pending: list[list[Verified]] = [[] for _ in range(links)]
         self.cut: int | None = None   # the drain in progress (markers sent), None: none
+        self.goodbyes: set[int] = set()   # links whose goodbye the last take found (take)
 
     @contextmanager
     def cut_at(self, drains: int) -> Iterator[None]:
@@ -128,11 +129,17 @@ class NeighbourCopies:
         return max((t + 1 - self.received[k] for k in self.members.mixable()), default=0)
 
     def take(self, streams: MessageStreams) -> list[tuple[int, PeerError]]:
-        """Move what arrived on the live links into the boxes; the links that failed."""
+        """Move what arrived on the live links into the boxes; the links that failed. The
+        links whose goodbye came with all that their peer sent before it are in
+        :attr:`goodbyes` until the next take (:func:`~qcomm.collectives.links.
+        take_through_goodbye`: closed on them, nothing is left behind)."""
         failures = []
+        self.goodbyes = set()
         for k in self.members.live_links():
-            msgs, err = streams.take(k)
+            msgs, err, ended = take_through_goodbye(streams, k)
             self.boxes[k].extend(msgs)
+            if ended:
+                self.goodbyes.add(k)
             if err is not None:
                 failures.append((k, err))
         return failures

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from qcomm.collectives.errors import CorruptPayloadError, PeerError, PeerTimeoutError
-from qcomm.collectives.links import MessageStreams
+from qcomm.collectives.links import MessageStreams, take_through_goodbye
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.torch_group import resolve_group
 from qcomm.compress import packed_nbytes
@@ -92,6 +92,8 @@ class OnePeerWaitFree(GossipMember):
         self._device: torch.device | None = None
         self._drains = 0
         self._cut: int | None = None   # during a drain's wait: the markers sent
+        # peers that left during a drain: what they sent past its cut, applied after it
+        self._held: set[int] = set()
         self._drained_at: int | None = None
 
     # -----------------------------------------------------------------------------------------
@@ -153,21 +155,39 @@ class OnePeerWaitFree(GossipMember):
 
     def _take_in(self) -> None:
         streams = self._streams_now()
+        for p in sorted(self._held):   # left during a drain: applied once past its cut
+            self._apply_inbox(self.links[p])
+            if not self.links[p].inbox:
+                self._held.discard(p)
         for p in self.live_links():
             k, link = self._k(p), self.links[p]
-            msgs, err = streams.take(k)
+            msgs, err, ended = take_through_goodbye(streams, k)
             link.inbox.extend(msgs)
-            # During a drain nothing past the peer's marker of it is applied: the state saved
-            # after it is a consistent cut (a peer through the drain first sends on meanwhile).
-            while link.inbox and (self._cut is None or link.markers < self._cut):
-                self._sort(link, link.inbox[0])   # (a message that fails stays)
-                link.inbox.popleft()
+            self._apply_inbox(link)
             if err is not None:
                 self._fail(p, err)
-            elif streams.ended(k):   # a goodbye: it left on purpose, no loss
-                self.links[p].live = False
-                self.lost.add(p)
-                streams.drop(k)
+            elif ended:   # a goodbye: it left on purpose, no loss
+                self._close_left(p)
+
+    def _close_left(self, p: int) -> None:
+        """Close the link to ``p``, which said goodbye (it left: no loss). What it sent past
+        the marker of a drain in progress waits in its inbox and is applied at the first
+        take past that drain (:attr:`_held`), not dropped with the link."""
+        self._streams_now().drop(self._k(p))
+        link = self.links[p]
+        link.live = False
+        self.lost.add(p)
+        if link.inbox:
+            self._held.add(p)
+
+    def _apply_inbox(self, link: PeerLink) -> None:
+        """Apply what ``link`` brought, in order. During a drain nothing past the peer's
+        marker of it is applied: the state saved after it is a consistent cut (a peer through
+        the drain first sends on meanwhile); it stays in the inbox until a take past the drain
+        (also when the peer left meanwhile: :meth:`_close_left`)."""
+        while link.inbox and (self._cut is None or link.markers < self._cut):
+            self._sort(link, link.inbox[0])   # (a message that fails stays)
+            link.inbox.popleft()
 
     def _sort(self, link: PeerLink, m: torch.Tensor) -> None:
         """One message from ``link``'s peer: its next one (applied), a drain marker, or
@@ -194,11 +214,14 @@ class OnePeerWaitFree(GossipMember):
         left = streams.ended(self._k(p))
         if self.on_peer_loss == "raise" and not left:
             raise err
+        if left:   # what it sent before its goodbye and was not taken yet, first
+            msgs, _, _ = take_through_goodbye(streams, self._k(p))
+            link.inbox.extend(msgs)
+            self._apply_inbox(link)
+            return self._close_left(p)
         link.live = False
         self.lost.add(p)
         streams.drop(self._k(p))
-        if left:
-            return
         self.losses.append({"rank": link.rank, "member": p, "step": self.steps,
                             "round": self.rounds_started, "time": time.time(),
                             "error": type(err).__name__, "detail": str(err)})
