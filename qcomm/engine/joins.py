@@ -57,6 +57,11 @@ __all__ = ["NodeJoins", "agree_and_join", "check_linked_options", "wait_for_link
 log = logging.getLogger("qcomm")
 
 
+def _first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (its type's name when it has none), for a log line."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def wait_for_links(gossip: Any, timeout_s: float, who: str) -> bool:
     """Wait up to ``timeout_s`` for ``gossip``'s links to be made (``wait_linked``); when some
     are not, say so on the ``qcomm`` logger (a warning naming ``who`` and the bound) and go
@@ -330,7 +335,7 @@ class NodeJoins:
                     # in its own bound, and its link here counts as lost like any other.
                     log.warning("qcomm: node %d could not offer its state to node %d "
                                 "(incarnation %d): %s", self.seat.node, member, incarnation,
-                                str(e).splitlines()[0] if str(e) else type(e).__name__)
+                                _first_line(e))
                     continue
                 log.info("qcomm: node %d offered its state to node %d (incarnation %d) at step "
                          "%d", self.seat.node, member, incarnation, g.steps)
@@ -359,4 +364,4 @@ class NodeJoins:
             # The rendezvous is gone or dropped us: a joiner then finds this rank by its
             # silent beat instead, after the silence bound.
             log.info("qcomm: node %d could not say at the rendezvous that it left (%s)",
-                     self.seat.node, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                     self.seat.node, _first_line(e))

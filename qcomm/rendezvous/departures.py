@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .heartbeat import PulseWatch
+from .heartbeat import PulseWatch, silence_of
 from .refusals import refusal_of_member
 from .seat import INCARNATION_KEY
 
@@ -76,16 +76,9 @@ class RunningMembers:
         why = refusal_of_member(self.client, member, incarnation)
         if why is not None:
             return f"{named} was refused ({why})"
-        watch = self._watches.get((member, incarnation))
-        if watch is None:
-            watch = self._watches[(member, incarnation)] = PulseWatch(
-                self.client, self.ranks[member], incarnation, self.silence_s,
-                lost_as="lost")
-        try:
-            watch.check()
-        except RuntimeError as e:
-            return f"member {member}: {e}"
-        return None
+        silent = silence_of(self._watches, member, self.client, self.ranks[member],
+                            incarnation, self.silence_s, lost_as="lost")
+        return None if silent is None else f"member {member}: {silent}"
 
     def check(self) -> None:
         """Return while some member may still hand the state; else raise.

@@ -24,7 +24,8 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["BEAT_EVERY_S", "PULSE_KEY", "Heartbeat", "PulseWatch", "start_heartbeat"]
+__all__ = ["BEAT_EVERY_S", "PULSE_KEY", "Heartbeat", "PulseWatch", "silence_of",
+           "start_heartbeat"]
 
 log = logging.getLogger(__name__)
 
@@ -112,3 +113,20 @@ class PulseWatch:
             raise RuntimeError(
                 f"rank {self.rank} (incarnation {self.incarnation}) {state} at the rendezvous "
                 f"(no sign of life within {self.silence_s:g} s): {self.lost_as}")
+
+
+def silence_of(watches: dict[tuple[int, int], PulseWatch], member: int, store: dist.Store,
+               rank: int, incarnation: int, silence_s: float,
+               lost_as: str = "lost before it opened its link") -> str | None:
+    """Why ``member`` (global ``rank`` at ``incarnation``) counts as gone by its beat, or None
+    while it beats: its :class:`PulseWatch` in ``watches`` (made at the first ask, kept across
+    the asks of one wait), checked."""
+    watch = watches.get((member, incarnation))
+    if watch is None:
+        watch = watches[(member, incarnation)] = PulseWatch(store, rank, incarnation,
+                                                            silence_s, lost_as)
+    try:
+        watch.check()
+    except RuntimeError as e:
+        return str(e)
+    return None

@@ -23,7 +23,7 @@ import time
 
 import torch.distributed as dist
 
-from .heartbeat import PulseWatch
+from .heartbeat import PulseWatch, silence_of
 from .refusals import refusal_of_member
 from .seat import INCARNATION_KEY
 from .waiting import REPORT_EVERY_S
@@ -98,12 +98,4 @@ def _gone(store: dist.Store, member: int, rank: int, silence_s: float,
     why = refusal_of_member(store, member, incarnation)
     if why is not None:
         return f"the job refused it ({why})"
-    watch = watches.get((member, incarnation))
-    if watch is None:
-        watch = watches[(member, incarnation)] = PulseWatch(store, rank, incarnation,
-                                                            silence_s)
-    try:
-        watch.check()
-    except RuntimeError as e:
-        return str(e)
-    return None
+    return silence_of(watches, member, store, rank, incarnation, silence_s)

@@ -340,19 +340,16 @@ class Membership:
             self.retired_in.append(k)
         return changes
 
-    def links_ended(self, goodbyes: bool = True,
-                    said_goodbye: Callable[[int], bool] | None = None) -> bool:
+    def links_ended(self, goodbyes: bool, said_goodbye: set[int]) -> bool:
         """Whether a link is to close: retired at both ends, or (``goodbyes``) its neighbour
-        said goodbye (``said_goodbye(k)``, default the stream's ``ended``: pass the goodbyes
-        a take found with every message before them, or the last messages may be left
-        behind). Not goodbyes during a drain: a member that passed the drain may say goodbye
-        before the others have, and the drain's cut (a checkpoint's) holds its link."""
-        said_goodbye = said_goodbye or self.streams().ended
+        said goodbye (it is in ``said_goodbye``: the goodbyes a take found with every message
+        before them, :func:`~qcomm.collectives.links.take_through_goodbye`). Not goodbyes
+        during a drain: a member that passed the drain may say goodbye before the others
+        have, and the drain's cut (a checkpoint's) holds its link."""
         return bool(self.retired_in) or (goodbyes and any(
-            said_goodbye(k) for k in self.live_links()))
+            k in said_goodbye for k in self.live_links()))
 
-    def close_ended(self, goodbyes: bool = True,
-                    said_goodbye: Callable[[int], bool] | None = None) -> LinkChanges:
+    def close_ended(self, goodbyes: bool, said_goodbye: set[int]) -> LinkChanges:
         """Close the links :meth:`links_ended` found (after their last messages were applied):
         no loss. A retired link's neighbour stays live; one that said goodbye left on purpose:
         it is no longer live here, but no loss is recorded and the ring is not closed over it
@@ -362,10 +359,9 @@ class Membership:
             self._unknown_join = False
             self.on_unknown_join()
         streams, changes = self.streams(), LinkChanges()
-        said_goodbye = said_goodbye or streams.ended
         for k in self.live_links():
             link = self.links[k]
-            left = goodbyes and said_goodbye(k)
+            left = goodbyes and k in said_goodbye
             if k not in self.retired_in and not left:
                 continue
             link.live = False

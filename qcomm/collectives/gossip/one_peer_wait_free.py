@@ -215,7 +215,7 @@ class OnePeerWaitFree(GossipMember):
         if self.on_peer_loss == "raise" and not left:
             raise err
         if left:   # what it sent before its goodbye and was not taken yet, first
-            msgs, _, _ = take_through_goodbye(streams, self._k(p))
+            msgs, _ = streams.take(self._k(p))
             link.inbox.extend(msgs)
             self._apply_inbox(link)
             return self._close_left(p)

@@ -174,7 +174,7 @@ class WaitFreeGossip(GossipMember):
         self._links.sort(failures, self._hello_taken,
                          lambda k: self._apply(self.membership.peer_retired(k, self._own())))
         self._handle(failures)
-        if self.membership.links_ended(goodbyes, said := self._links.goodbyes.__contains__):
+        if self.membership.links_ended(goodbyes, said := self._links.goodbyes):
             self._apply_pending()   # the links close once what came before is applied
             self._apply(self.membership.close_ended(goodbyes, said))
         return failures

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 # Handshakes in progress at once, at most (each holds a thread up to HANDSHAKE_TIMEOUT_S).
 MAX_ADMITTING = 64
-# Seconds between a waiting claim's looks at whether its wait was abandoned.
+# Seconds between a link's looks, while it waits for its other end (here, or at the relay),
+# at whether its wait was abandoned.
 CLAIM_POLL_S = 0.05
 
 

@@ -15,12 +15,9 @@ from qcomm.rendezvous.waiting import WaitAbandoned, raise_if_abandoned
 from qcomm.wire.admission import HANDSHAKE_TIMEOUT_S, AdmissionError, cut, dial
 from qcomm.wire.frames import FrameError, recv_exact
 
-from .listener import connect_to
+from .listener import CLAIM_POLL_S, connect_to
 
 __all__ = ["dial_relay"]
-
-# Seconds between a relayed link's looks at whether its wait for the other end was abandoned.
-PAIRING_POLL_S = 0.05
 
 
 def dial_relay(address: str, link: str, side: str, token: bytes | None, timeout_s: float
@@ -57,7 +54,7 @@ def dial_relay(address: str, link: str, side: str, token: bytes | None, timeout_
 
 def _pairing_answer(sock: socket.socket) -> bytes:
     """The relay's first byte once it has both ends (or its refusal's), read in slices of
-    :data:`PAIRING_POLL_S`: the wait for the other end, which may never come, ends at the next
+    :data:`CLAIM_POLL_S`: the wait for the other end, which may never come, ends at the next
     slice once the calling thread's wait is abandoned (its link's streams closed:
     :func:`~qcomm.rendezvous.waiting.abandon_when`), not at its bound.
 
@@ -65,7 +62,7 @@ def _pairing_answer(sock: socket.socket) -> bytes:
         WaitAbandoned: the wait was abandoned; FrameError: the relay closed the connection.
     """
     before = sock.gettimeout()
-    sock.settimeout(PAIRING_POLL_S)
+    sock.settimeout(CLAIM_POLL_S)
     try:
         while True:
             raise_if_abandoned()
