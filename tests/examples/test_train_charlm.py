@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from qcomm.checkpoint.checkpoint_file import checkpoint_path
 from qcomm.testing.multiprocess import descendants, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -237,7 +238,10 @@ def test_a_job_restarted_by_its_torchrun_resumes_from_its_newest_checkpoint(
     """One torchrun of two processes, --max-restarts 1 and --resume latest: rank 1 is killed
     after the step-100 checkpoint, torchrun starts both again and they go on from it. (torch's
     agent keeps its store across restarts: the restarted ranks' group must not read their
-    predecessors' addresses, or its Gloo connect is refused.)"""
+    predecessors' addresses, or its Gloo connect is refused.) The kill waits for rank 1's own
+    record of that checkpoint too: the gossip is wait-free, and on a loaded machine rank 0
+    logged step 150 while rank 1 had not written its part of step 100 yet (the restart then
+    found no checkpoint every rank held and started at step 0)."""
     if not TORCHRUN.exists():
         pytest.skip(f"no torchrun next to {sys.executable}")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -252,7 +256,9 @@ def test_a_job_restarted_by_its_torchrun_resumes_from_its_newest_checkpoint(
                                  stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while not re.search(r"^step 150/400", log.read_text(), re.M):
+        # the record a rank writes after its file (what --resume latest looks for)
+        rank1_saved = checkpoint_path(tmp_path / "ck" / "step0000100", 1).with_suffix(".json")
+        while not (re.search(r"^step 150/400", log.read_text(), re.M) and rank1_saved.exists()):
             assert time.monotonic() < deadline and agent.poll() is None, log.read_text()[-3000:]
             time.sleep(0.1)
         for pid in descendants(agent.pid):
