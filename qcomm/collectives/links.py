@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -196,9 +196,15 @@ class MessageStreams(ABC):
         return True
 
     @abstractmethod
-    def wait_any(self, timeout_s: float) -> None:
+    def wait_any(self, timeout_s: float, known_ended: Collection[int] = ()) -> None:
         """Block until some stream has a message to take, has failed or ended, or
-        ``timeout_s`` passed."""
+        ``timeout_s`` passed. Streams in ``known_ended`` (ended, as the caller has seen) wake
+        it only with a message or a failure: an end already seen does not end every wait at
+        once, as a member that waits out a drain beside a neighbour that left would spin."""
+
+    def ended_now(self) -> set[int]:
+        """The streams (indices, none dropped) that have ended with a goodbye so far."""
+        return {k for k in range(len(self.peers)) if k not in self._dropped and self.ended(k)}
 
     @abstractmethod
     def ended(self, k: int) -> bool:

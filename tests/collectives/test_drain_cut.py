@@ -10,6 +10,7 @@ comes between a take and the look at whether its stream ended."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -196,3 +197,66 @@ def test_a_goodbye_that_comes_just_after_a_take_leaves_no_message_behind(kind: s
     assert res[0]["before"] == res[1]["sent"] - PAST, res
     assert res[0]["after"] == res[1]["sent"], res           # every round it sent, applied
     assert res[0]["live"] == 1 and res[0]["losses"] == 0, res   # and it left: no loss
+
+
+class _WakesOnEveryEnd:
+    """Member 0's streams waking as socket and Gloo streams do: an ended stream not dropped
+    ends a wait at once unless the caller says it knows that end (``known_ended``). Counts
+    the waits."""
+
+    def __init__(self, streams) -> None:
+        self.streams, self.waits = streams, 0
+
+    def wait_any(self, timeout_s: float, known_ended=()) -> None:
+        self.waits += 1
+        s = self.streams
+        if any(s.ended(k) and k not in known_ended and k not in s._dropped
+               for k in range(len(s.peers))):
+            return
+        self.streams.wait_any(timeout_s, known_ended)
+
+    def __getattr__(self, name: str):
+        return getattr(self.streams, name)
+
+
+def test_a_drain_beside_a_neighbour_that_left_waits_without_spinning() -> None:
+    """In a ring of three, member 2 leaves (goodbye); member 0 drains while member 1 comes to
+    its drain only a second later. Member 0 waits for member 1's marker; the stream that
+    ended woke each of its waits at once, so the drain spun on a core for the whole second
+    (thousands of waits), and does not now (a few)."""
+    world = MemoryWorld(3, timeout_s=30)
+    gone, drained, stepped = threading.Event(), threading.Event(), threading.Barrier(3)
+
+    def body(rank: int) -> dict:
+        g = WaitFreeGossip([0, 1, 2], world.group([0, 1, 2], rank), NUMEL, spec=SPEC,
+                           timeout_s=20)
+        x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(rank))
+        _steps(g, x, 6)
+        stepped.wait(20)   # member 2's goodbye comes after the others' last steps
+        out: dict = {}
+        if rank == 2:
+            g.close()
+            gone.set()
+            return out
+        assert gone.wait(20)
+        if rank == 1:
+            time.sleep(1.0)
+            g.drain()
+        else:
+            g._take_in(goodbyes=False)   # member 2's goodbye seen (held) before the drain
+            streams = g._streams_now()
+            assert [k for k in range(2) if streams.ended(k) and k not in streams._dropped]
+            counting = _WakesOnEveryEnd(g._streams_now())
+            g._streams = counting
+            t0 = time.monotonic()
+            g.drain()
+            out = {"waits": counting.waits, "took_s": time.monotonic() - t0}
+            g._streams = counting.streams
+            drained.set()
+        assert drained.wait(20)
+        g.close()
+        return out
+
+    res = world.run(body, timeout_s=60)
+    assert res[0]["took_s"] >= 0.5, res   # it did wait for member 1's marker
+    assert res[0]["waits"] < 20, res

@@ -200,6 +200,30 @@ def test_a_full_backlog_no_one_took_still_hears_the_goodbye_at_close() -> None:
             s.close()
 
 
+def test_an_end_the_caller_has_seen_wakes_its_waits_no_more() -> None:
+    """Member 1 says goodbye; member 0's wait_any returns at once for the ended stream, as
+    long as the caller does not say it knows (``known_ended``): then only a message or a
+    failure ends the wait (a drain beside a neighbour that left used to spin on it)."""
+    ends, _rendezvous = _linked_pair(timeout_s=20.0, max_backlog=8, stream_end=_goodbye)
+    try:
+        assert all(s.wait_made(20) for s in ends)
+        ends[1].close(_message(255))
+        deadline = time.monotonic() + 10
+        while not ends[0].ended(0) and time.monotonic() < deadline:
+            ends[0].take(0)
+            ends[0].wait_any(0.1)
+        assert ends[0].ended_now() == {0}
+        t0 = time.monotonic()
+        ends[0].wait_any(5.0)
+        assert time.monotonic() - t0 < 1.0            # an end wakes it
+        t0 = time.monotonic()
+        ends[0].wait_any(0.5, known_ended=ends[0].ended_now())
+        assert time.monotonic() - t0 >= 0.45          # a known one does not
+    finally:
+        for s in ends:
+            s.close()
+
+
 def test_closing_abandons_a_link_whose_other_end_never_came() -> None:
     """Member 0's stream to member 1, who took its seat but never opens the link (refused, or
     dead before it): close() waits for it as for a goodbye (the streams' bound, here 2 s),

@@ -24,7 +24,7 @@ import datetime
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 import torch
@@ -449,10 +449,11 @@ class GlooStreams(MessageStreams, LinkEnds):
                 link.channel is not None or link.recv_error is not None
                 for k, link in enumerate(self._links) if k not in self._dropped), timeout_s)
 
-    def wait_any(self, timeout_s: float) -> None:
+    def wait_any(self, timeout_s: float, known_ended: Collection[int] = ()) -> None:
         with self.cond:
             self.cond.wait_for(lambda: any(
-                link.ready or link.ended or link.recv_error or link.send_error
+                link.ready or (link.ended and k not in known_ended) or link.recv_error
+                or link.send_error
                 for k, link in enumerate(self._links) if k not in self._dropped), timeout_s)
 
     def ended(self, k: int) -> bool:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -295,12 +295,12 @@ class Membership:
         self.learn(self.layout.read_lost(message))
         return True
 
-    def awaiting_markers(self, ended: Callable[[int], bool]) -> list[int]:
+    def awaiting_markers(self, ended: Collection[int]) -> list[int]:
         """The live links whose hello or marker of the last drain has not come (and whose
-        stream has not ended)."""
+        stream is not among the ``ended``)."""
         return [k for k in self.live_links()
                 if (not self.links[k].greeted or self.links[k].markers < self.drains)
-                and not ended(k)]
+                and k not in ended]
 
     def goodbye(self) -> torch.Tensor:
         return self.layout.control(GOODBYE_ROUND)

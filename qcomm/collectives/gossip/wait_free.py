@@ -363,7 +363,7 @@ class WaitFreeGossip(GossipMember):
             while True:
                 if self._take_in(goodbyes=False):  # new neighbours get the full time
                     deadline = time.monotonic() + self.timeout_s
-                waiting = self.membership.awaiting_markers(streams.ended)
+                waiting = self.membership.awaiting_markers(ended := streams.ended_now())
                 if not waiting:
                     break
                 left = deadline - time.monotonic()
@@ -371,7 +371,7 @@ class WaitFreeGossip(GossipMember):
                     raise PeerTimeoutError(
                         f"gossip drain (rank {self.membership.rank}): no marker",
                         self.timeout_s, [self.peer_ranks[k] for k in waiting], self.level)
-                streams.wait_any(left)
+                streams.wait_any(left, known_ended=ended)  # not woken by them again
         self._apply_pending()
         self._drained_at = self.rounds_started
 

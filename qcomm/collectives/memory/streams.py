@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -305,7 +305,8 @@ class MemoryStreams(MessageStreams):
         out.copy_(got[0].view_as(out))
         return None
 
-    def wait_any(self, timeout_s: float) -> None:
+    def wait_any(self, timeout_s: float, known_ended: Collection[int] = ()) -> None:
+        # a goodbye is a message in its box until taken: an ended stream wakes no one after it
         self.boxes.wait(lambda: any(self.boxes.ready(p, self.member)
                                     for k, p in enumerate(self.peers)
                                     if k not in self._dropped), timeout_s)
