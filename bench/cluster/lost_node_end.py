@@ -106,6 +106,24 @@ def end_after_kill(args: argparse.Namespace, work, built: T.Built, here: Place, 
     os._exit(0)
 
 
+# Left to rank 0 after its wait for the records, before the launch's own kill: to evaluate the
+# survivors' snapshots and write the JSON (seconds; the evaluations take a few on CPU).
+ASSEMBLE_S = 30.0
+
+
+def records_deadline(pg_timeout: float, environ: dict[str, str] | None = None) -> float:
+    """When rank 0 stops waiting for the other ranks' records (``time.monotonic()``): the
+    longest any communication may block (``pg_timeout``, at least 300 s) plus two minutes,
+    but :data:`ASSEMBLE_S` before the launch kills the node (``QCB_KILLED_AT``, the Unix time
+    its ``timeout`` fires, which netns.sh sets), so that a rank that never writes one leaves
+    a JSON that names it rather than none."""
+    deadline = time.monotonic() + max(pg_timeout, 300.0) + 120.0
+    killed_at = (os.environ if environ is None else environ).get("QCB_KILLED_AT")
+    if killed_at:
+        deadline = min(deadline, time.monotonic() + float(killed_at) - time.time() - ASSEMBLE_S)
+    return deadline
+
+
 def assemble_after_kill(args: argparse.Namespace, work, built: T.Built,
                         kill: dict[str, Any] | None,
                         marker: Path, layout: T.Layout, model: tuple[int, list]) -> None:
@@ -123,9 +141,12 @@ def assemble_after_kill(args: argparse.Namespace, work, built: T.Built,
             not comes_back and kill is not None and r // procs == kill["node"]
             and marker.exists())
 
-    deadline = time.monotonic() + max(args.pg_timeout, 300.0) + 120.0
+    deadline = records_deadline(args.pg_timeout)
     while not all(accounted(r) for r in range(world)) and time.monotonic() < deadline:
         time.sleep(0.2)
+    if not all(accounted(r) for r in range(world)):
+        print(f"rank 0: no record from ranks {[r for r in range(world) if not accounted(r)]} "
+              f"by the deadline: the JSON names them in missing_ranks", file=sys.stderr)
     killed = json.loads(marker.read_text()) if marker.exists() else None
     lost = {killed["node"]} if killed and not comes_back else set()
     ranks = [json.loads(f.read_text()) for r, f in records.items() if f.exists()]

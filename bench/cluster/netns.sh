@@ -42,6 +42,9 @@
 #                   [--elastic --restart-node K --rejoin-file F] \
 #                   -- SCRIPT [ARGS...]          # one torchrun per node, in its namespace
 #
+# Every rank gets QCB_IFACE (its node's interface) and QCB_KILLED_AT (the Unix time at which its
+# node's --timeout fires as first launched: a rank can finish its report before it).
+#
 # Linked nodes (--linked): each node's torchrun is a world of its own (the node), and the nodes
 # find each other through qcomm's rendezvous (python -m qcomm.rendezvous), started in node 0's
 # namespace on PORT and stopped when the launch ends; every rank gets QCOMM_RENDEZVOUS, its
@@ -578,7 +581,7 @@ cmd_launch() {
             fi
         fi
         local -a cmd=("${wrap[@]}" ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$IFACE" OMP_NUM_THREADS=1
-            QCB_IFACE="$IFACE" "${linked_env[@]}" timeout --kill-after=15 "$tmo"
+            QCB_IFACE="$IFACE" QCB_KILLED_AT="$(($(date +%s) + tmo))" "${linked_env[@]}" timeout --kill-after=15 "$tmo"
             "$torchrun" "${world[@]}" --nproc-per-node "$procs" --monitor-interval 0.5 "$@")
         # `ip netns exec`, env and timeout each exec the next, so $! is timeout's pid and a TERM
         # sent to it reaches torchrun, which passes it on to its workers.

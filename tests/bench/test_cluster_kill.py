@@ -311,3 +311,25 @@ def test_a_stopped_repetition_keeps_only_the_snapshots_before_the_loss_for_the_v
     assert "counted_curve" not in row
     row = C.aggregate([goes_on])
     assert [p["step"] for p in row["per_repeat"][0]["curve"]] == [0, 5, 10, 15, 20]
+
+
+# ---------------------------------------------------------------------------------------------
+# rank 0's wait for the other ranks' records
+
+
+def test_rank_0_stops_waiting_for_records_before_the_launch_kills_it() -> None:
+    """Without the launch's kill time rank 0 waits the longest a communication may block plus
+    two minutes; with it, it stops ASSEMBLE_S before it, so a rank that never writes its
+    record leaves a JSON naming it (the smoke's 180 s launch used to end at exit 124, no
+    JSON, while rank 0 waited 420 s)."""
+    import time
+
+    from bench.cluster import lost_node_end as L
+
+    now, wall = time.monotonic(), time.time()
+    assert L.records_deadline(60.0, {}) - now == pytest.approx(420.0, abs=1.0)
+    assert L.records_deadline(900.0, {}) - now == pytest.approx(1020.0, abs=1.0)
+    soon = {"QCB_KILLED_AT": str(int(wall) + 180)}
+    assert L.records_deadline(60.0, soon) - now == pytest.approx(180 - L.ASSEMBLE_S, abs=2.0)
+    late = {"QCB_KILLED_AT": str(int(wall) + 10_000)}
+    assert L.records_deadline(60.0, late) - now == pytest.approx(420.0, abs=1.0)
