@@ -70,9 +70,9 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
             on out's device: K peers' messages.
         out: float32, any shape, contiguous; updated in place and returned.
         spec: the QuantSpec the payloads were made with.
-        weights: K finite floats (sequence or float32 tensor), or None for all ones. A
-            sequence is checked on the host; a tensor's finiteness on the device, with the
-            scales.
+        weights: K finite floats (a sequence, or a tensor of K real values, taken as
+            float32 on out's device), or None for all ones. A sequence is checked on the
+            host; a tensor's finiteness on the device, with the scales.
         non_blocking: False (default): the checks below are read once, after the launch (one
             host sync on an accelerator), and raise here. True: the call returns a
             :class:`DeferredCheck` without a sync; its ``wait()`` raises the same errors, but
@@ -122,8 +122,6 @@ def dequant_accumulate(payloads: torch.Tensor, out: torch.Tensor, spec: QuantSpe
 
 # Weights given as a sequence, as tensors on their device: the same mixing weights come every
 # round, and a fresh host-to-device copy per call would cost a sync of its own.
-# Weights given as a sequence, as tensors on their device: the same mixing weights come every
-# round, and a fresh host-to-device copy per call would cost a sync of its own.
 _WEIGHTS_CACHE: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 _WEIGHTS_CACHE_SIZE = 64
 
@@ -143,6 +141,9 @@ def _weights_tensor(weights: Sequence[float] | torch.Tensor | None, k: int,
     if not isinstance(weights, (torch.Tensor, Sequence)):  # a numpy array, say
         weights = torch.as_tensor(weights, dtype=torch.float32)
     if isinstance(weights, torch.Tensor):
+        if weights.dtype == torch.bool or weights.is_complex():
+            raise TypeError(f"weights must be a sequence of K = {k} real numbers or a tensor "
+                            f"of K real values, got a tensor of dtype {weights.dtype}")
         w = weights.to(device=device, dtype=torch.float32).reshape(-1)
         if w.numel() != k:
             raise ValueError(f"weights must have K = {k} entries (one per payload), "

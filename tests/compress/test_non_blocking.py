@@ -330,6 +330,8 @@ def test_an_empty_accumulate_has_nothing_to_check() -> None:
     ([1.0], ValueError, "weights must have K = 2 entries"),
     ([1.0, float("nan")], ValueError, r"weights must be finite, got \[1.0, nan\]"),
     (torch.ones(3), ValueError, "weights must have K = 2 entries"),
+    (torch.tensor([1.0, 2.0j]), TypeError, "a tensor of K real values, got a tensor of dtype"),
+    (torch.tensor([True, False]), TypeError, "got a tensor of dtype torch.bool"),
 ])
 def test_bad_weights_are_named_and_out_kept(weights, error, match) -> None:
     out = torch.randn(64)
