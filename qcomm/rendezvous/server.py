@@ -52,6 +52,20 @@ def _start_relay(host: str, relay_port: int, advertise: str | None, secret: byte
     return relay
 
 
+def _check_can_listen(host: str, port: int) -> None:
+    """Raise at once where ``host:port`` cannot be listened on: a name that does not resolve,
+    an address of another machine, a port taken. TCPStore's own test of its address is its
+    client's connect, retried for its whole timeout (a typo in ``host`` took 54 s to fail)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server would
+            probe.bind(address)
+    except OSError as e:
+        raise RuntimeError(f"the rendezvous cannot listen on {host}:{port}: {e}") from e
+
+
 def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
           ready: threading.Event | None = None, stop: threading.Event | None = None,
           token: str | None = None, relay_port: int | None = None,
@@ -92,7 +106,11 @@ def serve(host: str, port: int, nodes: int, *, max_nodes: int | None = None,
                         "reach the relay")
         if relay_port is None:
             raise ValueError("relay_advertise needs relay_port: there is no relay without it")
+    if relay_port == port:
+        raise ValueError(f"relay_port must differ from the rendezvous's port ({port}), "
+                         f"got {relay_port}")
     secret = job_token(token)
+    _check_can_listen(host, port)
     try:
         # With a token, the store is reachable from this machine only; the gate is the port.
         store = dist.TCPStore("127.0.0.1" if secret else host, 0 if secret else port,

@@ -115,11 +115,18 @@ def test_a_node_of_several_ranks_without_torchrun_is_refused(rendezvous) -> None
     (["--nodes", "0"], "nodes must be"),
     (["--nodes", "2", "--port", "0"], "port must be"),
     (["--nodes", "2", "--max-nodes", "1"], "max_nodes must be an int >= nodes (2)"),
+    (["--nodes", "2", "--port", "29411", "--relay-port", "29411"],
+     "--relay-port must differ from the rendezvous's port (29411), got 29411"),
+    # an address of no interface here (TEST-NET-3): refused at once, where TCPStore's client
+    # retried its connect for its whole timeout (54 s)
+    (["--nodes", "2", "--host", "203.0.113.7"], "cannot listen on 203.0.113.7:29400"),
 ])
 def test_the_rendezvous_refuses_bad_arguments(args: list[str], message: str) -> None:
+    t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "qcomm.rendezvous", *args], env=ENV,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert time.monotonic() - t0 < 25, "not refused at once"   # the interpreter and torch
 
 
 def test_the_rendezvous_says_when_its_port_is_taken(rendezvous) -> None:
