@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from qcomm.engine.options import user_stacklevel
+from qcomm.validation import check_int
 
 __all__ = ["META_FORMAT", "CheckpointError", "RankFile", "UnsafeCheckpointError",
            "checkpoint_path", "rank_files"]
@@ -72,8 +73,8 @@ class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
 
 
 def checkpoint_path(directory: str | os.PathLike, rank: int) -> Path:
-    """The rank file of ``rank`` under ``directory``."""
-    return Path(directory) / f"rank{rank:05d}.pt"
+    """The rank file of ``rank`` (an int >= 0) under ``directory``."""
+    return Path(directory) / f"rank{check_int('rank', rank, low=0):05d}.pt"
 
 
 def rank_files(directory: str | os.PathLike) -> list[Path]:

@@ -24,6 +24,7 @@ from qcomm.sgd import (
     ASSGD,
     CheckpointError,
     UnsafeCheckpointError,
+    checkpoint_path,
     load_checkpoint,
     save_checkpoint,
 )
@@ -401,3 +402,13 @@ def test_an_old_file_with_other_objects_needs_trusted_and_says_why() -> None:
     extra = load_checkpoint(LEGACY / "fraction", opt, model, trusted=True,
                             on_world_size_change="reinit")
     assert extra == Fraction(1, 3)
+
+
+@pytest.mark.parametrize(("rank", "error"), [(-1, ValueError), ("0", TypeError),
+                                             (1.0, TypeError), (True, TypeError)])
+def test_a_rank_files_path_takes_a_rank_and_names_it_otherwise(tmp_path, rank, error) -> None:
+    """A negative rank made ``rank-0001.pt`` (a file no load would look for), a string a
+    format error that named no argument."""
+    with pytest.raises(error, match=r"rank must be an int >= 0, got"):
+        checkpoint_path(tmp_path, rank)
+    assert checkpoint_path(tmp_path, np.int64(3)) == tmp_path / "rank00003.pt"
