@@ -29,6 +29,7 @@ import torch
 
 from qcomm.kernels import reference
 from qcomm.kernels.wire_format import QuantSpec, codes_nbytes, packed_nbytes, split_payload
+from qcomm.validation import check_instance, check_real
 
 __all__ = [
     "FP32_EPS",
@@ -73,6 +74,12 @@ def _fail_first(bad: torch.Tensor, what: str, **cols: torch.Tensor) -> None:
 # deterministic rounding
 
 
+def _slack(eps: object, level_slack: object) -> tuple[float, float]:
+    """The checks' slack arguments, each a finite float >= 0 (a negative one would fail a
+    correct codec, and the failure would read as the codec's)."""
+    return check_real("eps", eps, low=0), check_real("level_slack", level_slack, low=0)
+
+
 def check_error_bound(
     quantize: Callable[[torch.Tensor, int], Payload],
     dequantize: Callable[[Payload], torch.Tensor],
@@ -106,6 +113,7 @@ def check_error_bound(
     The slack is a couple of ulps of the values involved; a codec that rounds wrongly by even
     one level (floor instead of round, a scale off by one level) errs by up to Delta.
     """
+    eps, level_slack = _slack(eps, level_slack)
     v = v.reshape(-1)
     payload = quantize(v.to(torch.float32), seed)
     n = v.numel()
@@ -185,6 +193,7 @@ def check_unbiased(
         raise ValueError(f"num_seeds must be >= 2, got {num_seeds}")
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    eps, level_slack = _slack(eps, level_slack)
     v32 = v.reshape(-1).to(torch.float32)
     v64 = _flat64(v32, "v")
     if not bool(torch.isfinite(v64).all()):
@@ -359,6 +368,7 @@ def check_error_feedback_conservation(
     most ``(2T + 2) * 2**-53 * sum |terms|``. A dropped, negated or half-precision residual
     breaks these by ``|e|`` or ``2**-11 |e|``, far above ``eps |e|``.
     """
+    eps = check_real("eps", eps, low=0)
     seq = list(xs.unbind(0)) if isinstance(xs, torch.Tensor) else list(xs)
     if not seq:
         return
@@ -515,6 +525,9 @@ class QcommCodec:
         from qcomm.compress import dequantize
 
         return dequantize(packed, dtype=torch.float32).reshape(-1)
+
+    def __post_init__(self) -> None:
+        check_instance("spec", self.spec, QuantSpec, what="a qcomm.compress.QuantSpec")
 
     @property
     def level_slack(self) -> float:

@@ -44,6 +44,7 @@ from qcomm.kernels.wire_format import (
     SUPPORTED_BITS,
     QuantSpec,
 )
+from qcomm.validation import check_instance, check_int
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -105,14 +106,22 @@ def quant_specs(
         block_size: a fixed block size, a strategy, or None for :func:`block_sizes`.
         rounding: rounding modes to draw from.
     """
+    bits, rounding = tuple(bits), tuple(rounding)
+    if not bits or any(b not in SUPPORTED_BITS for b in bits):
+        raise ValueError(f"bits must be a non-empty subset of {SUPPORTED_BITS}, got {bits}")
+    if not rounding or any(r not in ROUNDING_MODES for r in rounding):
+        raise ValueError(f"rounding must be a non-empty subset of {ROUNDING_MODES}, got "
+                         f"{rounding}")
+    if isinstance(block_size, int):
+        QuantSpec(bits[0], block_size)   # a block size the codec refuses, refused now
     if block_size is None:
         bs: SearchStrategy[int] = block_sizes()
     elif isinstance(block_size, int):
         bs = st.just(block_size)
     else:
         bs = block_size
-    return st.builds(QuantSpec, bits=st.sampled_from(tuple(bits)), block_size=bs,
-                     rounding=st.sampled_from(tuple(rounding)))
+    return st.builds(QuantSpec, bits=st.sampled_from(bits), block_size=bs,
+                     rounding=st.sampled_from(rounding))
 
 
 def lengths(block_size: int, max_blocks: int = 8) -> SearchStrategy[int]:
@@ -122,7 +131,8 @@ def lengths(block_size: int, max_blocks: int = 8) -> SearchStrategy[int]:
     ``k * block`` and ``k * block +- 1`` (the lengths where padding, partial last blocks and
     the 4-byte alignment of the scales go wrong); the other half are uniform.
     """
-    top = max_blocks * block_size
+    block_size = check_int("block_size", block_size, low=1)
+    top = check_int("max_blocks", max_blocks, low=0) * block_size
     edges = {0, 1, 2, 3}
     for k in range(1, max_blocks + 1):
         edges |= {k * block_size - 1, k * block_size, k * block_size + 1}
@@ -258,7 +268,9 @@ def adversarial_tensors(
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {list(kinds)}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not isinstance(n, SearchStrategy):
+        check_int("n", n, low=0, what="an int >= 0 or a strategy of them")
+    check_int("block_size", block_size, low=1)
+    check_instance("allow_nonfinite", allow_nonfinite, bool, what="True or False")
     return _adversarial(n, float_dtypes() if dtype is None else dtype, block_size,
                         tuple(kinds), allow_nonfinite)

@@ -338,3 +338,19 @@ def test_roundtrip_fails_on_wrong_length_and_non_surjective_pack() -> None:
 
     with pytest.raises(AssertionError, match="differs from payload"):
         check_roundtrip(dirty_pack, c.unpack, codes, scales, payload=payload)
+
+
+def test_the_checks_slack_and_the_codecs_spec_are_named_when_wrong() -> None:
+    """A negative slack failed a correct codec, the failure reading as the codec's; a spec
+    that is no QuantSpec failed at the first call, naming nothing."""
+    c = QcommCodec(QuantSpec(4, BS, "nearest"))
+    v = torch.randn(2 * BS, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="eps must be a finite float >= 0, got -1"):
+        check_error_bound(c.quantize, c.dequantize, v, step=c.step, eps=-1)
+    with pytest.raises(ValueError, match="level_slack must be a finite float >= 0"):
+        check_unbiased(c.quantize, c.dequantize, v, step=c.step, num_seeds=4,
+                       level_slack=float("nan"))
+    with pytest.raises(ValueError, match="eps must be"):
+        check_error_feedback_conservation(c.quantize_ef, c.dequantize, [v], eps=-1e-7)
+    with pytest.raises(TypeError, match=r"spec must be a qcomm\.compress\.QuantSpec, got 4"):
+        QcommCodec(4)

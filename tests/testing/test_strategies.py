@@ -134,3 +134,22 @@ def test_without_hypothesis_the_import_error_names_the_extra(monkeypatch) -> Non
     # The codec property checks do not need it.
     monkeypatch.delitem(sys.modules, "qcomm.testing.properties", raising=False)
     importlib.import_module("qcomm.testing.properties")
+
+
+@pytest.mark.parametrize(("make", "error", "match"), [
+    (lambda: adversarial_tensors(-1), ValueError, "n must be an int >= 0 or a strategy"),
+    (lambda: adversarial_tensors(4, block_size=0), ValueError, "block_size must be an int >= 1"),
+    (lambda: adversarial_tensors(4, allow_nonfinite="yes"), TypeError, "allow_nonfinite"),
+    (lambda: lengths(0), ValueError, "block_size must be an int >= 1"),
+    (lambda: lengths(32, -1), ValueError, "max_blocks must be an int >= 0"),
+    (lambda: quant_specs(bits=()), ValueError, r"bits must be a non-empty subset"),
+    (lambda: quant_specs(bits=(3,)), ValueError, r"bits must be a non-empty subset.*got \(3,\)"),
+    (lambda: quant_specs(rounding=("up",)), ValueError, "rounding must be a non-empty subset"),
+    (lambda: quant_specs(block_size=100), ValueError, "block_size must be a power of two"),
+])
+def test_bad_arguments_are_named_when_the_strategy_is_made(make, error, match) -> None:
+    """Refused where the strategy is made, naming the argument: an empty ``bits`` failed
+    inside hypothesis at the first draw ("Cannot sample from a length-zero sequence"), a
+    negative ``n`` in numpy, a ``block_size`` of 100 at every draw of a test."""
+    with pytest.raises(error, match=match):
+        make()
