@@ -185,7 +185,8 @@ def listener_at(address: str, token: bytes | None) -> Listener:
 
     Raises:
         ValueError: ``address`` is malformed, or the listener there admits with another token.
-        OSError: the port cannot be bound (taken by another process).
+        OSError: the address cannot be bound (the port taken by another process, the host
+            none of this machine's), naming it.
     """
     host, port = parse_listen(address)
     # Port 0 (the system picks) is one listener per token: they never meet on a port.
@@ -193,7 +194,12 @@ def listener_at(address: str, token: bytes | None) -> Listener:
     with _lock:
         listener = _listeners.get(key)
         if listener is None:
-            listener = _listeners[key] = Listener(host, port, token)
+            try:
+                listener = _listeners[key] = Listener(host, port, token)
+            except OSError as e:   # the OS's words alone name neither the address nor why
+                raise OSError(e.errno, f"cannot accept links on {address} (listen, "
+                              f"QCOMM_LISTEN): {e.strerror}; it must be an address of this "
+                              f"machine and a port no other process holds") from e
         elif listener.token != token:
             raise ValueError(f"this process listens on {address} already, with another job "
                              "token")

@@ -5,12 +5,14 @@ bound."""
 
 from __future__ import annotations
 
+import errno
+import socket
 import threading
 import time
 
 import pytest
 
-from qcomm.collectives.sockets.listener import Listener
+from qcomm.collectives.sockets.listener import Listener, listener_at
 from qcomm.rendezvous.waiting import WaitAbandoned, abandon_when
 
 
@@ -74,3 +76,18 @@ def test_a_claim_nobody_answers_is_a_timeout_in_its_bound() -> None:
         assert 0.3 <= time.monotonic() - t0 < 3.0
     finally:
         listener.close()
+
+
+def test_an_address_no_listener_can_take_is_named_with_why() -> None:
+    """A host of no interface here (TEST-NET-3) and a port another socket listens on: each an
+    OSError with the OS's errno, naming the address and the settings it comes from (the OS's
+    own words named neither)."""
+    with pytest.raises(OSError, match=r"cannot accept links on 203\.0\.113\.7:0 \(listen, "
+                       r"QCOMM_LISTEN\)") as e:
+        listener_at("203.0.113.7:0", None)
+    assert e.value.errno == errno.EADDRNOTAVAIL
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot accept links on 127.0.0.1:{port}") as e:
+            listener_at(f"127.0.0.1:{port}", None)
+        assert e.value.errno == errno.EADDRINUSE
