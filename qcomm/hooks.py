@@ -38,9 +38,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qcomm.compress import QuantSpec
+from qcomm.compress import NonFiniteError, QuantSpec
 from qcomm.validation import (
     check_bucket_mb,
+    check_choice,
     check_instance,
     check_int,
     check_seed,
@@ -51,6 +52,9 @@ from qcomm.validation import (
 __all__ = ["HierarchicalQuantState", "hierarchical_quantized_hook"]
 
 log = logging.getLogger("qcomm")
+
+# What a bucket holding NaN or Inf becomes (HierarchicalQuantState's on_nonfinite).
+NONFINITE_BUCKETS = ("raise", "propagate")
 
 
 class HierarchicalQuantState:
@@ -77,6 +81,13 @@ class HierarchicalQuantState:
         rail_collective: ``"auto"`` (default: the two-stage reduce-scatter from 3 nodes on, the
             all-gather below), ``"reduce_scatter"`` or ``"all_gather"`` (see
             :class:`~qcomm.collectives.hierarchical.HierarchicalAllreduce`).
+        on_nonfinite: what a bucket holding NaN or Inf on some rank becomes once quantized
+            averaging has started. ``"raise"`` (default): its future fails on every rank with
+            :class:`~qcomm.compress.NonFiniteError` (DDP's backward raises it), the residuals
+            unchanged; later buckets average as before. ``"propagate"``: the bucket comes back
+            all NaN on every rank, the residuals unchanged, as DDP's own allreduce spreads a
+            non-finite gradient: what torch's ``GradScaler`` needs to skip the step and lower
+            its scale (mixed precision in float16 overflows now and then).
         comm: a :class:`~qcomm.engine.CommOptions` giving ``procs_per_node``, ``bits``,
             ``block_size``, ``rounding``, ``seed``, ``bucket_mb`` and ``timeout_s`` instead of
             the keywords above (the optimizers' options object; its gossip options must stay
@@ -96,7 +107,7 @@ class HierarchicalQuantState:
 
     # Hyperparameters: the only fields that survive pickling, with the residuals and `iter`.
     _HPARAMS = ("procs_per_node", "bits", "block_size", "rounding", "seed", "bucket_mb",
-                "start_iter", "timeout_s", "rail_collective")
+                "start_iter", "timeout_s", "rail_collective", "on_nonfinite")
 
     # The options a CommOptions can give the hook (the rest are the gossip's).
     _FROM_COMM = ("procs_per_node", "bits", "block_size", "rounding", "seed", "bucket_mb",
@@ -106,7 +117,8 @@ class HierarchicalQuantState:
                  process_group: Any = None, bits: int = 4, block_size: int = 128,
                  rounding: str = "nearest", seed: int = 0, bucket_mb: float = 25.0,
                  start_iter: int = 0, timeout_s: float | None = None,
-                 rail_collective: str = "auto", comm: Any = None) -> None:
+                 rail_collective: str = "auto", on_nonfinite: str = "raise",
+                 comm: Any = None) -> None:
         from qcomm.collectives.rail import check_rail_collective
 
         if comm is not None:
@@ -129,6 +141,7 @@ class HierarchicalQuantState:
         self.start_iter = check_int("start_iter", start_iter, low=0)
         self.timeout_s = check_timeout(timeout_s, allow_none=True)
         self.rail_collective = check_rail_collective(rail_collective)
+        self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, NONFINITE_BUCKETS)
         self.iter = 0
         self.stats = None
         self._allreduce: Any = None
@@ -179,7 +192,7 @@ class HierarchicalQuantState:
     def _submit(self, tensor: torch.Tensor, key: str) -> torch.futures.Future:
         """Hand one bucket to the worker; its future completes with the averaged tensor."""
         if self._worker is None:
-            self._worker = _Worker(self.allreduce(), self.timeout_s)
+            self._worker = _Worker(self.allreduce(), self.timeout_s, self.on_nonfinite)
         return self._worker.submit(tensor, key)
 
     def _count(self, bucket: dist.GradBucket) -> None:
@@ -265,9 +278,10 @@ class _Worker:
     issuer of collectives on the state's process groups (why: docs/design.md, "The DDP hook's
     worker thread and state")."""
 
-    def __init__(self, allreduce: Any, timeout_s: float | None) -> None:
+    def __init__(self, allreduce: Any, timeout_s: float | None, on_nonfinite: str) -> None:
         self._allreduce = allreduce
         self._timeout_s = timeout_s
+        self._on_nonfinite = on_nonfinite
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="qcomm-ddp-hook", daemon=True)
         self._thread.start()
@@ -290,6 +304,16 @@ class _Worker:
             try:
                 handle = self._allreduce.mean_([tensor], async_op=True, key=key)
                 handle.wait(self._timeout_s)
+            except NonFiniteError as e:
+                # Every rank met it after the bucket's last collective, no residual moved:
+                # the groups are in step, later buckets go on.
+                if self._on_nonfinite == "propagate":
+                    fut.set_result(tensor.fill_(float("nan")))
+                else:
+                    fut.set_exception(type(e)(
+                        f"{e} (with torch's GradScaler, make the state with "
+                        f"on_nonfinite='propagate': the bucket then comes back NaN and the "
+                        f"scaler skips the step)", e.argument, e.blocks))
             except BaseException as e:  # delivered to DDP through the future
                 failed = e
                 fut.set_exception(e)

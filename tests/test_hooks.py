@@ -142,6 +142,64 @@ def test_a_failed_bucket_fails_its_future() -> None:
     assert r["later"][0] == PeerTimeoutError.__name__ and r["later"][1] < 0.5
 
 
+def _scaler_body(rank: int, world: int, on_nonfinite: str) -> dict:
+    """DDP with the hook (2 nodes of 1) and torch's GradScaler, as mixed precision in float16
+    trains: at step 1 rank 1's input holds an Inf, so its gradients overflow."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    warnings.simplefilter("ignore")   # GradScaler on CPU, DDP's own warnings
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 4))
+    state = HierarchicalQuantState(procs_per_node=1, bits=4, block_size=32,
+                                   on_nonfinite=on_nonfinite)
+    model.register_comm_hook(state, hierarchical_quantized_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    g = torch.Generator().manual_seed(rank)
+    steps = []
+    for step in range(4):
+        opt.zero_grad()
+        x = torch.randn(4, 8, generator=g)
+        if step == 1 and rank == 1:
+            x[0, 0] = float("inf")
+        before = model.module.weight.detach().clone()
+        try:
+            scaler.scale(model(x).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+        except RuntimeError as e:   # DDP hands the future's error on as a RuntimeError
+            steps.append(("error", str(e)))
+        else:
+            steps.append(("moved" if not torch.equal(before, model.module.weight) else "kept",
+                          scaler.get_scale()))
+    state.close()
+    return {"steps": steps, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("on_nonfinite", ["propagate", "raise"])
+def test_an_overflowing_step_under_gradscaler(gloo, on_nonfinite: str) -> None:
+    """"propagate": the overflowing bucket comes back NaN on both ranks, GradScaler skips that
+    step on both and halves its scale, and training goes on. "raise" (the default): both
+    ranks' backward raises, naming the option; a caller that goes on trains on (the groups
+    and residuals in step). Before, the overflow ended the run on both ranks ("payloads carry
+    non-finite values"), and every later bucket failed with it."""
+    res = gloo.run(_scaler_body, 2, args=(on_nonfinite,))
+    for r in res:
+        first, overflow, *after = r["steps"]
+        assert first == ("moved", 1024.0), r["steps"]
+        if on_nonfinite == "propagate":
+            assert overflow == ("kept", 512.0), r["steps"]
+            assert after == [("moved", 512.0)] * 2, r["steps"]
+        else:
+            assert overflow[0] == "error" and "non-finite" in overflow[1], r["steps"]
+            assert "on_nonfinite='propagate'" in overflow[1], r["steps"]
+            assert after == [("moved", 1024.0)] * 2, r["steps"]
+    assert all(torch.equal(a, b) for a, b in zip(res[0]["params"], res[1]["params"],
+                                                 strict=True))
+
+
 def test_state_validation_and_pickle_without_groups() -> None:
     with pytest.raises(ValueError, match="bits"):
         HierarchicalQuantState(bits=3)
@@ -155,8 +213,12 @@ def test_state_validation_and_pickle_without_groups() -> None:
         HierarchicalQuantState(timeout_s="1")
     with pytest.raises(ValueError, match="process_group must be None or the default group"):
         HierarchicalQuantState(process_group=object())
-    state = pickle.loads(pickle.dumps(HierarchicalQuantState(2, bits=8, seed=5, start_iter=3)))
+    with pytest.raises(ValueError, match=r"on_nonfinite must be one of \('raise', 'propagate'\)"):
+        HierarchicalQuantState(on_nonfinite="skip")
+    state = pickle.loads(pickle.dumps(HierarchicalQuantState(2, bits=8, seed=5, start_iter=3,
+                                                             on_nonfinite="propagate")))
     assert (state.procs_per_node, state.bits, state.seed, state.start_iter) == (2, 8, 5, 3)
+    assert state.on_nonfinite == "propagate"
     assert state.warming_up and state.iter == 0
     with pytest.raises(TypeError, match="HierarchicalQuantState"):
         hierarchical_quantized_hook(object(), None)  # type: ignore[arg-type]
