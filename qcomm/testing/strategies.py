@@ -94,6 +94,14 @@ def block_sizes(min_size: int = MIN_BLOCK_SIZE, max_size: int = 256) -> SearchSt
     return st.sampled_from(sizes)
 
 
+def _subset(name: str, given: Sequence, allowed: tuple) -> tuple:
+    """``given`` as a tuple when it is a non-empty subset of ``allowed``, else ValueError."""
+    given = tuple(given)
+    if not given or any(g not in allowed for g in given):
+        raise ValueError(f"{name} must be a non-empty subset of {allowed}, got {list(given)}")
+    return given
+
+
 def quant_specs(
     bits: Sequence[int] = SUPPORTED_BITS,
     block_size: SearchStrategy[int] | int | None = None,
@@ -106,12 +114,8 @@ def quant_specs(
         block_size: a fixed block size, a strategy, or None for :func:`block_sizes`.
         rounding: rounding modes to draw from.
     """
-    bits, rounding = tuple(bits), tuple(rounding)
-    if not bits or any(b not in SUPPORTED_BITS for b in bits):
-        raise ValueError(f"bits must be a non-empty subset of {SUPPORTED_BITS}, got {bits}")
-    if not rounding or any(r not in ROUNDING_MODES for r in rounding):
-        raise ValueError(f"rounding must be a non-empty subset of {ROUNDING_MODES}, got "
-                         f"{rounding}")
+    bits = _subset("bits", bits, SUPPORTED_BITS)
+    rounding = _subset("rounding", rounding, ROUNDING_MODES)
     if isinstance(block_size, int):
         QuantSpec(bits[0], block_size)   # a block size the codec refuses, refused now
     if block_size is None:
@@ -265,12 +269,10 @@ def adversarial_tensors(
     Returns:
         Strategy of tensors of dtype ``dtype`` and shape ``[n]``.
     """
-    bad = [k for k in kinds if k not in KINDS]
-    if bad or not kinds:
-        raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {list(kinds)}")
+    kinds = _subset("kinds", kinds, KINDS)
     if not isinstance(n, SearchStrategy):
         check_int("n", n, low=0, what="an int >= 0 or a strategy of them")
     check_int("block_size", block_size, low=1)
     check_instance("allow_nonfinite", allow_nonfinite, bool, what="True or False")
     return _adversarial(n, float_dtypes() if dtype is None else dtype, block_size,
-                        tuple(kinds), allow_nonfinite)
+                        kinds, allow_nonfinite)

@@ -169,15 +169,18 @@ class OnePeerWaitFree(GossipMember):
             elif ended:   # a goodbye: it left on purpose, no loss
                 self._close_left(p)
 
+    def _close(self, p: int) -> None:
+        """The link to ``p`` is no longer live: out of the sums, its stream dropped."""
+        self._streams_now().drop(self._k(p))
+        self.links[p].live = False
+        self.lost.add(p)
+
     def _close_left(self, p: int) -> None:
         """Close the link to ``p``, which said goodbye (it left: no loss). What it sent past
         the marker of a drain in progress waits in its inbox and is applied at the first
         take past that drain (:attr:`_held`), not dropped with the link."""
-        self._streams_now().drop(self._k(p))
-        link = self.links[p]
-        link.live = False
-        self.lost.add(p)
-        if link.inbox:
+        self._close(p)
+        if self.links[p].inbox:
             self._held.add(p)
 
     def _apply_inbox(self, link: PeerLink) -> None:
@@ -219,9 +222,7 @@ class OnePeerWaitFree(GossipMember):
             link.inbox.extend(msgs)
             self._apply_inbox(link)
             return self._close_left(p)
-        link.live = False
-        self.lost.add(p)
-        streams.drop(self._k(p))
+        self._close(p)
         self.losses.append({"rank": link.rank, "member": p, "step": self.steps,
                             "round": self.rounds_started, "time": time.time(),
                             "error": type(err).__name__, "detail": str(err)})
