@@ -33,9 +33,20 @@ def topology(procs_per_node: int) -> Topology:
 def survivors_meet(key: str, count: int, wait_s: float = 30.0) -> None:
     """Until ``count`` ranks have called this with ``key`` (through the world's store), or
     ``wait_s``: the survivors of a fault leave together, so that one leaving is not a second
-    loss to another still finding the first."""
+    loss to another still finding the first. Rank 0 (the store's server) must be one of them."""
     store = dist.distributed_c10d._get_default_store()
-    store.add(key, 1)
     deadline = time.monotonic() + wait_s
+    _count_to(store, key, count, deadline)
+    # Rank 0 serves the store, and a rank still reading the count after its server left fails
+    # (the connection closed): rank 0 leaves once every survivor has read it.
+    if dist.get_rank() == 0:
+        _count_to(store, f"{key}/read", count, deadline)
+    else:
+        store.add(f"{key}/read", 1)
+
+
+def _count_to(store: dist.Store, key: str, count: int, deadline: float) -> None:
+    """Add one to ``key``, then wait until it reaches ``count`` or ``deadline``."""
+    store.add(key, 1)
     while int(store.add(key, 0)) < count and time.monotonic() < deadline:
         time.sleep(0.01)
