@@ -19,7 +19,13 @@ from qcomm.collectives.gossip.integrity import SEAL_NBYTES
 from qcomm.collectives.memory import MemoryWorld
 from qcomm.collectives.topology import Topology
 from qcomm.compress import QuantSpec, packed_nbytes
-from qcomm.sgd import ASSGD, NonFiniteGradientError, load_checkpoint, save_checkpoint
+from qcomm.sgd import (
+    ASSGD,
+    SLOW_LINK,
+    NonFiniteGradientError,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tests.engine.problems import mlp
 
 
@@ -298,6 +304,55 @@ def test_skipping_a_nan_step_equals_never_taking_it() -> None:
     for a, b in zip(skipped, omitted, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
         assert a["skipped"] == 1 and b["skipped"] == 0 and a["rounds"] == b["rounds"] == 9
+
+
+def _scaler_body(rank: int, world: MemoryWorld, inf_at: int | None, omit: int | None,
+                 wait_free: bool) -> dict:
+    """The guide's recipe for torch's GradScaler with several nodes: ``on_nonfinite="skip"``
+    and ``sync_gradients()`` before ``scaler.unscale_``. At ``inf_at`` rank 1's loss is Inf."""
+    model = mlp(0)
+    comm = dict(SLOW_LINK) if wait_free else dict(bits=4, staleness=1)
+    opt = ASSGD(model.parameters(), lr=0.1, momentum=0.9, on_nonfinite="skip", seed=1,
+                layout=Topology(2, rank=rank, world_size=4, world=world), **comm)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+    votes, scales = [], []
+    for step in range(10):
+        opt.zero_grad()
+        if step == omit:
+            continue
+        loss = _loss(model, rank, step)
+        if step == inf_at and rank == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        votes.append(opt.sync_gradients())
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    st = opt.stats()
+    opt.close()
+    return {"params": [p.detach().clone() for p in model.parameters()], "votes": votes,
+            "scales": scales, "skipped": st["skipped_steps"], "steps": st["steps"]}
+
+
+@pytest.mark.parametrize("wait_free", [False, True], ids=["lockstep", "wait_free"])
+def test_the_guides_gradscaler_recipe_skips_an_overflowing_step(wait_free: bool) -> None:
+    """2 nodes of 2, an Inf in rank 1's loss at step 4: node 0 skips the step as if it had
+    never been taken and its scaler halves its scale; in lockstep node 1 skips it too (the
+    nodes vote; every rank bit for bit as if no rank had taken it) and keeps its scale,
+    wait-free it takes the step (the nodes decide alone)."""
+    skipped = _in_memory(4, _scaler_body, 4, None, wait_free)
+    omitted = _in_memory(4, _scaler_body, None, 4, wait_free)
+    for rank, (a, b) in enumerate(zip(skipped, omitted, strict=True)):
+        overflowed = rank < 2
+        skips = overflowed or not wait_free
+        assert a["votes"] == [step != 4 or not skips for step in range(10)], rank
+        assert a["skipped"] == int(skips) and b["skipped"] == 0, rank
+        assert a["steps"] == (9 if skips else 10) and b["steps"] == 9, rank
+        assert a["scales"] == [256.0] * 4 + [128.0 if overflowed else 256.0] * 6, rank
+        if not wait_free:
+            assert all(torch.equal(x, y)
+                       for x, y in zip(a["params"], b["params"], strict=True)), rank
 
 
 # ---------------------------------------------------------------------------------------------
