@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -106,11 +107,18 @@ class QcommStrategy(DDPStrategy):
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as Lightning's ``DDPStrategy``.
 
+    Under a GradScaler (``precision="16-mixed"``) the scaler decides which steps to skip, as
+    under DDP: after the last backward of each step the nodes vote (in lockstep every node
+    skips a step that overflowed on any; wait-free each node on its own) and every rank that
+    skips hands its scaler non-finite gradients, so that every scaler skips that step and
+    lowers its scale alike. The optimizer's ``on_nonfinite`` is ``"skip"`` under it.
+
     Refused, each with an error that names it: ``configure_optimizers`` returning several
     optimizers, or a qcomm optimizer (return the torch optimizer: the strategy wraps it);
     ``sync_batchnorm=True`` (it would all-reduce every BatchNorm over every rank in each
     forward; ``average_parameters()`` averages the statistics instead); a qcomm optimizer
-    stepped by any other Lightning strategy (:class:`~qcomm.integrations.WrongStrategyError`).
+    stepped by any other Lightning strategy (:class:`~qcomm.integrations.WrongStrategyError`);
+    ``on_nonfinite="raise"`` given with a GradScaler (its overflows would end the fit).
     """
 
     strategy_name = "qcomm"
@@ -126,6 +134,7 @@ class QcommStrategy(DDPStrategy):
                  **comm_options: Any) -> None:
         # Validated now, in the user's process, before any process is started.
         self.comm = CommOptions.from_kwargs(comm_options, comm)
+        self._raise_asked = comm_options.get("on_nonfinite") == "raise"
         if ddp_kwargs is not None and not isinstance(ddp_kwargs, dict):
             raise TypeError(f"ddp_kwargs must be a dict of DistributedDataParallel's keyword "
                             f"arguments, got {type(ddp_kwargs).__name__}")
@@ -177,10 +186,18 @@ class QcommStrategy(DDPStrategy):
 
     def layout_options(self) -> CommOptions:
         """The communication options with the node size filled in: ``procs_per_node`` as
-        given, else Lightning's processes per node (``devices``)."""
-        if self.comm.procs_per_node is not None:
-            return self.comm
-        return dataclasses.replace(self.comm, procs_per_node=max(1, self.num_processes))
+        given, else Lightning's processes per node (``devices``); ``on_nonfinite="skip"``
+        under a GradScaler."""
+        comm = self.comm
+        if comm.procs_per_node is None:
+            comm = dataclasses.replace(comm, procs_per_node=max(1, self.num_processes))
+        if self._scaler() is not None:
+            comm = dataclasses.replace(comm, on_nonfinite="skip")
+        return comm
+
+    def _scaler(self) -> Any:
+        """The precision plugin's GradScaler (``precision="16-mixed"``), else None."""
+        return getattr(self.precision_plugin, "scaler", None)
 
     def setup(self, trainer: pl.Trainer) -> None:
         """As ``DDPStrategy.setup``, with the optimizer wrapped before the model: the node's
@@ -188,6 +205,12 @@ class QcommStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             super().setup(trainer)
             return
+        if self._raise_asked and self._scaler() is not None:
+            raise ValueError(
+                "on_nonfinite='raise' under a GradScaler (precision='16-mixed'): the scaler "
+                "skips the steps whose gradients overflow and lowers its scale, and 'raise' "
+                "would end the fit at the first of them; leave on_nonfinite out (QcommStrategy "
+                "then skips them with the scaler, on every node alike)")
         if self._layer_sync is not None:
             raise ValueError(
                 "sync_batchnorm=True under QcommStrategy: SyncBatchNorm all-reduces every "
@@ -236,6 +259,37 @@ class QcommStrategy(DDPStrategy):
         if device_ids is not None:
             kwargs.setdefault("device_ids", device_ids)
         self.model = self._qcomm.data_parallel(self.model, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any],
+                       model: Any = None, **kwargs: Any) -> Any:
+        """As ``DDPStrategy``'s; under a GradScaler the nodes vote on the step right after its
+        last backward, before the scaler unscales and checks the gradients."""
+        if self._qcomm is None or self._scaler() is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_vote() -> Any:
+            result = closure()
+            # Lightning skips the step when an automatic training_step returned None (no
+            # backward ran); otherwise the scaler steps or skips it.
+            if result is not None or not self.lightning_module.automatic_optimization:
+                self._vote_on_step()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_vote, model, **kwargs)
+
+    def _vote_on_step(self) -> None:
+        """The nodes agree on the step (:meth:`HierarchicalOptimizer.sync_gradients`, the
+        gradients being node means already: DDP's); a rank whose node must skip a step it
+        found finite voids its gradients, so that its scaler skips it too and lowers its scale
+        as the overflowing node's does (as DDP's all-reduce spreads an Inf to every rank)."""
+        assert self._qcomm is not None
+        if self._qcomm.sync_gradients():
+            return
+        with torch.no_grad():
+            for group in self._qcomm.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.fill_(float("nan"))
 
     # -----------------------------------------------------------------------------------------
     # one model on every rank where one is looked at

@@ -253,3 +253,47 @@ def foreign_checkpoints_body(rank: int, world_size: int, root: str, ckpt: str,
             except Exception as exc:  # the type and message are what the test checks
                 seen.append(f"{type(exc).__name__}: {exc}")
     return seen
+
+
+def overflow_body(rank: int, world_size: int, root: str, options: dict[str, Any],
+                  inf_at: int) -> dict[str, Any]:
+    """One epoch (8 steps) of the tiny module with AdamW in ``precision="16-mixed"`` (torch's
+    GradScaler on CPU); at step ``inf_at`` rank 1's loss is Inf, as a float16 overflow makes
+    it. Returns this rank's scale after each step, its qcomm stats and its parameters (or the
+    error that ended the fit)."""
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from qcomm.integrations.lightning import QcommStrategy
+
+    seen: dict[str, Any] = {"scales": []}
+
+    class Scales(Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            seen["scales"].append(trainer.precision_plugin.scaler.get_scale())
+
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            seen["stats"] = trainer.strategy.qcomm_optimizer.stats()
+
+    def adamw(module: Any) -> Any:
+        # The step in which rank 1 overflows: Lightning counts optimizer steps from 0.
+        loss_of = module.training_step
+
+        def training_step(batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = loss_of(batch, batch_idx)
+            overflow = rank == 1 and module.trainer.global_step == inf_at
+            return loss * float("inf") if overflow else loss
+
+        module.training_step = training_step
+        return torch.optim.AdamW(module.parameters(), lr=1e-2)
+
+    with lightning_env(rank):
+        module = make_module(adamw)
+        strategy = QcommStrategy(**options, precision_plugin=MixedPrecision("16-mixed", "cpu"))
+        t = trainer(strategy, Path(root), 1, logger=False, enable_checkpointing=False,
+                    callbacks=[Scales()])
+        try:
+            t.fit(module, train_dataloaders=loader())
+        except Exception as exc:  # the type and message are what the test checks
+            return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"scales": seen["scales"], "stats": seen["stats"], "params": flat_params(module)}

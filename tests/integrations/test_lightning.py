@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("lightning", reason="the lightning extra: pip install 'qcomm[lightning]'")
 
 from qcomm.integrations.lightning import QcommStrategy, rank_state_dir
-from qcomm.sgd import SLOW_LINK
+from qcomm.sgd import ADAMW_SLOW_LINK, SLOW_LINK
 from qcomm.testing.multiprocess import run_world
 from tests.integrations.lightning_bodies import (
     BATCH,
@@ -21,6 +21,7 @@ from tests.integrations.lightning_bodies import (
     fit_body,
     foreign_checkpoints_body,
     killed_node_body,
+    overflow_body,
     refused_optimizers_body,
     wrong_strategy_body,
 )
@@ -148,6 +149,30 @@ def test_qcomm_or_several_optimizers_or_sync_batchnorm_are_refused(gloo, tmp_pat
         assert sync_bn.startswith("ValueError: sync_batchnorm=True under QcommStrategy"), sync_bn
         assert qcomm_opt.startswith("TypeError:") and "plain torch optimizer" in qcomm_opt
         assert several.startswith("ValueError:") and "exactly one optimizer, got 2" in several
+
+
+@pytest.mark.parametrize("wait_free", [False, True], ids=["ADAMW_SLOW_LINK", "SLOW_LINK"])
+def test_a_float16_overflow_is_skipped_as_under_ddp(gloo, tmp_path, wait_free):
+    """precision="16-mixed" (a GradScaler), 2 nodes of 2, rank 1's loss Inf at step 3: the
+    fit goes on. In lockstep every node skips that step and every scaler halves its scale (as
+    under DDP, where the all-reduce spreads the Inf); wait-free node 0 alone skips it."""
+    options = {**(SLOW_LINK if wait_free else ADAMW_SLOW_LINK), "procs_per_node": 2}
+    results = gloo.run(overflow_body, 4, args=(str(tmp_path), options, 3), timeout_s=180)
+    for rank, r in enumerate(results):
+        assert "error" not in r, r
+        skipped = rank < 2 or not wait_free
+        assert r["scales"] == [65536.0] * 3 + [32768.0 if skipped else 65536.0] * 5, rank
+        assert r["stats"]["skipped_steps"] == int(skipped), rank
+        assert r["stats"]["steps"] == 8 - skipped, rank
+        assert torch.equal(r["params"], results[0]["params"]), rank   # averaged at the end
+        assert r["params"].isfinite().all(), rank
+
+
+def test_on_nonfinite_raise_under_a_gradscaler_is_refused(gloo, tmp_path):
+    options = {**ADAMW_SLOW_LINK, "procs_per_node": 2, "on_nonfinite": "raise"}
+    results = gloo.run(overflow_body, 4, args=(str(tmp_path), options, 3), timeout_s=180)
+    for r in results:
+        assert r["error"].startswith("ValueError: on_nonfinite='raise' under a GradScaler"), r
 
 
 def test_bad_options_are_refused_when_the_strategy_is_made():
