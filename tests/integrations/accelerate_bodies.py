@@ -32,7 +32,28 @@ def recipe_body(rank: int, world_size: int, source: str) -> dict[str, Any]:
                 os.environ[k] = v
     model = scope["model"]
     model = getattr(model, "module", model)
-    counted = scope["opt"].stats()["bytes_sent"] if "state" not in scope else \
-        scope["state"].stats.snapshot()["bytes_sent"]
+    stats = scope["opt"].stats() if "state" not in scope else scope["state"].stats.snapshot()
+    scaler = scope.get("scaler")
     return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-            "bytes": counted, "steps": len(scope["loader"])}
+            "bytes": stats["bytes_sent"], "steps": len(scope["loader"]),
+            "skipped": stats.get("skipped_steps"),
+            "scale": None if scaler is None else scaler.get_scale()}
+
+
+def with_fp16_scaler(recipe: str, overflow_rank: int, overflow_step: int) -> str:
+    """``recipe`` as ``Accelerator(mixed_precision="fp16")`` runs it on a GPU, on the CPU:
+    the accelerator given a GradScaler (Accelerate makes none on a CPU), and the loss of rank
+    ``overflow_rank`` Inf in its step ``overflow_step`` (counted from 0), as a float16 overflow
+    makes it."""
+    made = "accelerator = Accelerator()\n"
+    loss = "torch.nn.functional.cross_entropy(model(x), y)"
+    assert made in recipe and loss in recipe
+    prelude = (
+        "import itertools as _itertools\n"
+        "import torch.distributed as _dist\n"
+        "_steps = _itertools.count()\n"
+        "def _overflow():\n"
+        f"    hit = next(_steps) == {overflow_step} and _dist.get_rank() == {overflow_rank}\n"
+        "    return float('inf') if hit else 1.0\n")
+    scaled = made + "accelerator.scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)\n"
+    return prelude + recipe.replace(made, scaled, 1).replace(loss, f"{loss} * _overflow()", 1)

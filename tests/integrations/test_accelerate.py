@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("accelerate", reason="the recipes need accelerate (the test extra)")
 
-from tests.integrations.accelerate_bodies import recipe_body
+from tests.integrations.accelerate_bodies import recipe_body, with_fp16_scaler
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guide.md"
 PARAMS = 20 * 64 + 64 + 64 * 3 + 3                # the recipes' model
@@ -40,6 +40,19 @@ def test_the_optimizer_recipe_gives_one_model_and_gossips_between_nodes(gloo):
         # fp32 DDP's whole gradient (4 bytes a parameter) every step.
         assert 0 < r["bytes"]["inter"] * 10 <= 4 * PARAMS * STEPS, r["bytes"]
     assert not torch.equal(results[0]["params"], _initial())   # it trained
+
+
+def test_the_optimizer_recipe_skips_an_fp16_overflow_on_every_node(gloo):
+    """The recipe with a GradScaler (what mixed_precision="fp16" gives on a GPU), rank 1's loss
+    Inf in its step 2: every node skips that step (ADAMW_SLOW_LINK is lockstep), the scaler of
+    the overflowing node halves its scale, and the job ends in one model, trained."""
+    source = with_fp16_scaler(recipes()[0], overflow_rank=1, overflow_step=2)
+    results = gloo.run(recipe_body, 4, args=(source,), timeout_s=180)
+    for rank, r in enumerate(results):
+        assert r["skipped"] == 1, (rank, r["skipped"])
+        assert r["scale"] == (128.0 if rank < 2 else 256.0), (rank, r["scale"])
+        assert torch.equal(r["params"], results[0]["params"]) and r["params"].isfinite().all()
+    assert not torch.equal(results[0]["params"], _initial())
 
 
 def test_the_hook_recipe_quantizes_between_nodes(gloo):
