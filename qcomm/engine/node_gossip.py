@@ -30,6 +30,7 @@ from qcomm.collectives.intra import IntraNodeAllreduce
 from qcomm.collectives.primitives import all_reduce
 from qcomm.collectives.stats import CommStats
 from qcomm.collectives.topology import Topology
+from qcomm.compress import NonFiniteError
 from qcomm.engine.flat import FlatParams
 from qcomm.engine.options import CommOptions
 from qcomm.engine.sharded import LocalShards
@@ -120,7 +121,14 @@ class NodeGossip:
         flat.check_aliased()
         saved = flat.snapshot(keep)
         shard, by_range = self._load_shard()
-        changed = gossip.end_step(shard)
+        try:
+            changed = gossip.end_step(shard)
+        except NonFiniteError as e:
+            # The codec names its argument ("x"); the user knows them as the parameters.
+            raise NonFiniteError(
+                "the communicated parameters hold NaN or Inf after this step's local update "
+                "(the wrapped optimizer's step made them so from finite gradients): the gossip "
+                f"round sent nothing; codec: {e}", e.argument, e.blocks) from e
         if self._node_share is not None and not gossip.changes_agree_across_rails:
             changed = self._node_changes(shard, changed, by_range)
         if changed:

@@ -22,6 +22,7 @@ from qcomm.compress import QuantSpec, packed_nbytes
 from qcomm.sgd import (
     ASSGD,
     SLOW_LINK,
+    HierarchicalOptimizer,
     NonFiniteGradientError,
     load_checkpoint,
     save_checkpoint,
@@ -116,6 +117,36 @@ def _nonfinite_one_node_body(rank: int, world: MemoryWorld) -> dict:
 def test_nonfinite_gradient_on_one_rank_raises_on_every_rank_of_the_node() -> None:
     for r in _in_memory(2, _nonfinite_one_node_body):
         assert r == {"raised": True, "unchanged": True}
+
+
+def _nan_update_body(rank: int, world: int) -> list[str]:
+    """2 nodes of 1 in lockstep; the wrapped SGD's third step writes NaN into a parameter on
+    every rank (as AdamW's step does on float16 parameters, whose eps underflows to 0)."""
+    from qcomm.compress import NonFiniteError
+
+    model = _mlp(0)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = HierarchicalOptimizer(inner, bits=4, procs_per_node=1, timeout_s=30)
+    seen = []
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        if step == 2:
+            inner.register_step_post_hook(lambda o, a, k: model[0].weight.data.fill_(float("nan")))
+        try:
+            opt.step()
+            seen.append("stepped")
+        except NonFiniteError as e:
+            seen.append(f"{e.argument}: {e}")
+    opt.close()
+    return seen
+
+
+def test_parameters_made_nonfinite_by_the_local_update_are_named(gloo) -> None:
+    for seen in gloo.run(_nan_update_body, 2, timeout_s=120):
+        assert seen[:2] == ["stepped", "stepped"], seen
+        assert seen[2].startswith("x: the communicated parameters hold NaN or Inf after this "
+                                  "step's local update"), seen
 
 
 # ---------------------------------------------------------------------------------------------
