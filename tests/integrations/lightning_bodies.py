@@ -255,12 +255,29 @@ def foreign_checkpoints_body(rank: int, world_size: int, root: str, ckpt: str,
     return seen
 
 
+def overflowing_adamw(rank: int, inf_at: int | None) -> Callable[[Any], Any]:
+    """A ``make_optimizer`` for :func:`make_module`: AdamW, and the module's loss on rank 1 Inf
+    at optimizer step ``inf_at`` (Lightning counts them from 0), as a float16 overflow makes it."""
+
+    def adamw(module: Any) -> Any:
+        loss_of = module.training_step
+
+        def training_step(batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = loss_of(batch, batch_idx)
+            overflow = rank == 1 and module.trainer.global_step == inf_at
+            return loss * float("inf") if overflow else loss
+
+        module.training_step = training_step
+        return torch.optim.AdamW(module.parameters(), lr=1e-2)
+
+    return adamw
+
+
 def overflow_body(rank: int, world_size: int, root: str, options: dict[str, Any],
                   inf_at: int) -> dict[str, Any]:
     """One epoch (8 steps) of the tiny module with AdamW in ``precision="16-mixed"`` (torch's
-    GradScaler on CPU); at step ``inf_at`` rank 1's loss is Inf, as a float16 overflow makes
-    it. Returns this rank's scale after each step, its qcomm stats and its parameters (or the
-    error that ended the fit)."""
+    GradScaler on CPU); at step ``inf_at`` rank 1's loss is Inf. Returns this rank's scale
+    after each step, its qcomm stats and its parameters (or the error that ended the fit)."""
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -275,20 +292,8 @@ def overflow_body(rank: int, world_size: int, root: str, options: dict[str, Any]
         def on_train_end(self, trainer: Any, module: Any) -> None:
             seen["stats"] = trainer.strategy.qcomm_optimizer.stats()
 
-    def adamw(module: Any) -> Any:
-        # The step in which rank 1 overflows: Lightning counts optimizer steps from 0.
-        loss_of = module.training_step
-
-        def training_step(batch: Any, batch_idx: int) -> torch.Tensor:
-            loss = loss_of(batch, batch_idx)
-            overflow = rank == 1 and module.trainer.global_step == inf_at
-            return loss * float("inf") if overflow else loss
-
-        module.training_step = training_step
-        return torch.optim.AdamW(module.parameters(), lr=1e-2)
-
     with lightning_env(rank):
-        module = make_module(adamw)
+        module = make_module(overflowing_adamw(rank, inf_at))
         strategy = QcommStrategy(**options, precision_plugin=MixedPrecision("16-mixed", "cpu"))
         t = trainer(strategy, Path(root), 1, logger=False, enable_checkpointing=False,
                     callbacks=[Scales()])
@@ -297,3 +302,25 @@ def overflow_body(rank: int, world_size: int, root: str, options: dict[str, Any]
         except Exception as exc:  # the type and message are what the test checks
             return {"error": f"{type(exc).__name__}: {exc}"}
     return {"scales": seen["scales"], "stats": seen["stats"], "params": flat_params(module)}
+
+
+def one_node_body(rank: int, world_size: int, root: str, qcomm: bool, fp16: bool,
+                  trainer_kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One epoch of the tiny module with AdamW (rank 1's loss Inf at step 3 with ``fp16``:
+    ``precision="16-mixed"``, a GradScaler on CPU) under Lightning's own ``"ddp"`` or
+    ``QcommStrategy`` with the 4 ranks as one node; this rank's parameters before and after
+    ``fit``."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from qcomm.integrations.lightning import QcommStrategy
+
+    plugin = {"precision_plugin": MixedPrecision("16-mixed", "cpu")} if fp16 else {}
+    strategy = QcommStrategy(procs_per_node=4, **plugin) if qcomm else DDPStrategy(**plugin)
+    with lightning_env(rank):
+        module = make_module(overflowing_adamw(rank, 3 if fp16 else None))
+        start = flat_params(module)
+        t = trainer(strategy, Path(root) / f"rank{rank}", 1, logger=False,
+                    enable_checkpointing=False, **trainer_kwargs)
+        t.fit(module, train_dataloaders=loader())
+    return start, flat_params(module)

@@ -21,6 +21,7 @@ from tests.integrations.lightning_bodies import (
     fit_body,
     foreign_checkpoints_body,
     killed_node_body,
+    one_node_body,
     overflow_body,
     refused_optimizers_body,
     wrong_strategy_body,
@@ -149,6 +150,23 @@ def test_qcomm_or_several_optimizers_or_sync_batchnorm_are_refused(gloo, tmp_pat
         assert sync_bn.startswith("ValueError: sync_batchnorm=True under QcommStrategy"), sync_bn
         assert qcomm_opt.startswith("TypeError:") and "plain torch optimizer" in qcomm_opt
         assert several.startswith("ValueError:") and "exactly one optimizer, got 2" in several
+
+
+@pytest.mark.parametrize(("fp16", "trainer_kwargs"), [
+    (False, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
+    (True, {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value"}),
+], ids=["accumulate-clip-norm", "16-mixed-overflow-clip-value"])
+def test_one_node_is_lightnings_ddp_bit_for_bit(gloo, tmp_path, fp16, trainer_kwargs):
+    """The 4 ranks as one node: nothing crosses a slow link, and QcommStrategy trains exactly
+    as Lightning's own DDP, with gradient accumulation and clipping, and in float16 through a
+    step whose loss overflows on one rank (both skip it)."""
+    ddp = gloo.run(one_node_body, 4, args=(str(tmp_path / "ddp"), False, fp16, trainer_kwargs),
+                   timeout_s=180)
+    ours = gloo.run(one_node_body, 4, args=(str(tmp_path / "qcomm"), True, fp16,
+                                            trainer_kwargs), timeout_s=180)
+    for rank, ((start, theirs), (_, mine)) in enumerate(zip(ddp, ours, strict=True)):
+        assert torch.equal(mine, theirs), rank
+        assert mine.isfinite().all() and not torch.equal(mine, start), rank   # it trained
 
 
 @pytest.mark.parametrize("wait_free", [False, True], ids=["ADAMW_SLOW_LINK", "SLOW_LINK"])
