@@ -33,7 +33,7 @@ def recipe_body(rank: int, world_size: int, source: str) -> dict[str, Any]:
     model = scope["model"]
     model = getattr(model, "module", model)
     stats = scope["opt"].stats() if "state" not in scope else scope["state"].stats.snapshot()
-    scaler = scope.get("scaler")
+    scaler = scope["accelerator"].scaler
     return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "bytes": stats["bytes_sent"], "steps": len(scope["loader"]),
             "skipped": stats.get("skipped_steps"),

@@ -66,6 +66,18 @@ def test_the_hook_recipe_quantizes_between_nodes(gloo):
     assert not torch.equal(results[0]["params"], _initial())
 
 
+def test_the_hook_recipe_skips_an_fp16_overflow_on_every_rank(gloo):
+    """The hook recipe with a GradScaler (mixed_precision="fp16" on a GPU), rank 1's loss Inf
+    in its step 2: the bucket comes back NaN on every rank, every scaler skips that step and
+    halves its scale, and the ranks hold one model, trained."""
+    source = with_fp16_scaler(recipes()[1], overflow_rank=1, overflow_step=2)
+    results = gloo.run(recipe_body, 4, args=(source,), timeout_s=180)
+    for rank, r in enumerate(results):
+        assert r["scale"] == 128.0, (rank, r["scale"])
+        assert torch.equal(r["params"], results[0]["params"]) and r["params"].isfinite().all()
+    assert not torch.equal(results[0]["params"], _initial())
+
+
 def _initial() -> torch.Tensor:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
