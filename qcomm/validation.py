@@ -293,3 +293,16 @@ def env_int(var: str, minimum: int, env: Mapping[str, str] | None = None) -> int
     except ValueError:
         fail(f"environment variable {var}", f"an int >= {minimum}", raw)
     return check_int(f"environment variable {var}", value, low=minimum)
+
+
+def env_flag(var: str, default: bool, env: Mapping[str, str] | None = None) -> bool:
+    """Environment variable ``var`` (of ``env``, default the process's) as ``"1"`` (True) or
+    ``"0"`` (False); ``default`` when unset or empty. Any other value raises ValueError naming
+    the variable: a ``"false"`` or ``"off"`` read as the default would turn off nothing."""
+    env = os.environ if env is None else env
+    raw = env.get(var, "").strip()
+    if raw == "":
+        return default
+    if raw not in ("0", "1"):
+        fail(f"environment variable {var}", "0 or 1", raw)
+    return raw == "1"

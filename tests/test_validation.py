@@ -205,3 +205,16 @@ def test_host_port_is_parsed_and_a_bad_one_named() -> None:
         with pytest.raises(ValueError, match=r"^listen must be 'HOST:PORT', the address it "
                                              r"accepts on, got "):
             check_host_port("listen", bad, "the address it accepts on")
+
+
+def test_a_flag_variable_is_0_or_1_and_anything_else_named() -> None:
+    from qcomm.validation import env_flag
+
+    assert env_flag("QCOMM_X", True, {}) is True and env_flag("QCOMM_X", False, {}) is False
+    assert env_flag("QCOMM_X", True, {"QCOMM_X": " "}) is True
+    assert env_flag("QCOMM_X", True, {"QCOMM_X": "0"}) is False
+    assert env_flag("QCOMM_X", False, {"QCOMM_X": "1"}) is True
+    for raw in ("false", "off", "no", "2", "true"):
+        with pytest.raises(ValueError) as info:
+            env_flag("QCOMM_X", True, {"QCOMM_X": raw})
+        assert str(info.value) == f"environment variable QCOMM_X must be 0 or 1, got {raw!r}"

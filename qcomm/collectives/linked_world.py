@@ -5,12 +5,12 @@ and no group spans the job."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch.distributed as dist
 
 from qcomm.rendezvous.node import LinkedSeat
+from qcomm.validation import env_flag
 
 from .gloo.pair_group import PairGroup
 from .sockets import SocketGroup
@@ -73,7 +73,7 @@ class LinkedWorld(TorchWorld):
                     "open between the nodes")
         port = (f"accepting on {seat.listen} and dialling the peers that accept less"
                 if seat.listen else "dialling every link (this node accepts none)")
-        encrypt = seat.token is not None and os.environ.get("QCOMM_ENCRYPT", "1") != "0"
+        encrypt = seat.token is not None and env_flag("QCOMM_ENCRYPT", True)
         token = ("job token checked, " + ("encrypted (AES-256-GCM)" if encrypt else "in clear")
                  + ", the rendezvous through an encrypted tunnel") if seat.token else \
             "no job token, in clear"

@@ -85,3 +85,16 @@ def test_the_layout_line_says_what_the_links_between_nodes_run_over(
     _, line = topology_line(topo, CommOptions(wait_free=True), False, 1000)
     assert words in line, line
     assert TOKEN not in line
+
+
+def test_qcomm_encrypt_other_than_0_or_1_is_refused_by_name(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """QCOMM_ENCRYPT=false would otherwise encrypt (anything but "0" did): refused, naming it,
+    where the node says what its links run over (at its first step, before any link)."""
+    from qcomm.collectives.linked_world import LinkedWorld
+
+    monkeypatch.setenv("QCOMM_ENCRYPT", "false")
+    seat = with_options(_seat(0, None), "0.0.0.0:7000", TOKEN)
+    with pytest.raises(ValueError, match="environment variable QCOMM_ENCRYPT must be 0 or 1, "
+                                         "got 'false'"):
+        LinkedWorld(seat).links()

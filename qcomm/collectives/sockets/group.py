@@ -25,6 +25,7 @@ import threading
 import torch.distributed as dist
 
 from qcomm.rendezvous.link_relay import RELAY_KEY
+from qcomm.validation import env_flag
 from qcomm.wire.admission import (
     HANDSHAKE_TIMEOUT_S,
     AdmissionError,
@@ -70,7 +71,7 @@ class SocketGroup(PairGroup):
         super().__init__(rendezvous, member, size, **kwargs)
         self.token = job_token(token)
         if encrypt is None:
-            encrypt = self.token is not None and os.environ.get("QCOMM_ENCRYPT", "1") != "0"
+            encrypt = self.token is not None and env_flag("QCOMM_ENCRYPT", True)
         if encrypt and self.token is None:
             raise ValueError("encrypt=True needs a job token (token= or QCOMM_TOKEN): the "
                              "links' keys come from it")

@@ -38,6 +38,12 @@ def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
         assert kwargs["token"] not in str(e.value)
 
 
+def test_qcomm_encrypt_is_0_or_1(monkeypatch) -> None:
+    monkeypatch.setenv("QCOMM_ENCRYPT", "off")
+    with pytest.raises(ValueError, match="QCOMM_ENCRYPT must be 0 or 1, got 'off'"):
+        SocketGroup("127.0.0.1:1", 0, 2, token=SECRET)
+
+
 def test_the_token_comes_from_the_environment_and_is_never_shown(monkeypatch) -> None:
     monkeypatch.setenv("QCOMM_TOKEN", SECRET)
     assert job_token(None) == SECRET.encode()
