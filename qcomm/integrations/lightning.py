@@ -55,6 +55,7 @@ from qcomm.rendezvous.seat import ENV_VAR as RENDEZVOUS_ENV
 from qcomm.sgd.hierarchical_optimizer import HierarchicalOptimizer
 from qcomm.sgd.lightning_guard import OWNED_FLAG
 from qcomm.sgd.monitor import stats_scalars
+from qcomm.validation import check_instance
 
 __all__ = ["QcommStrategy", "rank_state_dir"]
 
@@ -140,6 +141,9 @@ class QcommStrategy(DDPStrategy):
                             f"arguments, got {type(ddp_kwargs).__name__}")
         if not isinstance(log_stats, bool):
             raise TypeError(f"log_stats must be True or False, got {log_stats!r}")
+        # Lightning hands it on unchecked (to torch.distributed, or the rendezvous's timeout).
+        check_instance("timeout", timeout, timedelta, allow_none=True,
+                       what="a datetime.timedelta")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin,

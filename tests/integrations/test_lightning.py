@@ -200,6 +200,8 @@ def test_bad_options_are_refused_when_the_strategy_is_made():
         QcommStrategy(bits=3)
     with pytest.raises(TypeError, match="ddp_kwargs"):
         QcommStrategy(ddp_kwargs=["find_unused_parameters"])
+    with pytest.raises(TypeError, match=r"timeout must be a datetime\.timedelta or None, got 5"):
+        QcommStrategy(timeout=5)
 
 
 def test_without_lightning_the_import_names_the_extra(monkeypatch):
