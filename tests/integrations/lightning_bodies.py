@@ -8,7 +8,7 @@ externally (as under torchrun), and finds the process group initialized.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -255,16 +255,17 @@ def foreign_checkpoints_body(rank: int, world_size: int, root: str, ckpt: str,
     return seen
 
 
-def overflowing_adamw(rank: int, inf_at: int | None) -> Callable[[Any], Any]:
+def overflowing_adamw(rank: int, inf_at: Collection[int]) -> Callable[[Any], Any]:
     """A ``make_optimizer`` for :func:`make_module`: AdamW, and the module's loss on rank 1 Inf
-    at optimizer step ``inf_at`` (Lightning counts them from 0), as a float16 overflow makes it."""
+    at the optimizer steps ``inf_at`` (Lightning counts them from 0), as a float16 overflow
+    makes it."""
 
     def adamw(module: Any) -> Any:
         loss_of = module.training_step
 
         def training_step(batch: Any, batch_idx: int) -> torch.Tensor:
             loss = loss_of(batch, batch_idx)
-            overflow = rank == 1 and module.trainer.global_step == inf_at
+            overflow = rank == 1 and module.trainer.global_step in inf_at
             return loss * float("inf") if overflow else loss
 
         module.training_step = training_step
@@ -293,7 +294,7 @@ def overflow_body(rank: int, world_size: int, root: str, options: dict[str, Any]
             seen["stats"] = trainer.strategy.qcomm_optimizer.stats()
 
     with lightning_env(rank):
-        module = make_module(overflowing_adamw(rank, inf_at))
+        module = make_module(overflowing_adamw(rank, (inf_at,)))
         strategy = QcommStrategy(**options, precision_plugin=MixedPrecision("16-mixed", "cpu"))
         t = trainer(strategy, Path(root), 1, logger=False, enable_checkpointing=False,
                     callbacks=[Scales()])
@@ -318,9 +319,30 @@ def one_node_body(rank: int, world_size: int, root: str, qcomm: bool, fp16: bool
     plugin = {"precision_plugin": MixedPrecision("16-mixed", "cpu")} if fp16 else {}
     strategy = QcommStrategy(procs_per_node=4, **plugin) if qcomm else DDPStrategy(**plugin)
     with lightning_env(rank):
-        module = make_module(overflowing_adamw(rank, 3 if fp16 else None))
+        module = make_module(overflowing_adamw(rank, (3,) if fp16 else ()))
         start = flat_params(module)
         t = trainer(strategy, Path(root) / f"rank{rank}", 1, logger=False,
                     enable_checkpointing=False, **trainer_kwargs)
         t.fit(module, train_dataloaders=loader())
     return start, flat_params(module)
+
+
+def overflow_resume_body(rank: int, world_size: int, root: str, options: dict[str, Any],
+                         resume: str | None) -> dict[str, Any]:
+    """Two epochs (16 steps) of the tiny module with AdamW in ``precision="16-mixed"``, rank
+    1's loss Inf at steps 3 and 11 (one in each epoch), a checkpoint every epoch (from
+    ``resume`` when given). Returns this rank's parameters and final scale."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from qcomm.integrations.lightning import QcommStrategy
+
+    out = Path(root)
+    with lightning_env(rank):
+        module = make_module(overflowing_adamw(rank, (3, 11)))
+        ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_top_k=-1, every_n_epochs=1,
+                               filename="{epoch}")
+        strategy = QcommStrategy(**options, precision_plugin=MixedPrecision("16-mixed", "cpu"))
+        t = trainer(strategy, out, 2, logger=False, callbacks=[ckpt])
+        t.fit(module, train_dataloaders=loader(), ckpt_path=resume)
+    return {"params": flat_params(module), "scale": t.precision_plugin.scaler.get_scale()}

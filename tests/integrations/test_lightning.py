@@ -23,6 +23,7 @@ from tests.integrations.lightning_bodies import (
     killed_node_body,
     one_node_body,
     overflow_body,
+    overflow_resume_body,
     refused_optimizers_body,
     wrong_strategy_body,
 )
@@ -184,6 +185,21 @@ def test_a_float16_overflow_is_skipped_as_under_ddp(gloo, tmp_path, wait_free):
         assert r["stats"]["steps"] == 8 - skipped, rank
         assert torch.equal(r["params"], results[0]["params"]), rank   # averaged at the end
         assert r["params"].isfinite().all(), rank
+
+
+def test_a_float16_fit_resumes_bit_for_bit(gloo, tmp_path):
+    """16-mixed, ADAMW_SLOW_LINK (lockstep), an overflow in each epoch: resumed from the first
+    epoch's checkpoint (the scaler's state with the halved scale, each rank's qcomm state),
+    every rank ends with the whole run's parameters and scale."""
+    options = {**ADAMW_SLOW_LINK, "procs_per_node": 2}
+    whole = gloo.run(overflow_resume_body, 4, args=(str(tmp_path / "whole"), options, None),
+                     timeout_s=180)
+    ckpt = str(tmp_path / "whole" / "ckpt" / "epoch=0.ckpt")
+    resumed = gloo.run(overflow_resume_body, 4, args=(str(tmp_path / "resumed"), options, ckpt),
+                       timeout_s=180)
+    for rank, (a, b) in enumerate(zip(whole, resumed, strict=True)):
+        assert torch.equal(a["params"], b["params"]), rank
+        assert a["scale"] == b["scale"] == 65536.0 / 4, (rank, a["scale"], b["scale"])
 
 
 def test_on_nonfinite_raise_under_a_gradscaler_is_refused(gloo, tmp_path):
