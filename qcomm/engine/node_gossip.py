@@ -124,8 +124,12 @@ class NodeGossip:
         try:
             changed = gossip.end_step(shard)
         except NonFiniteError as e:
-            # The codec names its argument ("x"); the user knows them as the parameters.
-            raise NonFiniteError(
+            # The codec names its argument ("x"); when what it refused is the parameters
+            # themselves, say so (not for a neighbour's payloads, nor x minus its estimate
+            # overflowing from finite parameters).
+            if e.argument != "x" or bool(torch.isfinite(shard).all()):
+                raise
+            raise type(e)(
                 "the communicated parameters hold NaN or Inf after this step's local update "
                 "(the wrapped optimizer's step made them so from finite gradients): the gossip "
                 f"round sent nothing; codec: {e}", e.argument, e.blocks) from e

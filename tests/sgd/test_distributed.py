@@ -149,6 +149,35 @@ def test_parameters_made_nonfinite_by_the_local_update_are_named(gloo) -> None:
                                   "step's local update"), seen
 
 
+def _payload_overflow_body(rank: int, world: MemoryWorld) -> str:
+    """2 nodes of 1 in lockstep, finite parameters; the second round's gossip refuses a
+    neighbour's payloads (AccumulateOverflowError, argument "payloads") on both ranks."""
+    from qcomm.compress import AccumulateOverflowError
+
+    model = mlp(0)
+    opt = ASSGD(model.parameters(), lr=0.1, bits=4, seed=1,
+                layout=Topology(1, rank=rank, world_size=2, world=world))
+    seen = ""
+    for step in range(2):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        if step == 1:
+            def overflow(shard: torch.Tensor) -> None:
+                raise AccumulateOverflowError("payloads would overflow out", "payloads", [0])
+            opt.engine._runtime.node.gossip.end_step = overflow
+        try:
+            opt.step()
+        except AccumulateOverflowError as e:
+            seen = f"{type(e).__name__}: {e}"
+    opt.close()
+    return seen
+
+
+def test_a_neighbours_payload_error_is_not_named_as_the_parameters() -> None:
+    for seen in _in_memory(2, _payload_overflow_body):
+        assert seen == "AccumulateOverflowError: payloads would overflow out", seen
+
+
 # ---------------------------------------------------------------------------------------------
 # 2 nodes x 2 ranks: least squares whose nodes disagree; the optimum is known in closed form
 
